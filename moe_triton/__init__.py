@@ -1,0 +1,28 @@
+"""moe-triton: a Mixture-of-Experts expert layer on Triton kernels, stage by stage.
+
+    router logits [T, E]
+      -> routing      (routing.py)      top-k expert ids [T, K] int32, weights [T, K] float32
+    hidden_states [T, H], ids, weights
+      -> expand       (expand.py)       (token, slot) pairs sorted by expert, block-padded
+      -> expert GEMM  (expert_gemm.py)  gather rows + w13 [E, 2I, H] + activation epilogue
+      -> activation   (activation.py)   silu/gelu-and-mul, relu^2, clamped swiglu (also standalone)
+      -> expert GEMM  (expert_gemm.py)  w2 [E, H, I]
+      -> finalize     (finalize.py)     weighted un-permute into a fresh [T, H]
+
+Legend: T tokens, E experts, K top-k, H hidden, I intermediate, R rows after expand.
+`reference.py` holds the float32 torch reference of the whole layer.
+"""
+from .activation import Activation, ActivationKind, activate, activation_torch
+from .config import GemmConfig, MoEConfig, choose_config
+from .expand import ExpertLayout, expand, expand_torch
+from .expert_gemm import expert_gemm
+from .finalize import finalize, finalize_torch
+from .fused_moe import fused_experts
+from .reference import fused_experts_torch
+
+__all__ = [
+    "Activation", "ActivationKind", "activate", "activation_torch",
+    "GemmConfig", "MoEConfig", "choose_config",
+    "ExpertLayout", "expand", "expand_torch", "expert_gemm", "finalize", "finalize_torch",
+    "fused_experts", "fused_experts_torch",
+]

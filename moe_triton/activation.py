@@ -1,0 +1,139 @@
+"""Stage 4, activation: [M, 2I] gate_up rows -> [M, I] (gated) or [M, I] -> [M, I] (non-gated).
+
+The activation is data (an `Activation` spec), not flags. The same `_apply_activation` Triton
+function is used by the standalone kernel below and by the first expert GEMM's fused epilogue
+(expert_gemm.py), so the two cannot drift apart; the standalone kernel is kept and tested.
+
+Gated layouts follow transformers' `gate_up_proj`: the gate is the first half of the 2I columns,
+the up projection the second half.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+class ActivationKind(enum.Enum):
+    SILU_AND_MUL = 0  # silu(gate) * up
+    GELU_AND_MUL = 1  # gelu(gate) * up, exact erf gelu (transformers "gelu")
+    GELU_TANH_AND_MUL = 2  # tanh-approximated gelu (transformers "gelu_pytorch_tanh")
+    RELU2 = 3  # relu(x)^2, non-gated (NemotronH experts)
+    CLAMPED_SWIGLU = 4  # MiniMax-M3: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)
+
+
+@dataclass(frozen=True)
+class Activation:
+    kind: ActivationKind = ActivationKind.SILU_AND_MUL
+    swiglu_limit: float = 7.0  # CLAMPED_SWIGLU only
+    swiglu_alpha: float = 1.702  # CLAMPED_SWIGLU only
+
+    @property
+    def gated(self) -> bool:
+        return self.kind is not ActivationKind.RELU2
+
+    @classmethod
+    def from_hidden_act(cls, hidden_act: str) -> "Activation":
+        """The spec for a transformers `hidden_act` string (gated for all but relu2)."""
+        kinds = {
+            "silu": ActivationKind.SILU_AND_MUL,
+            "swish": ActivationKind.SILU_AND_MUL,
+            "gelu": ActivationKind.GELU_AND_MUL,
+            "gelu_pytorch_tanh": ActivationKind.GELU_TANH_AND_MUL,
+            "gelu_new": ActivationKind.GELU_TANH_AND_MUL,
+            "relu2": ActivationKind.RELU2,
+        }
+        if hidden_act not in kinds:
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; use one of {sorted(kinds)}")
+        return cls(kinds[hidden_act])
+
+
+SILU_AND_MUL = Activation(ActivationKind.SILU_AND_MUL)
+
+
+def activation_torch(gate_up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """Reference in float32: shape (M, 2I) -> (M, I) for gated kinds, (M, I) -> (M, I) otherwise."""
+    x = gate_up.float()
+    kind = activation.kind
+    if kind is ActivationKind.RELU2:
+        return torch.relu(x).square()
+    gate, up = x.chunk(2, dim=-1)
+    if kind is ActivationKind.SILU_AND_MUL:
+        return torch.nn.functional.silu(gate) * up
+    if kind is ActivationKind.GELU_AND_MUL:
+        return torch.nn.functional.gelu(gate) * up
+    if kind is ActivationKind.GELU_TANH_AND_MUL:
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    gate = gate.clamp(max=activation.swiglu_limit)
+    up = up.clamp(min=-activation.swiglu_limit, max=activation.swiglu_limit)
+    return (up + 1.0) * gate * torch.sigmoid(gate * activation.swiglu_alpha)
+
+
+@triton.jit
+def _apply_activation(gate, up, KIND: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """float32 in, float32 out; `up` is ignored for the non-gated RELU2."""
+    if KIND == 0:
+        return gate * tl.sigmoid(gate) * up
+    elif KIND == 1:
+        return 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    elif KIND == 2:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        return 0.5 * gate * (1.0 + tanh) * up
+    elif KIND == 3:
+        relu = tl.maximum(gate, 0.0)
+        return relu * relu
+    else:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return (up + 1.0) * gate * tl.sigmoid(gate * ALPHA)
+
+
+@triton.jit
+def _activation_kernel(
+    x_ptr, out_ptr, M, I,
+    stride_x_m, stride_out_m,
+    KIND: tl.constexpr, GATED: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (offs_m[:, None] < M) & (offs_i[None, :] < I)
+    rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x_m
+    gate = tl.load(rows + offs_i[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = gate
+    if GATED:
+        up = tl.load(rows + I + offs_i[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = _apply_activation(gate, up, KIND, LIMIT, ALPHA)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_m + offs_i[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def activate(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL, *, out: torch.Tensor | None = None):
+    """Apply `activation` row-wise: shape (M, 2I) -> (M, I) when gated, (M, I) -> (M, I) otherwise."""
+    if gate_up.dim() != 2 or not gate_up.dtype.is_floating_point:
+        raise ValueError(f"gate_up must be a 2-D floating tensor (M, 2I) or (M, I), got {tuple(gate_up.shape)} {gate_up.dtype}")
+    if gate_up.stride(1) != 1:
+        raise ValueError("gate_up must have unit stride along its last dimension; pass gate_up.contiguous()")
+    M, N = gate_up.shape
+    if activation.gated and N % 2:
+        raise ValueError(f"gate_up has {N} columns; a gated activation needs an even count [gate | up]")
+    I = N // 2 if activation.gated else N
+    if out is None:
+        out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)  # [M, I]
+    elif out.shape != (M, I) or out.dtype != gate_up.dtype or out.device != gate_up.device or out.stride(1) != 1:
+        raise ValueError(f"out must be a ({M}, {I}) {gate_up.dtype} tensor on {gate_up.device} with unit last stride")
+    if M == 0 or I == 0:
+        return out
+    BLOCK_M, BLOCK_I = 16, min(256, triton.next_power_of_2(I))
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(I, BLOCK_I))
+    _activation_kernel[grid](
+        gate_up, out, M, I, gate_up.stride(0), out.stride(0),
+        KIND=activation.kind.value, GATED=activation.gated,
+        LIMIT=float(activation.swiglu_limit), ALPHA=float(activation.swiglu_alpha),
+        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
+    )
+    return out

@@ -1,0 +1,78 @@
+"""Launch configuration: one function of (shape, token count, dtype, device) -> tile sizes.
+
+No per-device tables: the choice reads the device's multiprocessor count and falls back to
+sensible tiles for any device it has never seen. `fused_experts(config=...)` overrides it
+explicitly (tests, tuning).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int  # rows per tile; also the expand stage's segment padding
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles of the two expert GEMMs; they share block_m because they share one ExpertLayout."""
+
+    up: GemmConfig  # hidden -> act(gate) * up, (R, H) x (E, 2I, H)
+    down: GemmConfig  # (R, I) x (E, H, I)
+
+    def __post_init__(self):
+        if self.up.block_m != self.down.block_m:
+            raise ValueError(f"up.block_m={self.up.block_m} and down.block_m={self.down.block_m} must match")
+
+    @property
+    def block_m(self) -> int:
+        return self.up.block_m
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    # Rows per active expert: a tile taller than that is mostly padding.
+    rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    for block_m in (16, 32, 64):
+        if rows_per_expert <= block_m:
+            return block_m
+    return 128
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _gemm_config(block_m: int, n: int, k: int, num_tiles_m: int, num_sms: int, fused_gate: bool) -> GemmConfig:
+    if block_m <= 32:  # decode: weight streaming; enough column tiles to cover every SM twice
+        block_n = 64 if num_tiles_m * triton.cdiv(n, 64) >= 2 * num_sms else 32
+        return GemmConfig(block_m, block_n, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    if block_m == 64:
+        return GemmConfig(block_m, 64 if fused_gate else 128, block_k=64, num_warps=4, num_stages=4)
+    # prefill: compute-bound; a fused gate tile carries two accumulators, so half the columns
+    return GemmConfig(block_m, 64 if fused_gate else 128, block_k=64, num_warps=8, num_stages=3)
+
+
+def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
+                  intermediate_size: int, device: torch.device) -> MoEConfig:
+    """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate."""
+    num_pairs = num_tokens * top_k
+    if device.type != "cuda":  # Triton interpreter: few large programs run fastest
+        return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1))
+    block_m = _block_m(num_pairs, num_experts)
+    tiles_m = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    num_sms = _num_sms(device)
+    return MoEConfig(
+        up=_gemm_config(block_m, intermediate_size, hidden_size, tiles_m, num_sms, fused_gate=True),
+        down=_gemm_config(block_m, hidden_size, intermediate_size, tiles_m, num_sms, fused_gate=False),
+    )

@@ -1,0 +1,120 @@
+"""Stage 2, expand: order the (token, slot) pairs by expert into a block-padded layout.
+
+    topk_ids [T, K] -> ExpertLayout: rows grouped by expert, each expert's segment padded to a
+                       multiple of block_m, so every GEMM tile of block_m rows reads one expert.
+
+The gather of hidden-state rows is *fused into the first expert GEMM's loads* (expert_gemm.py
+reads row `sorted_pair_ids[r] // K` of hidden_states), so no [M, H] copy of the activations is
+ever written. The stage boundary stays here: this module decides which row holds which pair.
+
+Filtered-expert convention: an id outside [0, E) (e.g. -1, or E and above as transformers'
+expert-parallel sentinel) marks a pair that contributes nothing; it takes no row and its
+`pair_to_row` is -1. No id value can cause an out-of-bounds access.
+
+The order within an expert is the pair order (stable), which the torch reference reproduces
+exactly; buffers have worst-case sizes fixed by (T, K, E, block_m), so the stage launches the
+same kernels with the same grid for any routing and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ._expand_kernels import _expert_histogram_kernel, _expert_offsets_kernel, _scatter_pairs_kernel
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where each (token, slot) pair lives in the expert-sorted, block-padded row space.
+
+    P = T * K pairs; R = max_rows(P, E, block_m) rows; B = R / block_m row blocks.
+    """
+
+    block_m: int
+    top_k: int  # K: pair p belongs to token p // K
+    num_pairs: int  # P, also the padding sentinel in sorted_pair_ids
+    sorted_pair_ids: torch.Tensor  # [R] int32: the pair at row r, or P for a padding row
+    pair_to_row: torch.Tensor  # [P] int32: row of pair p, or -1 for a filtered pair
+    block_expert: torch.Tensor  # [B] int32: expert of row block b, or -1 past the rows in use
+    expert_offsets: torch.Tensor  # [E + 1] int32: first row of expert e's segment; [E] = rows in use
+    num_rows: torch.Tensor  # [1] int32: rows in use (= expert_offsets[E]), read on device only
+
+    @property
+    def max_rows(self) -> int:
+        return self.sorted_pair_ids.numel()
+
+
+def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst case of sum_e ceil(count_e / block_m) * block_m, at most min(E, P) experts non-empty."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def _block_p(num_experts: int) -> int:
+    # The one-hot tiles are [BLOCK_P, E_PAD]; keep them near 8K elements so they stay in registers.
+    return max(16, min(1024, 8192 // triton.next_power_of_2(num_experts)))
+
+
+def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+    """Sort the pairs of `topk_ids`, shape (T, K), by expert into segments padded to `block_m` rows."""
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if block_m <= 0 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    T, K = topk_ids.shape
+    P, E, device = T * K, num_experts, topk_ids.device
+    R = max_rows(P, E, block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    layout = ExpertLayout(
+        block_m=block_m, top_k=K, num_pairs=P,
+        sorted_pair_ids=torch.empty(R, **i32),  # [R]
+        pair_to_row=torch.empty(P, **i32),  # [P]
+        block_expert=torch.empty(R // block_m, **i32),  # [B]
+        expert_offsets=torch.empty(E + 1, **i32),  # [E + 1]
+        num_rows=torch.empty(1, **i32),
+    )
+    if P == 0:
+        layout.expert_offsets.zero_()
+        layout.num_rows.zero_()
+        return layout
+    topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
+    BLOCK_P, E_PAD = _block_p(E), triton.next_power_of_2(E)
+    num_blocks = triton.cdiv(P, BLOCK_P)
+    block_counts = torch.empty(num_blocks, E, **i32)  # [num_blocks, E]
+    block_prefix = torch.empty(num_blocks, E, **i32)  # [num_blocks, E]
+    _expert_histogram_kernel[(num_blocks,)](topk_ids, block_counts, P, E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)
+    _expert_offsets_kernel[(1,)](
+        block_counts, block_prefix, layout.expert_offsets, layout.num_rows,
+        layout.sorted_pair_ids, layout.block_expert,
+        num_blocks, R // block_m, P, E,
+        BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=max(1, 8192 // E_PAD),
+    )
+    _scatter_pairs_kernel[(num_blocks,)](
+        topk_ids, block_prefix, layout.expert_offsets, layout.sorted_pair_ids, layout.pair_to_row,
+        P, E, BLOCK_P=BLOCK_P, E_PAD=E_PAD,
+    )
+    return layout
+
+
+def expand_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
+    """Reference: the same layout built with torch ops (stable order); rows in use only."""
+    flat = topk_ids.reshape(-1).long()  # [P]
+    P = flat.numel()
+    valid = (flat >= 0) & (flat < num_experts)
+    sorted_pair_ids, pair_to_row, block_expert, offsets = [], torch.full((P,), -1, dtype=torch.long), [], [0]
+    for e in range(num_experts):
+        pairs = torch.nonzero(valid & (flat == e)).flatten()  # [count_e]
+        padded = triton.cdiv(pairs.numel(), block_m) * block_m
+        pair_to_row[pairs] = offsets[-1] + torch.arange(pairs.numel())
+        sorted_pair_ids += pairs.tolist() + [P] * (padded - pairs.numel())
+        block_expert += [e] * (padded // block_m)
+        offsets.append(offsets[-1] + padded)
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    return dict(
+        sorted_pair_ids=as_int(sorted_pair_ids), pair_to_row=pair_to_row.int(),
+        block_expert=as_int(block_expert), expert_offsets=as_int(offsets),
+    )

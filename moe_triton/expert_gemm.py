@@ -1,0 +1,138 @@
+"""Stage 3, expert GEMM: grouped GEMM over the expert-sorted row space of an `ExpertLayout`.
+
+    out[r, :] = a[row(r), :] @ w[expert(r)].T        for every row r in use, shape (R, N)
+
+`w` is in transformers' layout, (E, N, K) with K the input features: w13 = gate_up_proj
+(E, 2I, H) and w2 = down_proj (E, H, I). Strides are taken as given, so a transposed (E, K, N)
+view works too. Operands are bf16/fp16 (fp32 accepted for tests), accumulation is float32.
+
+Two optional fusions, both expressed as data:
+- gather (first GEMM): `a` is hidden_states (T, H) and row r reads token sorted_pair_ids[r] // K;
+  otherwise `a` is already in the (R, K) row space (second GEMM).
+- activation epilogue (first GEMM): the tile applies the `Activation` before its store. When gated,
+  it accumulates the gate columns n and the up columns I + n side by side and writes
+  act(gate) * up, shape (R, I): the [R, 2I] intermediate is never written. activation.py keeps
+  the standalone kernel, and both call the same `_apply_activation`.
+
+Padding rows (sentinel pair id) are neither read nor written: their output rows hold garbage,
+which nothing downstream reads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .activation import Activation, _apply_activation
+from .config import GemmConfig
+from .expand import ExpertLayout
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr, w_ptr, out_ptr,
+    sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr,
+    N, K, num_pairs, num_m_blocks, up_offset,
+    stride_a_m, stride_a_k, stride_w_e, stride_w_n, stride_w_k, stride_out_m,
+    GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
+    ACT_KIND: tl.constexpr,  # -1: plain GEMM; else ActivationKind value applied in the epilogue
+    ACT_GATED: tl.constexpr,  # the epilogue also accumulates the up columns at up_offset
+    ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M row blocks share each column block while it is hot in L2.
+    pid = tl.program_id(0)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n_blocks)
+    first_m = group * GROUP_M
+    group_size = min(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n_blocks)) % group_size
+    pid_n = (pid % (GROUP_M * num_n_blocks)) // group_size
+    # The grid covers the worst case; blocks past the rows in use exit at once.
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ids_ptr + rows)
+    is_real = pair < num_pairs
+    if GATHER_TOP_K > 0:
+        a_rows = (pair // GATHER_TOP_K).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_tile = a_ptr + a_rows[:, None] * stride_a_m + offs_k[None, :] * stride_a_k
+    w_tile = w_ptr + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n + offs_k[:, None] * stride_w_k
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_tile, mask=is_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < N)
+        w = tl.load(w_tile, mask=w_mask, other=0.0)
+        if IEEE_FP32:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        if ACT_GATED:
+            w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
+            if IEEE_FP32:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, w_up, acc_up)
+        a_tile += BLOCK_K * stride_a_k
+        w_tile += BLOCK_K * stride_w_k
+
+    if ACT_KIND >= 0:
+        acc = _apply_activation(acc, acc_up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_out_m + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_real[:, None] & (offs_n[None, :] < N))
+
+
+def expert_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    layout: ExpertLayout,
+    config: GemmConfig,
+    *,
+    gather: bool,
+    activation: Activation | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM in the row space of `layout`: shape (R, N), or (R, N / 2) with a gated activation.
+
+    `a` is hidden_states, shape (T, K_in), when `gather`, else rows in layout order, shape (R, K_in).
+    `w` has shape (E, N, K_in). Shapes are validated by the caller (fused_moe.fused_experts).
+    """
+    if config.block_m != layout.block_m:
+        raise ValueError(f"config.block_m={config.block_m} must equal the layout's block_m={layout.block_m}")
+    E, N, K = w.shape
+    gated = activation is not None and activation.gated
+    n_out = N // 2 if gated else N
+    if out is None:
+        out = torch.empty(layout.max_rows, n_out, dtype=a.dtype, device=a.device)  # [R, N_out]
+    num_m_blocks = layout.max_rows // layout.block_m
+    if num_m_blocks == 0 or n_out == 0:
+        return out
+    grid = (num_m_blocks * triton.cdiv(n_out, config.block_n),)
+    _expert_gemm_kernel[grid](
+        a, w, out,
+        layout.sorted_pair_ids, layout.block_expert, layout.num_rows,
+        n_out, K, layout.num_pairs, num_m_blocks, n_out * w.stride(1),
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        GATHER_TOP_K=layout.top_k if gather else 0,
+        ACT_KIND=activation.kind.value if activation is not None else -1, ACT_GATED=gated,
+        ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
+        ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,
+        IEEE_FP32=a.dtype == torch.float32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def expert_gemm_torch(a: torch.Tensor, w: torch.Tensor, row_tokens: torch.Tensor, row_experts: torch.Tensor):
+    """Reference: out[r] = a[row_tokens[r]] @ w[row_experts[r]].T in float32, for the given rows."""
+    return torch.einsum("rk,rnk->rn", a.float()[row_tokens], w.float()[row_experts])

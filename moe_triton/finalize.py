@@ -1,0 +1,72 @@
+"""Stage 5, finalize: un-permute and sum each token's K weighted expert outputs.
+
+    out[t, :] = sum_j topk_weights[t, j] * y[pair_to_row[t * K + j], :]   (filtered pairs skipped)
+
+The output is always a *fresh* tensor: it never aliases hidden_states or any intermediate another
+stream may still read (the inplace-free contract the models' stream overlap relies on). The sum
+runs over j in slot order in float32, one program per (token block, column block), with no
+atomics: the result is bit-stable from run to run.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .expand import ExpertLayout
+
+
+@triton.jit
+def _finalize_kernel(
+    y_ptr, topk_weights_ptr, pair_to_row_ptr, out_ptr,
+    T, H, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    is_token = tokens < T
+    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pair_to_row_ptr + tokens * TOP_K + j, mask=is_token, other=-1)
+        routed = row >= 0  # a filtered pair (row -1) adds nothing, whatever its weight
+        weight = tl.load(topk_weights_ptr + tokens * stride_w_t + j * stride_w_k, mask=routed, other=0.0)
+        y_tile = y_ptr + row[:, None].to(tl.int64) * stride_y_r + cols[None, :]
+        y = tl.load(y_tile, mask=routed[:, None] & (cols[None, :] < H), other=0.0)
+        acc += y.to(tl.float32) * weight.to(tl.float32)[:, None]
+    out = out_ptr + tokens[:, None].to(tl.int64) * stride_out_t + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_token[:, None] & (cols[None, :] < H))
+
+
+def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None):
+    """Weighted sum of the expert rows `y`, shape (R, H), back into token order: shape (T, H).
+
+    `out`, when given, must be a fresh buffer of shape (T, H) (e.g. a graph's static output); it is
+    fully overwritten.
+    """
+    T = layout.num_pairs // max(layout.top_k, 1)
+    H = y.shape[1]
+    if out is None:
+        out = torch.empty(T, H, dtype=y.dtype, device=y.device)  # [T, H]
+    elif out.shape != (T, H) or out.stride(1) != 1:
+        raise ValueError(f"out must have shape ({T}, {H}) and unit last stride, got {tuple(out.shape)}")
+    if T == 0 or H == 0:
+        return out
+    BLOCK_T = 16 if T >= 16 else triton.next_power_of_2(T)
+    BLOCK_H = min(256, triton.next_power_of_2(H))
+    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    _finalize_kernel[grid](
+        y, topk_weights, layout.pair_to_row, out,
+        T, H, y.stride(0), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+        TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
+    )
+    return out
+
+
+def finalize_torch(y: torch.Tensor, topk_weights: torch.Tensor, pair_to_row: torch.Tensor, top_k: int):
+    """Reference in float32: gather each pair's row, weight it, sum over the K slots."""
+    T = pair_to_row.numel() // max(top_k, 1)
+    rows = pair_to_row.long().view(T, top_k)  # [T, K]
+    routed = (rows >= 0).unsqueeze(-1)  # [T, K, 1]
+    gathered = y.float()[rows.clamp(min=0)]  # [T, K, H]
+    weighted = torch.where(routed, gathered * topk_weights.float().unsqueeze(-1), 0.0)
+    return weighted.sum(dim=1)  # [T, H]

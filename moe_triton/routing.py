@@ -1,0 +1,281 @@
+"""Routing, stage 1: router logits -> top-k expert ids and weights.
+
+    [Router] -> Dispatch -> Permute-Experts-Unpermute -> Combine
+    logits [T, E] --route--> topk_ids [T, K] int32, topk_weights [T, K] float32
+
+T = num_tokens, E = num_experts, K = top_k. Everything is computed in float32 whatever the logits'
+dtype. A `RoutingSpec` says how experts are scored and chosen; `route` runs it as one Triton kernel
+and `route_torch` is the pure-torch reference. The named wrappers at the bottom each stand for one
+transformers router.
+
+Ids in a row are distinct, in [0, E), ordered by descending selection key (as torch.topk
+sorted=True); ties go to the smaller expert index.
+
+NaN logits never crash and never yield an out-of-range or repeated id: a NaN selection key ranks
+below every number (even -inf), so a row picks its best non-NaN experts first and fills up with
+the smallest remaining indices. Softmax over a row holding any NaN is NaN everywhere (as in
+torch), so such a row routes to experts 0..K-1. Weights are NaN wherever a chosen score is NaN.
+
+Renormalisation divides by (sum + 1e-20), NemotronH's guard against 0 / 0. For the other routers
+(no epsilon) this is bit-identical in float32 whenever the sum exceeds ~2e-13, i.e. unless every
+chosen sigmoid score underflows below that.
+"""
+import enum
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+class Scoring(enum.Enum):
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class SelectOn(enum.Enum):
+    SCORES = "scores"  # score all E experts, then choose the top k (plus correction bias if given)
+    LOGITS = "logits"  # choose the top k on raw logits, then score only those k
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    top_k: int  # experts per token
+    scoring: Scoring = Scoring.SOFTMAX
+    select_on: SelectOn = SelectOn.SCORES
+    renormalize: bool = False  # divide the k weights by their sum
+    # Grouped top-k (NemotronH / DeepSeek-V3): experts split into n_group contiguous groups, a
+    # group scores the sum of its 2 best selection keys, only the topk_group best groups compete.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the final weights, after renormalisation
+
+    def __post_init__(self):
+        if not isinstance(self.scoring, Scoring) or not isinstance(self.select_on, SelectOn):
+            raise ValueError(f"RoutingSpec.scoring / select_on must be Scoring / SelectOn members, got {self}")
+        if self.top_k < 1:
+            raise ValueError(f"RoutingSpec.top_k must be >= 1, got {self.top_k}")
+        if self.n_group < 1:
+            raise ValueError(f"RoutingSpec.n_group must be >= 1 (1 disables grouping), got {self.n_group}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"RoutingSpec.topk_group must lie in [1, n_group={self.n_group}], got {self.topk_group}")
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    block_t: int  # tokens per program, a power of two
+    num_warps: int = 4
+
+
+def route_config(num_tokens: int, num_experts: int) -> RouteConfig:
+    # ~4096 keys per program: the handful of live [BLOCK_T, E_PAD] tiles stay in registers at
+    # E = 512 (8 tokens), small E still packs many tokens per program; never wider than the batch.
+    e_pad = triton.next_power_of_2(num_experts)
+    return RouteConfig(block_t=min(max(4096 // e_pad, 1), triton.next_power_of_2(num_tokens)))
+
+
+@triton.jit
+def _take_max(keys, available, cols, PAD: tl.constexpr):
+    # Row max of the available keys and the smallest column holding it. Keys must be NaN-free;
+    # when every available key is -inf, all available columns match, so the result stays in range.
+    masked = tl.where(available, keys, float("-inf"))
+    best = tl.max(masked, axis=1)
+    return best, tl.min(tl.where(available & (masked == best[:, None]), cols, PAD), axis=1)
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr,
+    num_tokens, num_experts, stride_logits_t, stride_logits_e, routed_scaling_factor,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SIGMOID: tl.constexpr, SELECT_ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    cols = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    row_ok = rows[:, None] < num_tokens
+    col_ok = cols < num_experts
+    offsets = rows[:, None].to(tl.int64) * stride_logits_t + cols * stride_logits_e
+    x = tl.load(logits_ptr + offsets, mask=row_ok & col_ok, other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
+    x = tl.where(col_ok, x, float("-inf"))  # padded experts: softmax weight 0, sigmoid 0
+
+    if SIGMOID:
+        scores = tl.sigmoid(x)
+    else:
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        scores = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, E_PAD]
+    if SELECT_ON_LOGITS:
+        key, picked_from = x, x  # weights are scored after selection, from the chosen logits
+    else:
+        key, picked_from = scores, scores
+        if HAS_BIAS:  # the bias steers selection only; weights stay unbiased
+            key = scores + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    key = tl.where(key == key, key, float("-inf"))  # NaN ranks below every number
+    available = tl.broadcast_to(col_ok, [BLOCK_T, E_PAD])  # padded experts are never chosen
+
+    if N_GROUP > 1:
+        group = cols // (num_experts // N_GROUP)  # [1, E_PAD]
+        gcols = tl.arange(0, G_PAD)[None, :]  # [1, G_PAD]
+        group_scores = tl.full([BLOCK_T, G_PAD], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            in_group = available & (group == g)
+            first, first_col = _take_max(key, in_group, cols, E_PAD)  # [BLOCK_T]
+            second, _ = _take_max(key, in_group & (cols != first_col[:, None]), cols, E_PAD)
+            group_scores = tl.where(gcols == g, (first + second)[:, None], group_scores)  # [BLOCK_T, G_PAD]
+        group_free = tl.broadcast_to(gcols < N_GROUP, [BLOCK_T, G_PAD])
+        in_kept = tl.zeros([BLOCK_T, E_PAD], tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            _, kept = _take_max(group_scores, group_free, gcols, G_PAD)  # [BLOCK_T]
+            group_free = group_free & (gcols != kept[:, None])
+            in_kept = in_kept | (group == kept[:, None])
+        available = available & in_kept
+
+    kcols = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
+    topk_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    topk_weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    for j in range(TOP_K):
+        _, pick = _take_max(key, available, cols, E_PAD)  # [BLOCK_T]
+        chosen = cols == pick[:, None]  # [BLOCK_T, E_PAD], one True per row
+        available = available & ~chosen
+        value = tl.sum(tl.where(chosen, picked_from, 0.0), axis=1)  # [BLOCK_T]
+        topk_ids = tl.where(kcols == j, pick[:, None], topk_ids)
+        topk_weights = tl.where(kcols == j, value[:, None], topk_weights)  # [BLOCK_T, K_PAD]
+
+    k_ok = kcols < TOP_K
+    if SELECT_ON_LOGITS:
+        if SIGMOID:
+            topk_weights = tl.sigmoid(topk_weights)
+        else:
+            e = tl.exp(topk_weights - tl.max(tl.where(k_ok, topk_weights, float("-inf")), axis=1)[:, None])
+            e = tl.where(k_ok, e, 0.0)
+            topk_weights = e / tl.sum(e, axis=1)[:, None]
+    if RENORMALIZE:
+        topk_weights = topk_weights / (tl.sum(tl.where(k_ok, topk_weights, 0.0), axis=1)[:, None] + 1e-20)
+    topk_weights = topk_weights * routed_scaling_factor
+
+    out_offsets = rows[:, None] * TOP_K + kcols
+    tl.store(topk_ids_ptr + out_offsets, topk_ids, mask=row_ok & k_ok)
+    tl.store(topk_weights_ptr + out_offsets, topk_weights, mask=row_ok & k_ok)
+
+
+def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: RouteConfig | None = None):
+    """Route logits of shape (T, E) to (topk_ids (T, K) int32, topk_weights (T, K) float32).
+
+    `out` is an optional preallocated (topk_ids, topk_weights) pair (static CUDA-graph buffers),
+    `config` an explicit tile choice (tests); both are written and returned.
+    """
+    _check_inputs(logits, spec, correction_bias, out)
+    num_tokens, num_experts = logits.shape
+    if out is None:
+        out = (
+            torch.empty(num_tokens, spec.top_k, dtype=torch.int32, device=logits.device),  # [T, K]
+            torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=logits.device),  # [T, K]
+        )
+    if num_tokens == 0:
+        return out
+    config = config or route_config(num_tokens, num_experts)
+    bias = correction_bias if correction_bias is not None else out[1]  # never read when HAS_BIAS is off
+    _route_kernel[(triton.cdiv(num_tokens, config.block_t),)](
+        logits, bias, out[0], out[1],
+        num_tokens, num_experts, logits.stride(0), logits.stride(1), float(spec.routed_scaling_factor),
+        TOP_K=spec.top_k, K_PAD=triton.next_power_of_2(spec.top_k), E_PAD=triton.next_power_of_2(num_experts),
+        BLOCK_T=config.block_t, SIGMOID=spec.scoring is Scoring.SIGMOID,
+        SELECT_ON_LOGITS=spec.select_on is SelectOn.LOGITS, HAS_BIAS=correction_bias is not None,
+        RENORMALIZE=spec.renormalize, N_GROUP=spec.n_group, G_PAD=triton.next_power_of_2(spec.n_group),
+        TOPK_GROUP=spec.topk_group, num_warps=config.num_warps,
+    )
+    return out
+
+
+def _check_inputs(logits, spec, correction_bias, out):
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
+        raise ValueError(f"logits must be a 2-D floating-point tensor of shape (T, E); got {_describe(logits)}")
+    num_tokens, num_experts = logits.shape
+    if num_experts < 1:
+        raise ValueError("logits must have at least one expert column (E >= 1); got shape (T, 0)")
+    if spec.top_k > num_experts:
+        raise ValueError(f"top_k={spec.top_k} exceeds the number of experts E={num_experts}; lower top_k")
+    if spec.n_group > 1:
+        if num_experts % spec.n_group:
+            raise ValueError(f"n_group={spec.n_group} must divide E={num_experts}")
+        if num_experts // spec.n_group < 2:
+            raise ValueError(f"n_group={spec.n_group} leaves groups of {num_experts // spec.n_group} expert; "
+                             "groups are scored by their 2 best experts, so use n_group <= E // 2")
+        if spec.top_k > spec.topk_group * (num_experts // spec.n_group):
+            raise ValueError(f"top_k={spec.top_k} exceeds the {spec.topk_group * (num_experts // spec.n_group)} experts "
+                             f"in topk_group={spec.topk_group} groups; raise topk_group or lower top_k")
+    if correction_bias is not None:
+        if spec.select_on is not SelectOn.SCORES:
+            raise ValueError("correction_bias is added to scores; it needs select_on=SelectOn.SCORES")
+        if (not isinstance(correction_bias, torch.Tensor) or correction_bias.shape != (num_experts,)
+                or not correction_bias.dtype.is_floating_point or correction_bias.device != logits.device
+                or not correction_bias.is_contiguous()):
+            raise ValueError(f"correction_bias must be a contiguous floating-point tensor of shape ({num_experts},) "
+                             f"on {logits.device}; got {_describe(correction_bias)}")
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError("out must be a (topk_ids, topk_weights) pair")
+        for name, buf, dtype in (("out[0] (topk_ids)", out[0], torch.int32), ("out[1] (topk_weights)", out[1], torch.float32)):
+            if (not isinstance(buf, torch.Tensor) or buf.shape != (num_tokens, spec.top_k) or buf.dtype != dtype
+                    or buf.device != logits.device or not buf.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape ({num_tokens}, {spec.top_k}) "
+                                 f"on {logits.device}; got {_describe(buf)}")
+
+
+def _describe(t):
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else " (non-contiguous)")
+
+
+def route_torch(logits, spec: RoutingSpec, correction_bias=None):
+    """Pure-torch reference of `route`: same op, float32, torch.topk."""
+    x = logits.float()  # [T, E]
+    num_tokens, num_experts = x.shape
+    scores = x.sigmoid() if spec.scoring is Scoring.SIGMOID else x.softmax(dim=-1)  # [T, E]
+    key = x if spec.select_on is SelectOn.LOGITS else scores
+    if correction_bias is not None:
+        key = key + correction_bias.float()  # [T, E]
+    if spec.n_group > 1:
+        grouped = key.view(num_tokens, spec.n_group, num_experts // spec.n_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool)
+        kept.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)  # [T, G]
+        key = key.masked_fill(~kept.repeat_interleave(num_experts // spec.n_group, dim=1), float("-inf"))
+    topk_ids = key.topk(spec.top_k, dim=-1).indices  # [T, K]
+    if spec.select_on is SelectOn.LOGITS:
+        chosen = x.gather(1, topk_ids)  # [T, K]
+        topk_weights = chosen.sigmoid() if spec.scoring is Scoring.SIGMOID else chosen.softmax(dim=-1)
+    else:
+        topk_weights = scores.gather(1, topk_ids)  # [T, K]
+    if spec.renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids.to(torch.int32), topk_weights * spec.routed_scaling_factor
+
+
+def softmax_topk(logits, top_k, renormalize=False, *, out=None):
+    """transformers `Qwen3MoeTopKRouter`: softmax over all E, top-k, `norm_topk_prob` renormalises."""
+    return route(logits, RoutingSpec(top_k, Scoring.SOFTMAX, SelectOn.SCORES, renormalize), out=out)
+
+
+def topk_softmax(logits, top_k, *, out=None):
+    """transformers `Cohere2MoeTopKRouter`, `expert_selection_fn="softmax"`: top-k logits, softmax over the k."""
+    return route(logits, RoutingSpec(top_k, Scoring.SOFTMAX, SelectOn.LOGITS), out=out)
+
+
+def topk_sigmoid(logits, top_k, renormalize=False, *, out=None):
+    """transformers `Cohere2MoeTopKRouter`, `expert_selection_fn="sigmoid"`: top-k logits, sigmoid of the k."""
+    return route(logits, RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.LOGITS, renormalize), out=out)
+
+
+def biased_sigmoid_topk(logits, correction_bias, top_k, *, out=None):
+    """transformers `MiniMaxM2TopKRouter` / `MiniMaxM3VLTopKRouter`: sigmoid scores, top-k on scores +
+    `e_score_correction_bias`, weights are the unbiased scores of the chosen experts, renormalised."""
+    return route(logits, RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize=True), correction_bias, out=out)
+
+
+def grouped_topk(logits, correction_bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, *, out=None):
+    """transformers `NemotronHTopkRouter` (DeepSeek-V3 style): biased sigmoid scores, keep the
+    topk_group groups with the best sum of 2 scores, top-k within them, renormalise, then scale."""
+    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize, n_group, topk_group, routed_scaling_factor)
+    return route(logits, spec, correction_bias, out=out)
