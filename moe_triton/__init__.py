@@ -26,3 +26,10 @@ __all__ = [
     "ExpertLayout", "expand", "expand_torch", "expert_gemm", "finalize", "finalize_torch",
     "fused_experts", "fused_experts_torch",
 ]
+
+from .layer import ExpertBackend, FusedMoE, SharedCombination  # noqa: E402
+from .integrations.transformers import from_transformers, register_experts_implementation  # noqa: E402
+
+register_experts_implementation()  # experts_implementation="moe_triton" in transformers
+
+__all__ += ["ExpertBackend", "FusedMoE", "SharedCombination", "from_transformers"]

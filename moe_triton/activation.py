@@ -116,7 +116,7 @@ def activate(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL, *, ou
     """Apply `activation` row-wise: shape (M, 2I) -> (M, I) when gated, (M, I) -> (M, I) otherwise."""
     if gate_up.dim() != 2 or not gate_up.dtype.is_floating_point:
         raise ValueError(f"gate_up must be a 2-D floating tensor (M, 2I) or (M, I), got {tuple(gate_up.shape)} {gate_up.dtype}")
-    if gate_up.stride(1) != 1:
+    if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:
         raise ValueError("gate_up must have unit stride along its last dimension; pass gate_up.contiguous()")
     M, N = gate_up.shape
     if activation.gated and N % 2:

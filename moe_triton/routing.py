@@ -99,15 +99,15 @@ def _route_kernel(
     x = tl.load(logits_ptr + offsets, mask=row_ok & col_ok, other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
     x = tl.where(col_ok, x, float("-inf"))  # padded experts: softmax weight 0, sigmoid 0
 
-    if SIGMOID:
-        scores = tl.sigmoid(x)
-    else:
-        e = tl.exp(x - tl.max(x, axis=1)[:, None])
-        scores = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, E_PAD]
     if SELECT_ON_LOGITS:
-        key, picked_from = x, x  # weights are scored after selection, from the chosen logits
+        key, weight_src = x, x  # only the k chosen logits get scored, after selection
     else:
-        key, picked_from = scores, scores
+        if SIGMOID:
+            scores = tl.sigmoid(x)
+        else:  # the max ignores NaN (as on GPU); a NaN anywhere still makes the row's scores NaN
+            e = tl.exp(x - tl.max(x, axis=1)[:, None])
+            scores = e / tl.sum(e, axis=1)[:, None]  # [BLOCK_T, E_PAD]
+        key, weight_src = scores, scores
         if HAS_BIAS:  # the bias steers selection only; weights stay unbiased
             key = scores + tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     key = tl.where(key == key, key, float("-inf"))  # NaN ranks below every number
@@ -137,7 +137,7 @@ def _route_kernel(
         _, pick = _take_max(key, available, cols, E_PAD)  # [BLOCK_T]
         chosen = cols == pick[:, None]  # [BLOCK_T, E_PAD], one True per row
         available = available & ~chosen
-        value = tl.sum(tl.where(chosen, picked_from, 0.0), axis=1)  # [BLOCK_T]
+        value = tl.sum(tl.where(chosen, weight_src, 0.0), axis=1)  # [BLOCK_T]
         topk_ids = tl.where(kcols == j, pick[:, None], topk_ids)
         topk_weights = tl.where(kcols == j, value[:, None], topk_weights)  # [BLOCK_T, K_PAD]
 

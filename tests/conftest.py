@@ -59,3 +59,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty / empty_like during the test returns a poisoned buffer, so any element a
+    kernel was meant to write but did not shows up as NaN (floats) or INT_MAX (ints)."""
+    empty, empty_like = torch.empty, torch.empty_like
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))

@@ -1,0 +1,152 @@
+"""transformers integration: the `"moe_triton"` experts implementation and `from_transformers`.
+
+Importing `moe_triton` registers `"moe_triton"` in transformers' `ExpertsInterface`, so
+
+    import moe_triton
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton")
+
+runs our kernels inside an unmodified transformers model (the experts' weights are used in place).
+
+`from_transformers(block)` builds a `FusedMoE` sharing a transformers sparse-MoE block's tensors;
+each supported block has one small adapter below, registered by its class name.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..activation import Activation, ActivationKind
+from ..fused_moe import fused_experts
+from ..layer import FusedMoE, SharedCombination
+from ..routing import RoutingSpec, Scoring, SelectOn
+
+# transformers activation classes (ACT2FN values) -> our activation kinds
+_ACTIVATION_BY_CLASS = {
+    "SiLUActivation": ActivationKind.SILU_AND_MUL,
+    "SiLU": ActivationKind.SILU_AND_MUL,
+    "GELUActivation": ActivationKind.GELU_AND_MUL,
+    "GELUTanh": ActivationKind.GELU_TANH_AND_MUL,
+    "PytorchGELUTanh": ActivationKind.GELU_TANH_AND_MUL,
+    "NewGELUActivation": ActivationKind.GELU_TANH_AND_MUL,
+    "ReLUSquaredActivation": ActivationKind.RELU2,
+}
+
+
+def experts_activation(experts: nn.Module) -> Activation:
+    """The `Activation` a transformers experts module applies between its two projections."""
+    if hasattr(experts, "swiglu_limit") and hasattr(experts, "swiglu_alpha"):  # MiniMax-M3's clamped swiglu
+        return Activation(ActivationKind.CLAMPED_SWIGLU, float(experts.swiglu_limit), float(experts.swiglu_alpha))
+    act_name = type(getattr(experts, "act_fn", None)).__name__
+    if act_name not in _ACTIVATION_BY_CLASS:
+        raise ValueError(f"{type(experts).__name__}.act_fn is {act_name}, which moe_triton does not implement; "
+                         f"supported: {sorted(_ACTIVATION_BY_CLASS)}")
+    kind = _ACTIVATION_BY_CLASS[act_name]
+    if (kind is ActivationKind.RELU2) == getattr(experts, "has_gate", True):
+        raise ValueError(f"{type(experts).__name__}: activation {act_name} does not match has_gate="
+                         f"{getattr(experts, 'has_gate', True)}")
+    return Activation(kind)
+
+
+def _expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13, w2) in (E, N, K_in) form; transposed storage becomes a strided view, never a copy."""
+    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(f"{type(experts).__name__} has expert biases or a post-expert norm, "
+                         "which moe_triton does not implement; use experts_implementation='grouped_mm'")
+    if not getattr(experts, "is_concatenated", True):
+        raise ValueError(f"{type(experts).__name__} interleaves gate and up rows; moe_triton needs [gate; up]")
+    w13 = experts.gate_up_proj if getattr(experts, "has_gate", True) else experts.up_proj
+    w2 = experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    return w13, w2
+
+
+def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """ExpertsInterface entry: (T, H), (T, K), (T, K) -> (T, H), on our Triton pipeline."""
+    w13, w2 = _expert_weights(experts)
+    x = hidden_states.to(w13.dtype)
+    return fused_experts(x, w13, w2, top_k_index, top_k_weights, activation=experts_activation(experts))
+
+
+def register_experts_implementation(name: str = "moe_triton") -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, moe_triton_experts_forward)
+
+
+# ---- from_transformers: one adapter per sparse-MoE block class -------------------------------
+
+_ADAPTERS: dict[str, Callable[[nn.Module], dict]] = {}
+
+
+def _adapter(*class_names: str):
+    def register(fn):
+        for name in class_names:
+            _ADAPTERS[name] = fn
+        return fn
+    return register
+
+
+@_adapter("Qwen3MoeSparseMoeBlock")
+def _qwen3_moe(block) -> dict:
+    gate = block.gate
+    return dict(routing=RoutingSpec(gate.top_k, renormalize=bool(gate.norm_topk_prob)))
+
+
+@_adapter("Cohere2MoeSparseMoeBlock")
+def _cohere2_moe(block) -> dict:
+    gate = block.gate
+    scoring = Scoring.SOFTMAX if gate.expert_selection_fn == "softmax" else Scoring.SIGMOID
+    routing = RoutingSpec(gate.top_k, scoring, SelectOn.LOGITS,
+                          renormalize=scoring is Scoring.SIGMOID and bool(gate.norm_topk_prob))
+    shared = block.shared_experts if block.num_shared_experts > 0 else None
+    return dict(routing=routing, shared_experts=shared,
+                shared_combination=SharedCombination(block.shared_expert_combination_strategy))
+
+
+@_adapter("MiniMaxM2SparseMoeBlock")
+def _minimax_m2(block) -> dict:
+    return dict(routing=RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True),
+                correction_bias=block.e_score_correction_bias)
+
+
+@_adapter("MiniMaxM3VLSparseMoeBlock")
+def _minimax_m3(block) -> dict:
+    return dict(routing=RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True),
+                correction_bias=block.gate.e_score_correction_bias,
+                routed_scaling_factor=float(block.routed_scaling_factor), shared_experts=block.shared_experts)
+
+
+@_adapter("NemotronHMoE")
+def _nemotron_h(block) -> dict:
+    gate = block.gate
+    routing = RoutingSpec(gate.top_k, Scoring.SIGMOID, renormalize=bool(gate.norm_topk_prob),
+                          n_group=gate.num_group, topk_group=gate.topk_group,
+                          routed_scaling_factor=float(gate.routed_scaling_factor))
+    return dict(routing=routing, correction_bias=gate.e_score_correction_bias, router_in_float32=True,
+                shared_experts=block.shared_experts, expert_input_proj=block.fc1_latent_proj,
+                expert_output_proj=block.fc2_latent_proj)
+
+
+def from_transformers(block: nn.Module, backend: str = "auto") -> FusedMoE:
+    """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies)."""
+    name = type(block).__name__
+    if name not in _ADAPTERS:
+        raise ValueError(f"from_transformers does not know {name}; supported blocks: {sorted(_ADAPTERS)}")
+    parts = _ADAPTERS[name](block)
+    bias = parts.pop("correction_bias", None)
+    w13, w2 = _expert_weights(block.experts)
+    E, I, H = w2.shape[0], w2.shape[2], block.gate.weight.shape[1]
+    # Built on the meta device (nothing allocated), then given the block's own tensors.
+    layer = FusedMoE(E, parts["routing"].top_k, H, I, activation=experts_activation(block.experts),
+                     correction_bias=bias is not None, expert_hidden_size=w2.shape[1], backend="torch",
+                     device="meta", **parts)
+    layer.gate_weight = block.gate.weight
+    layer.gate_up_proj = w13 if isinstance(w13, nn.Parameter) else nn.Parameter(w13, w13.requires_grad)
+    layer.down_proj = w2 if isinstance(w2, nn.Parameter) else nn.Parameter(w2, w2.requires_grad)
+    if bias is not None:
+        layer.e_score_correction_bias = bias
+    layer.backend = FusedMoE.resolve_backend(backend, w13.device)
+    return layer

@@ -1,0 +1,47 @@
+"""activation: the standalone kernel against activation_torch, every kind, awkward widths."""
+import pytest
+import torch
+
+from conftest import assert_close
+from moe_triton.activation import Activation, ActivationKind, activate, activation_torch
+
+KINDS = [
+    Activation(ActivationKind.SILU_AND_MUL),
+    Activation(ActivationKind.GELU_AND_MUL),
+    Activation(ActivationKind.GELU_TANH_AND_MUL),
+    Activation(ActivationKind.RELU2),
+    Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=1.5, swiglu_alpha=1.702),  # limit inside the data range
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("I", [1, 33, 961])
+@pytest.mark.parametrize("M", [0, 1, 17])
+@pytest.mark.parametrize("activation", KINDS, ids=lambda a: a.kind.name)
+def test_activate(activation, M, I, dtype, poisoned_empty):
+    torch.manual_seed(M * 1000 + I)
+    x = (torch.randn(M, 2 * I if activation.gated else I) * 3).to(dtype)
+    assert_close(activate(x, activation), activation_torch(x, activation), dtype)
+
+
+def test_clamped_swiglu_clamps():
+    activation = Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=1.0, swiglu_alpha=1.0)
+    x = torch.tensor([[5.0, -5.0]])  # gate 5 -> 1, up -5 -> -1: (up + 1) = 0
+    assert activate(x, activation).item() == 0.0
+
+
+def test_from_hidden_act():
+    assert Activation.from_hidden_act("silu").kind is ActivationKind.SILU_AND_MUL
+    assert not Activation.from_hidden_act("relu2").gated
+    with pytest.raises(ValueError, match="hidden_act"):
+        Activation.from_hidden_act("tanh")
+
+
+@pytest.mark.parametrize("x,match", [
+    (torch.randn(4, 7), "even"),
+    (torch.randn(4), "gate_up"),
+    (torch.randn(8, 4).T, "stride"),
+])
+def test_activate_rejects_bad_input(x, match):
+    with pytest.raises(ValueError, match=match):
+        activate(x)

@@ -1,0 +1,53 @@
+"""expand: the Triton layout equals the torch reference exactly (the order is stable)."""
+import pytest
+import torch
+
+from moe_triton.expand import expand, expand_torch, max_rows
+
+
+def random_ids(T, K, E, seed, filtered=0.0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.long)
+    if filtered:
+        drop = torch.rand(ids.shape, generator=g) < filtered
+        sentinel = torch.where(torch.rand(ids.shape, generator=g) < 0.5, -1, E)  # -1 and E both filter
+        ids = torch.where(drop, sentinel, ids)
+    return ids
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("E,K", [(1, 1), (4, 2), (4, 4), (8, 1), (8, 8), (6, 3), (128, 8)])
+@pytest.mark.parametrize("T", [0, 1, 3, 17, 64])
+def test_expand(T, E, K, block_m, seed, poisoned_empty):
+    ids = random_ids(T, K, E, seed, filtered=0.2 if seed else 0.0).int()
+    layout = expand(ids, E, block_m)
+    expected = expand_torch(ids, E, block_m)
+    rows = int(layout.num_rows.item())
+    assert layout.max_rows == max_rows(T * K, E, block_m) >= rows
+    assert torch.equal(layout.expert_offsets, expected["expert_offsets"])
+    assert rows == expected["sorted_pair_ids"].numel()
+    assert torch.equal(layout.sorted_pair_ids[:rows], expected["sorted_pair_ids"])
+    assert torch.equal(layout.pair_to_row, expected["pair_to_row"])
+    blocks = rows // block_m
+    assert torch.equal(layout.block_expert[:blocks], expected["block_expert"])
+    assert (layout.block_expert[blocks:] == -1).all()
+
+
+def test_expand_int64_ids_never_wrap_into_range():
+    E = 4
+    ids = torch.tensor([[2**32 + 1, 1], [-(2**33), 3]], dtype=torch.int64)  # low 32 bits of 2**32 + 1 are 1
+    layout = expand(ids, E, 16)
+    assert layout.pair_to_row.tolist()[0] == -1 and layout.pair_to_row.tolist()[2] == -1
+    assert torch.equal(layout.pair_to_row, expand_torch(ids, E, 16)["pair_to_row"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(topk_ids=torch.zeros(3, dtype=torch.int32), num_experts=4, block_m=16), "topk_ids"),
+    (dict(topk_ids=torch.zeros(3, 2), num_experts=4, block_m=16), "topk_ids"),
+    (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int32), num_experts=0, block_m=16), "num_experts"),
+    (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int32), num_experts=4, block_m=24), "block_m"),
+])
+def test_expand_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        expand(**kwargs)
