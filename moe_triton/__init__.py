@@ -10,26 +10,29 @@
       -> finalize     (finalize.py)     weighted un-permute into a fresh [T, H]
 
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, R rows after expand.
-`reference.py` holds the float32 torch reference of the whole layer.
+`reference.py` holds the float32 torch reference of the whole layer; `layer.py` the `FusedMoE`
+module; importing the package registers `experts_implementation="moe_triton"` in transformers.
 """
-from .activation import Activation, ActivationKind, activate, activation_torch
+from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
 from .config import GemmConfig, MoEConfig, choose_config
 from .expand import ExpertLayout, expand, expand_torch
 from .expert_gemm import expert_gemm
 from .finalize import finalize, finalize_torch
 from .fused_moe import fused_experts
+from .integrations.transformers import from_transformers, register_experts_implementation
+from .layer import ExpertBackend, FusedMoE, SharedCombination
 from .reference import fused_experts_torch
+from .routing import (RoutingSpec, Scoring, SelectOn, biased_sigmoid_topk, grouped_topk, route, route_torch,
+                      softmax_topk, topk_sigmoid, topk_softmax)
+
+register_experts_implementation()
 
 __all__ = [
-    "Activation", "ActivationKind", "activate", "activation_torch",
+    "SILU_AND_MUL", "Activation", "ActivationKind", "activate", "activation_torch",
     "GemmConfig", "MoEConfig", "choose_config",
     "ExpertLayout", "expand", "expand_torch", "expert_gemm", "finalize", "finalize_torch",
-    "fused_experts", "fused_experts_torch",
+    "fused_experts", "fused_experts_torch", "from_transformers",
+    "ExpertBackend", "FusedMoE", "SharedCombination",
+    "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch",
+    "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk",
 ]
-
-from .layer import ExpertBackend, FusedMoE, SharedCombination  # noqa: E402
-from .integrations.transformers import from_transformers, register_experts_implementation  # noqa: E402
-
-register_experts_implementation()  # experts_implementation="moe_triton" in transformers
-
-__all__ += ["ExpertBackend", "FusedMoE", "SharedCombination", "from_transformers"]

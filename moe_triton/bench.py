@@ -1,0 +1,160 @@
+"""Timing and roofline helpers shared by `moe-triton bench` and benchmarks/.
+
+Every time is reported beside its floor, max(bytes / B, FLOPs / F), with B (device-to-device copy,
+bytes read + written) and F (a large bf16 matmul) measured in the same run.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    bandwidth: float  # bytes/s, read + written, of a large device-to-device copy
+    matmul_flops: float  # FLOP/s of a large bf16 matmul on random data
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    num_experts: int  # E
+    top_k: int  # K
+    hidden_size: int  # H
+    intermediate_size: int  # I
+
+
+QWEN3_30B_A3B = LayerShape("Qwen3-30B-A3B", 128, 8, 2048, 768)
+MIXTRAL_8X7B = LayerShape("Mixtral-8x7B", 8, 2, 4096, 14336)
+DEEPSEEK_V3 = LayerShape("DeepSeek-V3", 256, 8, 7168, 2048)
+E64_K4 = LayerShape("E64-K4", 64, 4, 4096, 1536)
+
+
+def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: int = 2) -> int:
+    """Fewest bytes the layer must move: the distinct experts' weights once, activations in and out."""
+    E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    ids = topk_ids[(topk_ids >= 0) & (topk_ids < E)]
+    experts_hit = int(torch.unique(ids).numel())
+    T = topk_ids.shape[0]
+    return experts_hit * 3 * H * I * dtype_bytes + 2 * T * H * dtype_bytes
+
+
+def layer_flops(shape: LayerShape, num_tokens: int) -> int:
+    return 2 * num_tokens * shape.top_k * 3 * shape.hidden_size * shape.intermediate_size
+
+
+def floor_seconds(bytes_moved: int, flops: int, ceilings: Ceilings) -> float:
+    return max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops)
+
+
+def measure_ceilings(device: torch.device) -> Ceilings:
+    """B and F on this GPU now (a 1 GiB copy; an 8192^3 bf16 matmul on random data)."""
+    from triton.testing import do_bench
+
+    src = torch.randn(256 * 2**20, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return Ceilings(bandwidth=2 * src.numel() * 4 / (copy_ms * 1e-3), matmul_flops=2 * 8192**3 / (mm_ms * 1e-3))
+
+
+def capture_graph(step: Callable[[int], object], num_variants: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding `step(0) ... step(num_variants - 1)`, captured after a warm-up.
+
+    Rotating over several input sets keeps the weights of one call out of L2 for the next.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(num_variants):  # warm-up: compiles kernels, fills the allocator outside capture
+            step(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_variants):
+            step(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph_replays(graph: torch.cuda.CUDAGraph, num_variants: int, replays: int = 50) -> float:
+    """Seconds per step of a graph from `capture_graph` (median of `replays` timed replays)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / num_variants)
+    return statistics.median(times)
+
+
+def time_eager(step: Callable[[int], object], num_variants: int) -> float:
+    """Seconds per call via triton.testing.do_bench (median, L2 flushed between calls)."""
+    from triton.testing import do_bench
+
+    counter = iter(range(10**9))
+    return do_bench(lambda: step(next(counter) % num_variants), warmup=25, rep=200, return_mode="median") * 1e-3
+
+
+def time_cpu(step: Callable[[int], object], repeats: int = 3) -> float:
+    """Wall-clock seconds per call (median) on the CPU, where the Triton interpreter runs."""
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass
+class LayerInputs:
+    hidden_states: list[torch.Tensor]  # num_variants x [T, H]
+    topk_ids: list[torch.Tensor]  # num_variants x [T, K] int32
+    topk_weights: list[torch.Tensor]  # num_variants x [T, K] float32
+
+
+def random_experts(shape: LayerShape, dtype: torch.dtype, device, seed: int = 0):
+    """w13 (E, 2I, H) and w2 (E, H, I), scaled so activations stay O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=device, dtype=dtype).div_(H**0.5)
+    w2 = torch.randn(E, H, I, generator=g, device=device, dtype=dtype).div_(I**0.5)
+    return w13, w2
+
+
+def random_inputs(shape: LayerShape, num_tokens: int, dtype: torch.dtype, device, num_variants: int = 4,
+                  seed: int = 1) -> LayerInputs:
+    """Hidden states and softmax top-k routing of random (never zero) logits."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    inputs = LayerInputs([], [], [])
+    for _ in range(num_variants):
+        logits = torch.randn(num_tokens, shape.num_experts, generator=g, device=device)
+        weights, ids = torch.topk(logits.softmax(dim=-1), shape.top_k, dim=-1)
+        inputs.hidden_states.append(torch.randn(num_tokens, shape.hidden_size, generator=g, device=device, dtype=dtype))
+        inputs.topk_ids.append(ids.int())
+        inputs.topk_weights.append(weights)
+    return inputs
+
+
+def transformers_experts(shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor, implementation: str):
+    """transformers' own Qwen3MoeExperts over the same weights, set to `implementation`."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=shape.hidden_size, moe_intermediate_size=shape.intermediate_size,
+                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, hidden_act="silu")
+    config._experts_implementation = implementation
+    with torch.device("meta"):
+        experts = Qwen3MoeExperts(config)
+    experts.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return experts
