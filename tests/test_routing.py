@@ -107,6 +107,15 @@ def test_route_large_experts():
     check_routing(*route(logits, spec, bias), *route_torch(logits, spec, bias), 512)
 
 
+def test_route_renormalize_guards_vanishing_sums():
+    # Sigmoid scores near 1e-35: the "+ 1e-20" (NemotronH's) keeps weights tiny where a bare sum gives ~1/K.
+    logits = -80 + torch.randn(5, 8, device=test_device()) * 0.5  # [T, E]
+    spec = RoutingSpec(2, Scoring.SIGMOID, renormalize=True)
+    topk_ids, topk_weights = route(logits, spec)
+    assert topk_weights.max().item() < 1e-10
+    check_routing(topk_ids, topk_weights, *route_torch(logits, spec), 8)
+
+
 def test_route_non_contiguous_logits():
     base = torch.randn(16, 40, device=test_device())  # [E', T'], read transposed and sliced
     logits = base.t()[3:20:2, 4:20]  # [9, 16], strides (2, 40)
