@@ -15,7 +15,7 @@ module; importing the package registers `experts_implementation="moe_triton"` in
 """
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
 from .config import GemmConfig, MoEConfig, choose_config
-from .expand import ExpertLayout, expand, expand_torch
+from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_layout
 from .expert_gemm import expert_gemm
 from .finalize import finalize, finalize_torch
 from .fused_moe import fused_experts
@@ -30,7 +30,7 @@ register_experts_implementation()
 __all__ = [
     "SILU_AND_MUL", "Activation", "ActivationKind", "activate", "activation_torch",
     "GemmConfig", "MoEConfig", "choose_config",
-    "ExpertLayout", "expand", "expand_torch", "expert_gemm", "finalize", "finalize_torch",
+    "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
     "fused_experts", "fused_experts_torch", "from_transformers",
     "ExpertBackend", "FusedMoE", "SharedCombination",
     "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch",

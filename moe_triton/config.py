@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .expand import LayoutKind
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -28,6 +30,7 @@ class MoEConfig:
 
     up: GemmConfig  # hidden -> act(gate) * up, (R, H) x (E, 2I, H)
     down: GemmConfig  # (R, I) x (E, H, I)
+    layout: LayoutKind = LayoutKind.SORTED
 
     def __post_init__(self):
         if self.up.block_m != self.down.block_m:
@@ -67,12 +70,16 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
                   intermediate_size: int, device: torch.device) -> MoEConfig:
     """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate."""
     num_pairs = num_tokens * top_k
+    # Skip the sort when pairs rarely share an expert: one token's K experts are distinct, and
+    # P^2 <= E keeps the expected number of shared experts under one half.
+    layout = LayoutKind.PER_PAIR if num_tokens == 1 or num_pairs**2 <= num_experts else LayoutKind.SORTED
     if device.type != "cuda":  # Triton interpreter: few large programs run fastest
-        return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1))
-    block_m = _block_m(num_pairs, num_experts)
-    tiles_m = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+        return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1), layout)
+    block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts)
+    tiles_m = num_pairs if layout is LayoutKind.PER_PAIR else triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     num_sms = _num_sms(device)
     return MoEConfig(
         up=_gemm_config(block_m, intermediate_size, hidden_size, tiles_m, num_sms, fused_gate=True),
         down=_gemm_config(block_m, hidden_size, intermediate_size, tiles_m, num_sms, fused_gate=False),
+        layout=layout,
     )

@@ -17,6 +17,7 @@ same kernels with the same grid for any routing and can be captured in a CUDA gr
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -25,25 +26,43 @@ import triton
 from ._expand_kernels import _expert_histogram_kernel, _expert_offsets_kernel, _scatter_pairs_kernel
 
 
+class LayoutKind(enum.Enum):
+    SORTED = "sorted"  # expand's layout: pairs grouped by expert, segments padded to block_m rows
+    PER_PAIR = "per_pair"  # no sort at all: row block b holds pair b alone, in its first row (decode)
+
+
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Where each (token, slot) pair lives in the expert-sorted, block-padded row space.
+    """Where each (token, slot) pair lives in the row space the expert GEMMs work in.
 
-    P = T * K pairs; R = max_rows(P, E, block_m) rows; B = R / block_m row blocks.
+    P = T * K pairs; R = max_rows rows; B = R / block_m row blocks. The SORTED fields are None in
+    a PER_PAIR layout, whose map is implicit: pair p sits at row p * block_m when its id is valid.
     """
 
+    kind: LayoutKind
     block_m: int
     top_k: int  # K: pair p belongs to token p // K
+    num_experts: int  # E: an id outside [0, E) is filtered
     num_pairs: int  # P, also the padding sentinel in sorted_pair_ids
-    sorted_pair_ids: torch.Tensor  # [R] int32: the pair at row r, or P for a padding row
-    pair_to_row: torch.Tensor  # [P] int32: row of pair p, or -1 for a filtered pair
-    block_expert: torch.Tensor  # [B] int32: expert of row block b, or -1 past the rows in use
-    expert_offsets: torch.Tensor  # [E + 1] int32: first row of expert e's segment; [E] = rows in use
-    num_rows: torch.Tensor  # [1] int32: rows in use (= expert_offsets[E]), read on device only
+    topk_ids: torch.Tensor  # [P] int32/int64: the routing, flattened (a view, never copied)
+    sorted_pair_ids: torch.Tensor | None = None  # [R] int32: the pair at row r, or P for a padding row
+    pair_to_row: torch.Tensor | None = None  # [P] int32: row of pair p, or -1 for a filtered pair
+    block_expert: torch.Tensor | None = None  # [B] int32: expert of row block b, or -1 past the rows in use
+    expert_offsets: torch.Tensor | None = None  # [E + 1] int32: first row of expert e; [E] = rows in use
+    num_rows: torch.Tensor | None = None  # [1] int32: rows in use (= expert_offsets[E]), read on device only
 
     @property
     def max_rows(self) -> int:
+        if self.kind is LayoutKind.PER_PAIR:
+            return self.num_pairs * self.block_m
         return self.sorted_pair_ids.numel()
+
+
+def per_pair_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+    """The decode layout: no kernel runs; each pair is its own GEMM tile (best when few pairs share
+    an expert, e.g. one token, whose K experts are distinct)."""
+    T, K = topk_ids.shape
+    return ExpertLayout(LayoutKind.PER_PAIR, block_m, K, num_experts, T * K, topk_ids.contiguous().view(-1))
 
 
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -69,8 +88,9 @@ def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayo
     P, E, device = T * K, num_experts, topk_ids.device
     R = max_rows(P, E, block_m)
     i32 = dict(dtype=torch.int32, device=device)
+    topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
     layout = ExpertLayout(
-        block_m=block_m, top_k=K, num_pairs=P,
+        LayoutKind.SORTED, block_m=block_m, top_k=K, num_experts=E, num_pairs=P, topk_ids=topk_ids.view(-1),
         sorted_pair_ids=torch.empty(R, **i32),  # [R]
         pair_to_row=torch.empty(P, **i32),  # [P]
         block_expert=torch.empty(R // block_m, **i32),  # [B]
@@ -81,7 +101,6 @@ def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayo
         layout.expert_offsets.zero_()
         layout.num_rows.zero_()
         return layout
-    topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
     BLOCK_P, E_PAD = _block_p(E), triton.next_power_of_2(E)
     num_blocks = triton.cdiv(P, BLOCK_P)
     block_counts = torch.empty(num_blocks, E, **i32)  # [num_blocks, E]

@@ -25,15 +25,16 @@ import triton.language as tl
 
 from .activation import Activation, _apply_activation
 from .config import GemmConfig
-from .expand import ExpertLayout
+from .expand import ExpertLayout, LayoutKind
 
 
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, out_ptr,
     sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr,
-    N, K, num_pairs, num_m_blocks, up_offset,
+    N, K, E, num_pairs, num_m_blocks, up_offset,
     stride_a_m, stride_a_k, stride_w_e, stride_w_n, stride_w_k, stride_out_m,
+    PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; block_expert_ptr = topk_ids
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     ACT_KIND: tl.constexpr,  # -1: plain GEMM; else ActivationKind value applied in the epilogue
     ACT_GATED: tl.constexpr,  # the epilogue also accumulates the up columns at up_offset
@@ -48,13 +49,17 @@ def _expert_gemm_kernel(
     group_size = min(num_m_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n_blocks)) % group_size
     pid_n = (pid % (GROUP_M * num_n_blocks)) // group_size
-    # The grid covers the worst case; blocks past the rows in use exit at once.
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ids_ptr + rows)
+    if PER_PAIR:
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+    else:
+        # The grid covers the worst case; blocks past the rows in use exit at once.
+        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+            return
+        pair = tl.load(sorted_pair_ids_ptr + rows)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if (expert < 0) | (expert >= E):  # a filtered pair (PER_PAIR) or an unused block
+        return
     is_real = pair < num_pairs
     if GATHER_TOP_K > 0:
         a_rows = (pair // GATHER_TOP_K).to(tl.int64)
@@ -117,12 +122,15 @@ def expert_gemm(
     if num_m_blocks == 0 or n_out == 0:
         return out
     grid = (num_m_blocks * triton.cdiv(n_out, config.block_n),)
+    per_pair = layout.kind is LayoutKind.PER_PAIR
+    block_expert = layout.topk_ids if per_pair else layout.block_expert
+    sorted_pair_ids, num_rows = (block_expert, block_expert) if per_pair else (layout.sorted_pair_ids, layout.num_rows)
     _expert_gemm_kernel[grid](
         a, w, out,
-        layout.sorted_pair_ids, layout.block_expert, layout.num_rows,
-        n_out, K, layout.num_pairs, num_m_blocks, n_out * w.stride(1),
+        sorted_pair_ids, block_expert, num_rows,  # PER_PAIR reads only block_expert (the ids)
+        n_out, K, E, layout.num_pairs, num_m_blocks, n_out * w.stride(1),
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        GATHER_TOP_K=layout.top_k if gather else 0,
+        PER_PAIR=per_pair, GATHER_TOP_K=layout.top_k if gather else 0,
         ACT_KIND=activation.kind.value if activation is not None else -1, ACT_GATED=gated,
         ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
         ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,

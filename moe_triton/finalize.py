@@ -13,13 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .expand import ExpertLayout
+from .expand import ExpertLayout, LayoutKind
 
 
 @triton.jit
 def _finalize_kernel(
     y_ptr, topk_weights_ptr, pair_to_row_ptr, out_ptr,
-    T, H, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
+    T, H, E, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
+    PER_PAIR_ROWS: tl.constexpr,  # 0: rows from pair_to_row; m > 0: pair p at row p * m, pair_to_row_ptr = ids
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -27,7 +28,12 @@ def _finalize_kernel(
     is_token = tokens < T
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        row = tl.load(pair_to_row_ptr + tokens * TOP_K + j, mask=is_token, other=-1)
+        pairs = tokens * TOP_K + j
+        if PER_PAIR_ROWS > 0:
+            ids = tl.load(pair_to_row_ptr + pairs, mask=is_token, other=-1)
+            row = tl.where((ids >= 0) & (ids < E), pairs * PER_PAIR_ROWS, -1)
+        else:
+            row = tl.load(pair_to_row_ptr + pairs, mask=is_token, other=-1)
         routed = row >= 0  # a filtered pair (row -1) adds nothing, whatever its weight
         weight = tl.load(topk_weights_ptr + tokens * stride_w_t + j * stride_w_k, mask=routed, other=0.0)
         y_tile = y_ptr + row[:, None].to(tl.int64) * stride_y_r + cols[None, :]
@@ -54,10 +60,11 @@ def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, 
     BLOCK_T = 16 if T >= 16 else triton.next_power_of_2(T)
     BLOCK_H = min(256, triton.next_power_of_2(H))
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    per_pair = layout.kind is LayoutKind.PER_PAIR
     _finalize_kernel[grid](
-        y, topk_weights, layout.pair_to_row, out,
-        T, H, y.stride(0), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
-        TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
+        y, topk_weights, layout.topk_ids if per_pair else layout.pair_to_row, out,
+        T, H, layout.num_experts, y.stride(0), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+        PER_PAIR_ROWS=layout.block_m if per_pair else 0, TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )
     return out
 

@@ -14,7 +14,7 @@ import torch
 
 from .activation import SILU_AND_MUL, Activation, activate
 from .config import MoEConfig, choose_config
-from .expand import expand
+from .expand import LayoutKind, expand, per_pair_layout
 from .expert_gemm import expert_gemm
 from .finalize import finalize
 from .platform import triton_can_run_on
@@ -89,7 +89,10 @@ def fused_experts(
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
     config = config or choose_config(T, K, E, H, I, hidden_states.device)
-    layout = expand(topk_ids, E, config.block_m)
+    if config.layout is LayoutKind.PER_PAIR:
+        layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
+    else:
+        layout = expand(topk_ids, E, config.block_m)
     if fuse_activation:
         h = expert_gemm(hidden_states, w13, layout, config.up, gather=True, activation=activation)  # [R, I]
     else:

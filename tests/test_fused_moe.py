@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from moe_triton import Activation, ActivationKind, fused_experts, fused_experts_torch
+from moe_triton import Activation, ActivationKind, GemmConfig, LayoutKind, MoEConfig, fused_experts, fused_experts_torch
 from test_expand import random_ids
 
 
@@ -17,14 +17,20 @@ def make_layer(T, E, K, H, I, dtype, seed, activation=Activation(), filtered=0.0
     return x, w13, w2, ids, weights
 
 
+def config_for(layout: LayoutKind) -> MoEConfig:
+    return MoEConfig(GemmConfig(16, 32, 32, group_m=2), GemmConfig(16, 32, 16), layout)
+
+
 # fp16 intermediates are rounded once between the GEMMs; the reference keeps float32 throughout.
+# PER_PAIR makes one tile per pair: the interpreter runs it at decode-like sizes only.
+@pytest.mark.parametrize("T,layout", [(T, LayoutKind.SORTED) for T in (0, 1, 3, 17, 64)]
+                         + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3, 17)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("E,K", [(1, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 8)])
-@pytest.mark.parametrize("T", [0, 1, 3, 17, 64])
-def test_fused_experts(T, E, K, seed, dtype, poisoned_empty):
-    x, w13, w2, ids, weights = make_layer(T, E, K, H=40, I=33, dtype=dtype, seed=seed)
-    out = fused_experts(x, w13, w2, ids, weights)
+def test_fused_experts(T, E, K, seed, dtype, layout, poisoned_empty):
+    x, w13, w2, ids, weights = make_layer(T, E, K, H=40, I=33, dtype=dtype, seed=seed, filtered=0.2 * seed)
+    out = fused_experts(x, w13, w2, ids, weights, config=config_for(layout))
     assert out.shape == (T, 40) and out.dtype == dtype
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights), dtype, scale=2)
 
@@ -48,14 +54,24 @@ def test_fused_experts_activations(activation, fuse, poisoned_empty):
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32)
 
 
-def test_filtered_ids_contribute_nothing(poisoned_empty):
+@pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
+def test_filtered_ids_contribute_nothing(layout, poisoned_empty):
     x, w13, w2, ids, weights = make_layer(17, 8, 4, 40, 33, torch.float32, seed=4, filtered=0.3)
     ids[0] = -1  # a token whose every slot is filtered gets zeros
-    weights[ids < 0] = float("nan")  # a filtered slot's weight is never read
+    weights[(ids < 0) | (ids >= 8)] = float("nan")  # a filtered slot's weight is never read
     assert (ids == -1).any() and (ids == 8).any()
-    out = fused_experts(x, w13, w2, ids, weights)
+    out = fused_experts(x, w13, w2, ids, weights, config=config_for(layout))
     assert torch.equal(out[0], torch.zeros(40))
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights.nan_to_num()), torch.float32)
+
+
+def test_config_skips_the_sort_only_when_pairs_rarely_share_an_expert():
+    from moe_triton import choose_config
+
+    cpu = torch.device("cpu")
+    assert choose_config(1, 8, 128, 64, 64, cpu).layout is LayoutKind.PER_PAIR  # one token: K distinct experts
+    assert choose_config(2, 2, 16, 64, 64, cpu).layout is LayoutKind.PER_PAIR  # P^2 = 16 <= E
+    assert choose_config(8, 8, 128, 64, 64, cpu).layout is LayoutKind.SORTED
 
 
 def test_output_is_fresh_and_input_unchanged():

@@ -1,0 +1,74 @@
+"""Sweep the expert GEMMs' tiles per case, and profile where a decode step's time goes.
+
+Not a test: a script for the GPU machine that informs `moe_triton.config.choose_config`.
+    python benchmarks/sweep_configs.py > sweep.txt
+Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once per case.
+"""
+import torch
+from triton.testing import do_bench
+
+from moe_triton import GemmConfig, LayoutKind, SILU_AND_MUL, expand, expert_gemm, fused_experts, per_pair_layout
+from moe_triton.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
+
+DECODE_TILES = [(32, 128, 4), (64, 128, 4), (32, 256, 3), (64, 256, 3), (128, 128, 4), (64, 64, 5), (16, 256, 3)]
+PREFILL_UP = [(64, 64, 3, 8), (128, 64, 3, 8), (128, 64, 4, 8), (64, 64, 4, 4), (128, 32, 4, 8), (64, 128, 3, 8)]
+PREFILL_DOWN = [(128, 64, 3, 8), (256, 64, 3, 8), (128, 64, 4, 8), (128, 128, 3, 8), (256, 32, 4, 8), (64, 64, 4, 4)]
+CASES = [(QWEN3_30B_A3B, [1, 8, 128, 2048, 8192]), (MIXTRAL_8X7B, [1, 8, 128, 2048, 8192])]
+
+
+def time_us(fn):
+    return do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def sweep_case(shape, T, w13, w2):
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
+    x, ids = inputs.hidden_states[0], inputs.topk_ids[0]
+    if T <= 256:
+        kinds = [(LayoutKind.PER_PAIR, 16)] if T == 1 else [(LayoutKind.SORTED, 16), (LayoutKind.SORTED, 32)]
+        ups = downs = [(bn, bk, st, 4) for bn, bk, st in DECODE_TILES]
+    else:
+        kinds = [(LayoutKind.SORTED, 64), (LayoutKind.SORTED, 128)]
+        ups, downs = PREFILL_UP, PREFILL_DOWN
+    for kind, bm in kinds:
+        layout = per_pair_layout(ids, shape.num_experts, bm) if kind is LayoutKind.PER_PAIR else expand(ids, shape.num_experts, bm)
+        h = expert_gemm(x, w13, layout, GemmConfig(bm, 64, 64), gather=True, activation=SILU_AND_MUL)
+        for name, tiles, run in (
+            ("up", ups, lambda c: expert_gemm(x, w13, layout, c, gather=True, activation=SILU_AND_MUL)),
+            ("down", downs, lambda c: expert_gemm(h, w2, layout, c, gather=False)),
+        ):
+            results = []
+            for bn, bk, stages, warps in tiles:
+                config = GemmConfig(bm, bn, bk, group_m=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages)
+                try:
+                    results.append((time_us(lambda: run(config)), config))
+                except Exception as error:  # out of shared memory etc.: report and go on
+                    print(f"  {name} {config}: {type(error).__name__}")
+            results.sort(key=lambda r: r[0])
+            best = ", ".join(f"{t:.1f}us BN{c.block_n}/BK{c.block_k}/s{c.num_stages}/w{c.num_warps}" for t, c in results[:3])
+            print(f"{shape.name} T={T} {kind.value} BM{bm} {name}: {best}", flush=True)
+
+
+def profile_layer(shape, T, w13, w2):
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
+    args = (inputs.hidden_states[0], w13, w2, inputs.topk_ids[0], inputs.topk_weights[0])
+    for _ in range(3):
+        fused_experts(*args)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fused_experts(*args)
+        torch.cuda.synchronize()
+    print(f"--- {shape.name} T={T}: per-kernel GPU time (us per layer call)")
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            print(f"  {event.key[:60]:60s} {event.device_time_total / 10:8.1f}")
+
+
+if __name__ == "__main__":
+    for shape, tokens in CASES:
+        w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
+        for T in (1, 8, 2048):
+            profile_layer(shape, T, w13, w2)
+        for T in tokens:
+            sweep_case(shape, T, w13, w2)
+        del w13, w2
