@@ -10,9 +10,12 @@ from triton.testing import do_bench
 from moe_triton import GemmConfig, LayoutKind, SILU_AND_MUL, expand, expert_gemm, fused_experts, per_pair_layout
 from moe_triton.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
-DECODE_TILES = [(32, 128, 4), (64, 128, 4), (32, 256, 3), (64, 256, 3), (128, 128, 4), (64, 64, 5), (16, 256, 3)]
-PREFILL_UP = [(64, 64, 3, 8), (128, 64, 3, 8), (128, 64, 4, 8), (64, 64, 4, 4), (128, 32, 4, 8), (64, 128, 3, 8)]
-PREFILL_DOWN = [(128, 64, 3, 8), (256, 64, 3, 8), (128, 64, 4, 8), (128, 128, 3, 8), (256, 32, 4, 8), (64, 64, 4, 4)]
+# (block_n, block_k, num_stages, num_warps, tma_weights)
+DECODE_UP = [(64, 256, 3, 4, False), (64, 256, 3, 4, True), (64, 128, 4, 4, True), (128, 128, 4, 4, True)]
+DECODE_DOWN = [(32, 128, 4, 4, False), (32, 128, 4, 4, True), (64, 128, 4, 4, True), (128, 128, 4, 4, False),
+               (128, 128, 4, 4, True)]
+PREFILL_UP = [(128, 64, 4, 8, False), (128, 64, 4, 8, True), (128, 64, 3, 8, True), (128, 32, 4, 8, True)]
+PREFILL_DOWN = [(256, 64, 3, 8, False), (256, 64, 3, 8, True), (256, 64, 4, 8, True), (128, 64, 4, 8, True)]
 CASES = [(QWEN3_30B_A3B, [1, 8, 128, 2048, 8192]), (MIXTRAL_8X7B, [1, 8, 128, 2048, 8192])]
 
 
@@ -24,10 +27,10 @@ def sweep_case(shape, T, w13, w2):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
     x, ids = inputs.hidden_states[0], inputs.topk_ids[0]
     if T <= 256:
-        kinds = [(LayoutKind.PER_PAIR, 16)] if T == 1 else [(LayoutKind.SORTED, 16), (LayoutKind.SORTED, 32)]
-        ups = downs = [(bn, bk, st, 4) for bn, bk, st in DECODE_TILES]
+        kinds = [(LayoutKind.PER_PAIR, 16)] if T == 1 else [(LayoutKind.SORTED, 16 if T * shape.top_k <= 16 * shape.num_experts else 32)]
+        ups, downs = DECODE_UP, DECODE_DOWN
     else:
-        kinds = [(LayoutKind.SORTED, 64), (LayoutKind.SORTED, 128)]
+        kinds = [(LayoutKind.SORTED, 128)]
         ups, downs = PREFILL_UP, PREFILL_DOWN
     for kind, bm in kinds:
         layout = per_pair_layout(ids, shape.num_experts, bm) if kind is LayoutKind.PER_PAIR else expand(ids, shape.num_experts, bm)
@@ -37,14 +40,16 @@ def sweep_case(shape, T, w13, w2):
             ("down", downs, lambda c: expert_gemm(h, w2, layout, c, gather=False)),
         ):
             results = []
-            for bn, bk, stages, warps in tiles:
-                config = GemmConfig(bm, bn, bk, group_m=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages)
+            for bn, bk, stages, warps, tma in tiles:
+                config = GemmConfig(bm, bn, bk, group_m=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages,
+                                    tma_weights=tma)
                 try:
                     results.append((time_us(lambda: run(config)), config))
                 except Exception as error:  # out of shared memory etc.: report and go on
                     print(f"  {name} {config}: {type(error).__name__}")
             results.sort(key=lambda r: r[0])
-            best = ", ".join(f"{t:.1f}us BN{c.block_n}/BK{c.block_k}/s{c.num_stages}/w{c.num_warps}" for t, c in results[:3])
+            best = ", ".join(f"{t:.1f}us BN{c.block_n}/BK{c.block_k}/s{c.num_stages}/w{c.num_warps}"
+                             f"{'/tma' if c.tma_weights else ''}" for t, c in results)
             print(f"{shape.name} T={T} {kind.value} BM{bm} {name}: {best}", flush=True)
 
 
@@ -65,10 +70,13 @@ def profile_layer(shape, T, w13, w2):
 
 
 if __name__ == "__main__":
+    import sys
+
     for shape, tokens in CASES:
         w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
-        for T in (1, 8, 2048):
-            profile_layer(shape, T, w13, w2)
+        if "--profile" in sys.argv:
+            for T in (1, 8, 2048):
+                profile_layer(shape, T, w13, w2)
         for T in tokens:
             sweep_case(shape, T, w13, w2)
         del w13, w2

@@ -22,6 +22,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma_weights: bool = False  # load weight tiles through a TMA descriptor where the layout allows
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,10 @@ class MoEConfig:
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:
-    # Rows per active expert: a tile taller than that is mostly padding.
+    # Rows per active expert: a tile taller than that is mostly padding. Past 32 rows the GEMMs
+    # turn compute-bound, where 128-row tiles beat 64-row ones at every size swept.
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    for block_m in (16, 32, 64):
+    for block_m in (16, 32):
         if rows_per_expert <= block_m:
             return block_m
     return 128
@@ -57,13 +59,19 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _gemm_config(block_m: int, n: int, k: int, num_tiles_m: int, num_sms: int, fused_gate: bool) -> GemmConfig:
-    if block_m <= 32:  # decode: weight streaming; enough column tiles to cover every SM twice
+    # Tiles from the H200 sweep in docs/sweep-2026-11-29.txt (benchmarks/sweep_configs.py); they
+    # depend on the shape only through these rules, so an unseen device still gets a sane choice.
+    if block_m <= 32:  # decode: stream the weights with long K steps and enough tiles in flight
+        if fused_gate:  # two weight tiles (gate, up) per step
+            return GemmConfig(block_m, 64, block_k=256, group_m=1, num_warps=4, num_stages=3)
+        if k >= 4096:  # a long reduction keeps bytes in flight even with few, wide tiles
+            return GemmConfig(block_m, 128, block_k=128, group_m=1, num_warps=4, num_stages=4)
         block_n = 64 if num_tiles_m * triton.cdiv(n, 64) >= 2 * num_sms else 32
         return GemmConfig(block_m, block_n, block_k=128, group_m=1, num_warps=4, num_stages=4)
-    if block_m == 64:
-        return GemmConfig(block_m, 64 if fused_gate else 128, block_k=64, num_warps=4, num_stages=4)
     # prefill: compute-bound; a fused gate tile carries two accumulators, so half the columns
-    return GemmConfig(block_m, 64 if fused_gate else 128, block_k=64, num_warps=8, num_stages=3)
+    if fused_gate:
+        return GemmConfig(block_m, 128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+    return GemmConfig(block_m, 256, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,

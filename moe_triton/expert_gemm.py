@@ -29,11 +29,19 @@ from .expand import ExpertLayout, LayoutKind
 
 
 @triton.jit
+def _dot(a, w, acc, IEEE_FP32: tl.constexpr):
+    if IEEE_FP32:
+        return tl.dot(a, w, acc, input_precision="ieee")
+    return tl.dot(a, w, acc)
+
+
+@triton.jit
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, out_ptr,
+    a_ptr, w_ptr, w_desc, out_ptr,
     sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr,
-    N, K, E, num_pairs, num_m_blocks, up_offset,
+    N, K, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert,
     stride_a_m, stride_a_k, stride_w_e, stride_w_n, stride_w_k, stride_out_m,
+    W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, K) view, else pointers
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; block_expert_ptr = topk_ids
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     ACT_KIND: tl.constexpr,  # -1: plain GEMM; else ActivationKind value applied in the epilogue
@@ -72,21 +80,24 @@ def _expert_gemm_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # Descriptor tiles may run past this expert's N rows into the next expert (or into the up
+    # half): those columns are garbage and are masked at the store. K tails are zero-filled.
+    w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_tile, mask=is_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < N)
-        w = tl.load(w_tile, mask=w_mask, other=0.0)
-        if IEEE_FP32:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+        if W_DESC:
+            w = w_desc.load([w_row, k * BLOCK_K]).T
         else:
-            acc = tl.dot(a, w, acc)
+            w = tl.load(w_tile, mask=w_mask, other=0.0)
+        acc = _dot(a, w, acc, IEEE_FP32)
         if ACT_GATED:
-            w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
-            if IEEE_FP32:
-                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+            if W_DESC:
+                w_up = w_desc.load([w_row + N, k * BLOCK_K]).T
             else:
-                acc_up = tl.dot(a, w_up, acc_up)
+                w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
+            acc_up = _dot(a, w_up, acc_up, IEEE_FP32)
         a_tile += BLOCK_K * stride_a_k
         w_tile += BLOCK_K * stride_w_k
 
@@ -94,6 +105,16 @@ def _expert_gemm_kernel(
         acc = _apply_activation(acc, acc_up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_out_m + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_real[:, None] & (offs_n[None, :] < N))
+
+
+def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
+    """A TMA descriptor over w viewed as (E * N, K), when the config asks for one and the layout
+    allows it (contiguous, 16-byte aligned rows); else None and the kernel uses pointer loads."""
+    if not config.tma_weights or not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [config.block_n, config.block_k])
 
 
 def expert_gemm(
@@ -123,14 +144,15 @@ def expert_gemm(
         return out
     grid = (num_m_blocks * triton.cdiv(n_out, config.block_n),)
     per_pair = layout.kind is LayoutKind.PER_PAIR
+    w_desc = _weight_descriptor(w, config) or w
     block_expert = layout.topk_ids if per_pair else layout.block_expert
     sorted_pair_ids, num_rows = (block_expert, block_expert) if per_pair else (layout.sorted_pair_ids, layout.num_rows)
     _expert_gemm_kernel[grid](
-        a, w, out,
+        a, w, w_desc, out,
         sorted_pair_ids, block_expert, num_rows,  # PER_PAIR reads only block_expert (the ids)
-        n_out, K, E, layout.num_pairs, num_m_blocks, n_out * w.stride(1),
+        n_out, K, E, layout.num_pairs, num_m_blocks, n_out * w.stride(1), N,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-        PER_PAIR=per_pair, GATHER_TOP_K=layout.top_k if gather else 0,
+        W_DESC=w_desc is not w, PER_PAIR=per_pair, GATHER_TOP_K=layout.top_k if gather else 0,
         ACT_KIND=activation.kind.value if activation is not None else -1, ACT_GATED=gated,
         ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
         ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,

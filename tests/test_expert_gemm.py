@@ -53,3 +53,21 @@ def test_expert_gemm_rejects_mismatched_block_m():
     layout = expand(random_ids(3, 1, 2, 0).int(), 2, 32)
     with pytest.raises(ValueError, match="block_m"):
         expert_gemm(torch.randn(3, 16), torch.randn(2, 16, 16), layout, GemmConfig(16, 32, 32), gather=True)
+
+
+@pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL)], ids=lambda a: a.kind.name if a else "plain")
+@pytest.mark.parametrize("N,K_in", [(40, 32), (33, 64)])  # N not a multiple of block_n: tiles spill into the next expert
+def test_expert_gemm_tma_weights(N, K_in, activation, poisoned_empty):
+    torch.manual_seed(N)
+    T, E, K = 17, 4, 2
+    x = torch.randn(T, K_in).half()
+    gated = activation is not None
+    w = (torch.randn(E, 2 * N if gated else N, K_in) / K_in**0.5).half()
+    layout = expand(random_ids(T, K, E, seed=1).int(), E, 16)
+    config = GemmConfig(16, 32, 16, tma_weights=True)
+    out = expert_gemm(x, w, layout, config, gather=True, activation=activation)
+    row_ids, tokens, experts = rows_in_use(layout)
+    expected = expert_gemm_torch(x, w, tokens, experts)
+    if activation is not None:
+        expected = activation_torch(expected, activation)
+    assert_close(out[row_ids], expected, torch.float16)
