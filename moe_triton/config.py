@@ -1,15 +1,14 @@
 """Launch configuration: one function of (shape, token count, dtype, device) -> tile sizes.
 
-No per-device tables: the choice reads the device's multiprocessor count and falls back to
-sensible tiles for any device it has never seen. `fused_experts(config=...)` overrides it
+No per-device tables: tiles follow from the token count, the shape and the element size alone,
+so a device the function has never seen still gets a sensible configuration. `fused_experts(config=...)` overrides it
 explicitly (tests, tuning).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from .expand import LayoutKind
 
@@ -52,30 +51,27 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     return 128
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _gemm_config(block_m: int, n: int, k: int, num_tiles_m: int, num_sms: int, fused_gate: bool) -> GemmConfig:
-    # Tiles from the H200 sweep in docs/sweep-2026-11-29.txt (benchmarks/sweep_configs.py); they
-    # depend on the shape only through these rules, so an unseen device still gets a sane choice.
-    if block_m <= 32:  # decode: stream the weights with long K steps and enough tiles in flight
-        if fused_gate:  # two weight tiles (gate, up) per step
-            return GemmConfig(block_m, 64, block_k=256, group_m=1, num_warps=4, num_stages=3)
-        if k >= 4096:  # a long reduction keeps bytes in flight even with few, wide tiles
-            return GemmConfig(block_m, 128, block_k=128, group_m=1, num_warps=4, num_stages=4)
-        block_n = 64 if num_tiles_m * triton.cdiv(n, 64) >= 2 * num_sms else 32
-        return GemmConfig(block_m, block_n, block_k=128, group_m=1, num_warps=4, num_stages=4)
+def _gemm_config(block_m: int, k: int, fused_gate: bool) -> GemmConfig:
+    # Tiles from the H200 sweeps in docs/sweep-*.txt (benchmarks/sweep_configs.py), for 2-byte
+    # operands. They read the shape only through these rules, so an unseen device still gets a
+    # sane choice. Weight tiles come through TMA descriptors wherever the layout allows.
+    if block_m <= 32:  # decode: stream the weights; long K steps keep bytes in flight
+        block_n = 64 if fused_gate else 128  # a fused gate tile loads two weight tiles per step
+        return GemmConfig(block_m, block_n, block_k=128, group_m=1, num_warps=4, num_stages=4, tma_weights=True)
     # prefill: compute-bound; a fused gate tile carries two accumulators, so half the columns
     if fused_gate:
-        return GemmConfig(block_m, 128, block_k=64, group_m=8, num_warps=8, num_stages=4)
-    return GemmConfig(block_m, 256, block_k=64, group_m=8, num_warps=8, num_stages=3)
+        block_k = 32 if k >= 4096 else 64
+        return GemmConfig(block_m, 128, block_k, group_m=8, num_warps=8, num_stages=4, tma_weights=True)
+    return GemmConfig(block_m, 256, block_k=64, group_m=8, num_warps=8, num_stages=4, tma_weights=True)
+
+
+def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
+    # The tiles above fill shared memory with 2-byte operands; wider ones take proportionally shorter K steps.
+    return replace(config, block_k=max(16, config.block_k * 2 // element_size))
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
-                  intermediate_size: int, device: torch.device) -> MoEConfig:
+                  intermediate_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
     """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate."""
     num_pairs = num_tokens * top_k
     # Skip the sort when pairs rarely share an expert: one token's K experts are distinct, and
@@ -84,10 +80,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     if device.type != "cuda":  # Triton interpreter: few large programs run fastest
         return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1), layout)
     block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts)
-    tiles_m = num_pairs if layout is LayoutKind.PER_PAIR else triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
-    num_sms = _num_sms(device)
-    return MoEConfig(
-        up=_gemm_config(block_m, intermediate_size, hidden_size, tiles_m, num_sms, fused_gate=True),
-        down=_gemm_config(block_m, hidden_size, intermediate_size, tiles_m, num_sms, fused_gate=False),
-        layout=layout,
-    )
+    element_size = dtype.itemsize
+    up = _gemm_config(block_m, k=hidden_size, fused_gate=True)
+    down = _gemm_config(block_m, k=intermediate_size, fused_gate=False)
+    return MoEConfig(_for_element_size(up, element_size), _for_element_size(down, element_size), layout)

@@ -88,7 +88,7 @@ def fused_experts(
                          "device, set TRITON_INTERPRET=1 before importing moe_triton, or use the torch backend")
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
-    config = config or choose_config(T, K, E, H, I, hidden_states.device)
+    config = config or choose_config(T, K, E, H, I, hidden_states.device, hidden_states.dtype)
     if config.layout is LayoutKind.PER_PAIR:
         layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
     else:
