@@ -1,58 +1,53 @@
-"""Benchmark fixtures: the device ceilings measured once per run, and a results table.
+"""Benchmark fixtures: the device ceilings measured once per run, and result tables.
 
 Run on the GPU machine:
-    pytest benchmarks -m gpu --benchmark-only --bench-table docs/bench-layer.md
+    pytest benchmarks -m gpu --benchmark-only --bench-table docs/bench.md
 """
-import subprocess
-
 import pytest
 import torch
 
-from moe_triton.bench import measure_ceilings
+from moe_triton.bench import Ceilings, measure_ceilings
 
-ROWS: list[dict] = []
+TABLES: dict[str, list[dict]] = {}
+CEILINGS: list[Ceilings] = []
 
 
 def pytest_addoption(parser):
-    parser.addoption("--bench-table", default=None, help="write the results table (markdown) to this path")
+    parser.addoption("--bench-table", default=None, help="write the result tables (markdown) to this path")
 
 
 @pytest.fixture(scope="session")
 def ceilings():
     if not torch.cuda.is_available():
         pytest.skip("benchmarks time the GPU")
-    return measure_ceilings(torch.device("cuda"))
+    CEILINGS.append(measure_ceilings(torch.device("cuda")))
+    return CEILINGS[0]
 
 
 @pytest.fixture(scope="session")
-def results():
-    return ROWS
+def record():
+    """record(table, row): add one row (a dict; keys are the columns) to a named result table."""
+    return lambda table, row: TABLES.setdefault(table, []).append(row)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
+def _markdown(rows: list[dict]) -> list[str]:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not ROWS:
+    if not TABLES:
         return
     import triton
 
-    columns = list(ROWS[0])
-    lines = [
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"commit {_commit()}",
-        f"ceilings: B = {ROWS[0]['_B_TBps']:.2f} TB/s (copy, read + write), F = {ROWS[0]['_F_TFLOPs']:.0f} TFLOP/s (bf16 matmul)",
-        "",
-    ]
-    columns = [c for c in columns if not c.startswith("_")]
-    lines.append("| " + " | ".join(columns) + " |")
-    lines.append("|" + "---|" * len(columns))
-    for row in ROWS:
-        lines.append("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
+    if CEILINGS:
+        c = CEILINGS[0]
+        lines.append(f"ceilings: B = {c.bandwidth / 1e12:.2f} TB/s (copy, read + write), "
+                     f"F = {c.matmul_flops / 1e12:.0f} TFLOP/s (bf16 matmul)")
+    for table, rows in TABLES.items():
+        lines += ["", f"### {table}", ""] + _markdown(rows)
     text = "\n".join(lines)
     terminalreporter.write_line("\n" + text)
     path = config.getoption("--bench-table")

@@ -36,7 +36,7 @@ def time_step(step, graphable: bool) -> tuple[float, str]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", DECODE + PREFILL)
 @pytest.mark.parametrize("shape", [QWEN3_30B_A3B, MIXTRAL_8X7B], ids=lambda s: s.name)
-def test_layer(benchmark, shape, num_tokens, ceilings, results):
+def test_layer(benchmark, shape, num_tokens, ceilings, record):
     w13, w2 = weights(shape)
     inputs = random_inputs(shape, num_tokens, torch.bfloat16, "cuda", VARIANTS)
     decode = num_tokens <= 256
@@ -66,7 +66,7 @@ def test_layer(benchmark, shape, num_tokens, ceilings, results):
     floor = floor_seconds(bytes_moved, flops, ceilings)
     best_peer = min(t for t, _ in peers.values() if t == t)
     config = choose_config(num_tokens, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                           torch.device("cuda"))
+                           torch.device("cuda"), torch.bfloat16)
     row = dict(
         shape=shape.name, T=num_tokens, ours_us=f"{ours_s * 1e6:.1f} ({ours_mode})",
         floor_us=f"{floor * 1e6:.1f}", floor_frac=f"{floor / ours_s:.2f}",
@@ -76,11 +76,10 @@ def test_layer(benchmark, shape, num_tokens, ceilings, results):
         batched_mm_us=(f"{peers['batched_mm'][0] * 1e6:.1f} ({peers['batched_mm'][1]})"
                        if peers["batched_mm"][0] == peers["batched_mm"][0] else peers["batched_mm"][1]),
         speedup_vs_best_peer=f"{best_peer / ours_s:.2f}x", rel_err=f"{rel_err:.1e}",
-        config=f"BM{config.block_m} up BN{config.up.block_n}/BK{config.up.block_k} "
-               f"down BN{config.down.block_n}/BK{config.down.block_k}",
-        _B_TBps=ceilings.bandwidth / 1e12, _F_TFLOPs=ceilings.matmul_flops / 1e12,
+        config=f"{config.layout.value} BM{config.block_m} up BN{config.up.block_n}/BK{config.up.block_k} "
+               f"down BN{config.down.block_n}/BK{config.down.block_k}{' tma' if config.up.tma_weights else ''}",
     )
-    results.append(row)
+    record("expert layer vs transformers (bf16)", row)
     benchmark.extra_info.update(dict(
         shape=shape.name, num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size, num_tokens=num_tokens, dtype="bfloat16", backend="triton",

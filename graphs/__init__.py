@@ -1,1 +1,15 @@
-"""Decode CUDA-graph capture and role-keyed streams (issue 4; empty for now)."""
+"""Decode CUDA graphs and role-keyed streams, as a small library models/ plugs into.
+
+    streams.py  get_stream(role): one shared stream per (device, role); run_branches(main, side)
+    capture.py  is_capture_mode(), ForwardMode, overlap_enabled(mode): overlap in captured decode only
+    runner.py   DecodeGraphRunner: a graph per batch-size bucket over a decode step's static tensors
+"""
+from .capture import ForwardMode, capture_mode, is_capture_mode, overlap_enabled
+from .runner import CaptureStats, DecodeGraphRunner, GraphConfig, StaticInput, bucket_for, default_batch_sizes
+from .streams import get_stream, run_branches
+
+__all__ = [
+    "ForwardMode", "capture_mode", "is_capture_mode", "overlap_enabled",
+    "CaptureStats", "DecodeGraphRunner", "GraphConfig", "StaticInput", "bucket_for", "default_batch_sizes",
+    "get_stream", "run_branches",
+]

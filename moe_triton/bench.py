@@ -158,3 +158,43 @@ def transformers_experts(shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor,
     experts.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
     experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
     return experts
+
+
+def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: int = 2048,
+                               hidden: int = 2048, device="cuda") -> int:
+    """Device memory a CUDA graph of a synthetic `num_layers` stack reserves, each layer running
+    a side branch on an alternate stream: one stream per layer, or the shared "alt" role stream.
+
+    The allocator never reuses a block across streams, so per-layer streams keep every layer's
+    side-branch intermediates alive in the graph pool; the shared role stream reuses one set.
+    """
+    from moe_triton.graphs import run_branches
+
+    g = torch.Generator(device=device).manual_seed(0)
+    up = torch.randn(hidden, 4 * hidden, generator=g, device=device, dtype=torch.bfloat16) / hidden**0.5
+    down = torch.randn(4 * hidden, hidden, generator=g, device=device, dtype=torch.bfloat16) / (4 * hidden) ** 0.5
+    x = torch.randn(tokens, hidden, generator=g, device=device, dtype=torch.bfloat16)
+
+    def mlp(h):
+        return torch.nn.functional.gelu(h @ up) @ down
+
+    def stack(h):
+        for layer in range(num_layers):
+            role = f"layer{layer}" if stream_per_layer else "alt"
+            main, side = run_branches(lambda: mlp(h), lambda: mlp(h), role=role)
+            h = h + main + side
+        return h
+
+    stack(x)  # warm-up outside capture
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = stack(x)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    used = torch.cuda.memory_reserved(device) - before
+    del graph, out
+    torch.cuda.empty_cache()
+    return used

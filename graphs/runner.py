@@ -1,0 +1,150 @@
+"""DecodeGraphRunner: one CUDA graph per batch-size bucket over a decode step and static buffers.
+
+The contract is small on purpose: a decode step is any callable from a dict of static tensors
+(token ids, positions, KV-cache slots, ...; batch first) to one output tensor (batch first).
+The runner owns the static buffers; it never looks inside the step.
+
+    runner = DecodeGraphRunner(step, {"token_ids": StaticInput(dtype=torch.int64)})
+    runner.capture()                       # largest bucket first, one shared memory pool
+    logits = runner({"token_ids": ids})    # copied in, padded to a bucket, replayed, sliced back
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .capture import capture_mode
+
+DecodeStep = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+
+
+def default_batch_sizes(max_batch_size: int = 256) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8, as the serving engines capture."""
+    small = tuple(s for s in (1, 2, 4, 8) if s <= max_batch_size)
+    return small + tuple(range(16, max_batch_size + 1, 8))
+
+
+def bucket_for(batch_size: int, batch_sizes: tuple[int, ...]) -> int | None:
+    """The smallest captured size that holds `batch_size`, or None past the largest."""
+    fitting = [s for s in batch_sizes if s >= batch_size]
+    return min(fitting) if fitting else None
+
+
+@dataclass(frozen=True)
+class StaticInput:
+    """One input of the decode step: its shape after the batch dimension, its dtype, and the
+    value padding rows get (it must be valid input, e.g. a dummy KV-cache slot)."""
+
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.int64
+    pad_value: float = 0
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    batch_sizes: tuple[int, ...] = field(default_factory=default_batch_sizes)
+    enabled: bool = True  # False: every batch runs eagerly
+    warmup_runs: int = 2  # eager runs per bucket before its capture (compiles, settles the allocator)
+    copy_output: bool = True  # return a copy; False returns a view the next replay overwrites
+    show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    num_graphs: int
+    seconds: float
+    pool_bytes: int  # device memory reserved by capture (the shared graph pool), after empty_cache
+
+
+class DecodeGraphRunner:
+    def __init__(self, step: DecodeStep, inputs: dict[str, StaticInput], config: GraphConfig | None = None,
+                 device: torch.device | str | None = None):
+        self.step = step
+        self.specs = dict(inputs)
+        self.config = config or GraphConfig()
+        if not self.specs:
+            raise ValueError("inputs must name at least one static input of the decode step")
+        if not self.config.batch_sizes or min(self.config.batch_sizes) < 1:
+            raise ValueError(f"config.batch_sizes must be positive sizes, got {self.config.batch_sizes}")
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, static output)
+        self.static: dict[str, torch.Tensor] = {}  # name -> [max bucket, *shape] buffer
+        self.stats: CaptureStats | None = None
+
+    @property
+    def uses_graphs(self) -> bool:
+        return self.config.enabled and self.device.type == "cuda"
+
+    def capture(self) -> CaptureStats:
+        """Capture every bucket, largest first, into one shared pool (a no-op without CUDA)."""
+        if not self.uses_graphs:
+            self.stats = CaptureStats(0, 0.0, 0)
+            return self.stats
+        from tqdm import tqdm
+
+        largest = max(self.config.batch_sizes)
+        self.static = {name: torch.full((largest, *spec.shape), spec.pad_value, dtype=spec.dtype, device=self.device)
+                       for name, spec in self.specs.items()}
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        reserved_before, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        sizes = sorted(set(self.config.batch_sizes), reverse=True)  # largest first: smaller ones fit its pool
+        for size in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not self.config.show_progress):
+            views = {name: buffer[:size] for name, buffer in self.static.items()}
+            with capture_mode():
+                self._warm_up(views)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    output = self.step(views)
+            self.graphs[size] = (graph, output)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.stats = CaptureStats(len(self.graphs), time.perf_counter() - start,
+                                  torch.cuda.memory_reserved(self.device) - reserved_before)
+        return self.stats
+
+    def _warm_up(self, views: dict[str, torch.Tensor]) -> None:
+        # On a side stream, as torch.cuda.graph expects, so lazy initialisation never lands in a capture.
+        side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(self.config.warmup_runs):
+                self.step(views)
+        current.wait_stream(side)
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's output for this batch: replayed from the bucket's graph, or eager when the
+        batch is larger than every bucket or graphs are off. A batch of 0 launches nothing once
+        graphs exist (an empty output of the captured shape); before that it runs the step."""
+        batch_size = self._check(inputs)
+        bucket = bucket_for(batch_size, tuple(self.graphs))
+        if batch_size == 0 and self.graphs:
+            template = next(iter(self.graphs.values()))[1]
+            return template.new_empty((0, *template.shape[1:]))
+        if bucket is None or batch_size == 0:
+            return self.step(inputs)
+        for name, value in inputs.items():
+            buffer = self.static[name]
+            buffer[:batch_size].copy_(value)
+            buffer[batch_size:bucket].fill_(self.specs[name].pad_value)  # padding rows stay valid input
+        graph, output = self.graphs[bucket]
+        graph.replay()
+        return output[:batch_size].clone() if self.config.copy_output else output[:batch_size]
+
+    def _check(self, inputs: dict[str, torch.Tensor]) -> int:
+        if set(inputs) != set(self.specs):
+            raise ValueError(f"inputs must be exactly {sorted(self.specs)}, got {sorted(inputs)}")
+        sizes = {value.shape[0] if value.dim() else None for value in inputs.values()}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"every input needs the same leading batch dimension, got {sorted(map(str, sizes))}")
+        for name, value in inputs.items():
+            spec = self.specs[name]
+            if tuple(value.shape[1:]) != spec.shape or value.dtype != spec.dtype:
+                raise ValueError(f"input {name!r} must be (batch, *{spec.shape}) {spec.dtype}, "
+                                 f"got {tuple(value.shape)} {value.dtype}")
+        return sizes.pop()
