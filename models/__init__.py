@@ -1,1 +1,12 @@
-"""MoE model families built on the expert layer (issue 5; empty for now)."""
+"""MoE model families on the expert layer, installed as `moe_triton.models`.
+
+    registry.py     architecture name -> family class; load_model(path) for a checkpoint directory
+    checkpoint.py   safetensors reading, per-expert -> fused expert tensors, strict name/shape checks
+    layers.py       RMSNorm, rotary, static KV cache, SDPA attention (graph-capturable decode)
+    causal_lm.py    prefill, decode step, greedy generate (decode through graphs/ on CUDA)
+    qwen3_moe.py    Qwen3MoeForCausalLM
+"""
+from . import qwen3_moe  # noqa: F401  (registers its architectures)
+from .registry import MODELS, load_model, model_class, register_model
+
+__all__ = ["MODELS", "load_model", "model_class", "register_model"]

@@ -1,0 +1,88 @@
+"""What every causal LM here shares: the KV cache, prefill, the decode step, greedy generation.
+
+A family file defines `model` (embed_tokens -> layers -> norm, called as model(input_ids, batch,
+cache)) and `lm_head`; this base runs them. Decode goes through graphs/ when CUDA is present:
+one CUDA graph per batch bucket over (token_ids, positions, slots), overlap enabled inside.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, default_batch_sizes, overlap_enabled
+from .layers import Batch, StaticKVCache
+
+
+class CausalLM(nn.Module):
+    model: nn.Module
+    lm_head: nn.Module | None  # None when tied to the input embeddings
+    renames: list[tuple[str, str]] = []  # checkpoint name -> parameter name (regex, replacement)
+    ignore: tuple[str, ...] = ()  # checkpoint names to skip (regexes)
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.cache: StaticKVCache | None = None
+        self.graphs: DecodeGraphRunner | None = None
+        self.use_graphs = True  # decode through CUDA graphs where CUDA is present
+        self.use_overlap = True  # overlap independent branches on alternate streams in captured decode
+
+    # ---- the forward pieces ------------------------------------------------------------------
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return nn.functional.linear(hidden, weight).float() * getattr(self.config, "logit_scale", 1.0)
+
+    def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
+        overlap = self.use_overlap and overlap_enabled(mode)  # evaluated while capturing, baked into the graph
+        return Batch(mode, positions, slots, overlap)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (B, L), equal-length prompts starting at position 0 -> logits (B, L, V) float32."""
+        B, L = input_ids.shape
+        slots = torch.arange(B, device=input_ids.device) if slots is None else slots
+        positions = torch.arange(L, device=input_ids.device).expand(B, L)
+        hidden = self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
+        return self.logits(hidden)
+
+    @torch.no_grad()
+    def decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """token_ids (B,), positions (B,), slots (B,) -> logits (B, V) float32; graph-capturable."""
+        batch = self.batch(ForwardMode.DECODE, inputs["positions"][:, None], inputs["slots"])
+        hidden = self.model(inputs["token_ids"][:, None], batch, self.cache)  # [B, 1, H]
+        return self.logits(hidden[:, 0])
+
+    # ---- set-up and generation ---------------------------------------------------------------
+
+    def setup(self, max_batch: int, max_seq: int) -> None:
+        """Allocate the KV cache and, on CUDA, capture the decode graphs for batches up to max_batch."""
+        parameter = next(self.parameters())
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq, config.num_key_value_heads, head_dim,
+                                   parameter.dtype, parameter.device)
+        self.graphs = None
+        if self.use_graphs and parameter.device.type == "cuda":
+            inputs = {"token_ids": StaticInput(), "positions": StaticInput(),
+                      "slots": StaticInput(pad_value=self.cache.dummy_slot)}
+            self.graphs = DecodeGraphRunner(self.decode_step, inputs,
+                                            GraphConfig(batch_sizes=default_batch_sizes(max_batch)))
+            self.graphs.capture()
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding: (B, L) -> (B, L + max_new_tokens). Eager prefill, then decode steps."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be (batch, length >= 1), got {tuple(input_ids.shape)}")
+        B, L = input_ids.shape
+        if self.cache is None or self.cache.max_batch < B or self.cache.max_seq < L + max_new_tokens:
+            self.setup(B, L + max_new_tokens)
+        slots = torch.arange(B, device=input_ids.device)
+        tokens = [input_ids, self.prefill(input_ids, slots)[:, -1].argmax(-1, keepdim=True)]
+        step = self.graphs if self.graphs is not None else self.decode_step
+        for i in range(max_new_tokens - 1):
+            positions = torch.full((B,), L + i, dtype=torch.int64, device=input_ids.device)
+            logits = step({"token_ids": tokens[-1][:, 0], "positions": positions, "slots": slots})
+            tokens.append(logits.argmax(-1, keepdim=True))
+        return torch.cat(tokens, dim=1)[:, : L + max_new_tokens]

@@ -1,0 +1,99 @@
+"""Checkpoint loading: safetensors (single file or sharded with an index) into a model whose
+parameter names mirror transformers'. Each family declares its renames as a table of regexes;
+the per-expert Hub layout (`experts.N.gate_proj.weight`, ...) is fused here into the
+transformers-5 layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# experts.N.<proj>.weight -> (prefix, expert index, proj)
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of `directory`'s model.safetensors, or of the shards its index names."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"{directory} holds neither model.safetensors nor model.safetensors.index.json")
+    tensors = {}
+    for name in files:
+        with safe_open(directory / name, framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def fuse_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stack per-expert gate/up/down weights into gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    (up_proj [E, I, H] alone for non-gated experts); other tensors pass through."""
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    fused = {}
+    for name, tensor in tensors.items():
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            fused[name] = tensor
+        else:
+            groups[match["prefix"]][match["proj"]][int(match["expert"])] = tensor
+    for prefix, projs in groups.items():
+        stack = {proj: _stack(prefix, proj, by_expert) for proj, by_expert in projs.items()}
+        if "gate_proj" in stack:
+            if "up_proj" not in stack:
+                raise ValueError(f"{prefix}: gate_proj weights without up_proj weights")
+            fused[f"{prefix}.gate_up_proj"] = torch.cat([stack.pop("gate_proj"), stack.pop("up_proj")], dim=1)
+        for proj, weight in stack.items():
+            fused[f"{prefix}.{proj}"] = weight
+    return fused
+
+
+def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor]) -> torch.Tensor:
+    missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+    if missing:
+        raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.weight")
+    return torch.stack([by_expert[e] for e in range(len(by_expert))])
+
+
+def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Apply (pattern, replacement) regex rules, first match wins, to every tensor name."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        for pattern, replacement in renames:
+            new_name, count = re.subn(pattern, replacement, name)
+            if count:
+                name = new_name
+                break
+        renamed[name] = tensor
+    return renamed
+
+
+def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
+              ignore: tuple[str, ...] = ()) -> None:
+    """Copy the checkpoint into `model`'s parameters and persistent buffers; every mismatch is an
+    error naming the tensor (missing, unexpected, or of the wrong shape)."""
+    tensors = rename(fuse_per_expert(tensors), renames)
+    tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
+    state = model.state_dict()
+    unexpected = sorted(set(tensors) - set(state))
+    missing = sorted(set(state) - set(tensors))
+    if unexpected:
+        raise ValueError(f"unexpected tensor in checkpoint: {unexpected[0]} ({len(unexpected)} in all)")
+    if missing:
+        raise ValueError(f"missing tensor in checkpoint: {missing[0]} ({len(missing)} in all)")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
+    with torch.no_grad():
+        for name, target in state.items():
+            target.copy_(tensors[name])

@@ -1,0 +1,131 @@
+"""Pieces every model family shares: RMSNorm, rotary embeddings, the static KV cache, attention.
+
+Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim.
+Attention is torch SDPA over a static cache, so a decode step has fixed shapes and can be
+captured in a CUDA graph: a decode token writes its K/V at (slot, position) and attends to the
+slot's cache row with a mask (j <= position, and j > position - window for sliding layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..graphs import ForwardMode
+
+
+class RMSNorm(nn.Module):
+    """As transformers computes it: float32 statistics, the weight applied in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables from transformers' own rope initialisers (so every rope_type matches)."""
+
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            base = config.rope_parameters["rope_theta"]
+            dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+            inv_freq, self.scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        else:
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype, interleaved: bool = False):
+        """positions (...) -> cos, sin (..., D_rot) in `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """Cohere's rotation: pairs (x0, x1), (x2, x3), ... -> (-x1, x0), (-x3, x2), ..."""
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x (B, heads, L, D); cos/sin (B, L, D_rot). A partial rotary applies to the first D_rot dims."""
+    rotate = rotate_interleaved if interleaved else rotate_half
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    x_rot = x_rot * cos + rotate(x_rot) * sin
+    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.numel() else x_rot
+
+
+@dataclass
+class Batch:
+    """What one forward pass is about: the mode, each token's position, each sequence's cache slot."""
+
+    mode: ForwardMode
+    positions: torch.Tensor  # [B, L] prefill (0..L-1), [B, 1] decode
+    slots: torch.Tensor  # [B] rows of the KV cache
+    overlap: bool = False  # run independent branches on alternate streams (captured decode only)
+
+
+class StaticKVCache:
+    """K/V for `num_layers` layers: [slots + 1, Hkv, S, D] each; the last slot is a dummy that the
+    padding rows of a captured decode batch write into, so they never touch a real sequence."""
+
+    def __init__(self, num_layers: int, max_batch: int, max_seq: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        shape = (max_batch + 1, num_kv_heads, max_seq, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_batch, self.max_seq = max_batch, max_seq
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.max_batch
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int, batch: Batch,
+              scaling: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D); writes k/v into the cache first."""
+    keys, values = cache.keys[layer], cache.values[layer]
+    if batch.mode is ForwardMode.PREFILL:  # the prompt attends to itself; the cache only records it
+        L = q.shape[2]
+        keys[batch.slots, :, :L] = k
+        values[batch.slots, :, :L] = v
+        mask = _causal_mask(batch.positions[0], batch.positions[0], sliding_window)  # [L, L], same for every row
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    else:  # decode: one token per sequence against its cache row
+        position = batch.positions[:, 0]  # [B]
+        keys[batch.slots, :, position] = k[:, :, 0]
+        values[batch.slots, :, position] = v[:, :, 0]
+        columns = torch.arange(cache.max_seq, device=q.device)
+        mask = _causal_mask(position, columns, sliding_window)[:, None, None, :]  # [B, 1, 1, S]
+        out = F.scaled_dot_product_attention(q, keys[batch.slots], values[batch.slots], attn_mask=mask, scale=scaling,
+                                             enable_gqa=True)
+    return out.transpose(1, 2).flatten(2)
+
+
+def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Q, K] bool: a query at position i may attend to a key at position j when j <= i and,
+    for a sliding window W, j > i - W (transformers' convention)."""
+    allowed = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        allowed &= key_positions[None, :] > query_positions[:, None] - window
+    return allowed

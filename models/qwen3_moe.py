@@ -1,0 +1,110 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`), top to bottom: attention -> MoE -> decoder layer -> model -> LM.
+
+Legend: B sequences, L tokens each, H hidden, Hq/Hkv heads, D head dim, V vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_triton import FusedMoE, RoutingSpec
+from moe_triton.activation import Activation
+
+from .causal_lm import CausalLM
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .registry import register_model
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer, self.head_dim = layer, head_dim_of(config)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before rotary
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sliding_window = config.sliding_window if getattr(config, "use_sliding_window", False) else None
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
+                cache: StaticKVCache) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, L, D]
+        k = self.k_norm(self.k_proj(x).view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hkv, L, D]
+        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window)  # [B, L, Hq*D]
+        return self.o_proj(out)
+
+
+class Qwen3MoeMLP(nn.Module):
+    """The dense MLP of `mlp_only_layers` / non-sparse steps."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def qwen3_moe_block(config) -> FusedMoE:
+    return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
+                    routing=RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
+                    activation=Activation.from_hidden_act(config.hidden_act))
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(config, layer)
+        sparse = layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
+        self.mlp = qwen3_moe_block(config) if sparse else Qwen3MoeMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: StaticKVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, L, H]
+        rotary = self.rotary_emb(batch.positions, x.dtype)  # cos, sin [B, L, D]
+        for layer in self.layers:
+            x = layer(x, rotary, batch, cache)
+        return self.norm(x)
+
+
+@register_model("Qwen3MoeForCausalLM")
+class Qwen3MoeForCausalLM(CausalLM):
+    renames = [
+        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
+        (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
+    ]
+    ignore = (r"^lm_head\.weight$",)  # only when tied; see __init__
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Qwen3MoeModel(config)
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not tied:
+            self.ignore = ()

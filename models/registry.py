@@ -1,0 +1,48 @@
+"""Model families by architecture name, and the generic loader.
+
+A new family is one file in models/ with a class decorated `@register_model("ArchName", ...)`
+that declares `renames` (checkpoint name -> parameter name regexes); nothing else changes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_into, read_safetensors
+
+MODELS: dict[str, type] = {}
+
+
+def register_model(*architectures: str):
+    def register(cls):
+        for name in architectures:
+            MODELS[name] = cls
+        return cls
+    return register
+
+
+def model_class(config) -> type:
+    names = getattr(config, "architectures", None) or []
+    for name in names:
+        if name in MODELS:
+            return MODELS[name]
+    raise ValueError(f"unsupported architecture {names or '(none in config.json)'}; "
+                     f"supported: {sorted(MODELS)}")
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """Build the registered model for `path`'s config.json and load its safetensors weights."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json; pass a local checkpoint directory")
+    config = AutoConfig.from_pretrained(path)
+    cls = model_class(config)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device(device):
+        model = cls(config).to(dtype)
+    load_into(model, read_safetensors(path), model.renames, model.ignore)
+    return model.eval()
