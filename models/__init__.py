@@ -5,8 +5,9 @@
     layers.py       RMSNorm, rotary, static KV cache, SDPA attention (graph-capturable decode)
     causal_lm.py    prefill, decode step, greedy generate (decode through graphs/ on CUDA)
     qwen3_moe.py    Qwen3MoeForCausalLM
+    cohere2_moe.py  Cohere2MoeForCausalLM (parallel block; attention || MLP and shared || routed overlap)
 """
-from . import qwen3_moe  # noqa: F401  (registers its architectures)
+from . import cohere2_moe, qwen3_moe  # noqa: F401  (registering their architectures)
 from .registry import MODELS, load_model, model_class, register_model
 
 __all__ = ["MODELS", "load_model", "model_class", "register_model"]

@@ -1,0 +1,162 @@
+"""Cohere2-MoE / Command-A-Plus (`Cohere2MoeForCausalLM`), top to bottom.
+
+The parallel block: y = x + attn(norm(x)) + mlp(norm(x)). Sliding-window layers use interleaved
+rotary; global layers use none (NoPE) unless a dense prefix forces it. The sparse block adds
+shared experts, summed or averaged.
+
+Overlap (captured decode only, `batch.overlap`): the MLP/MoE branch runs on the "alt_mlp" stream
+while attention runs on the main one; inside the sparse block the routed experts run on "alt"
+while the shared experts run on the stream the block was called on. Both branches only read
+their input and write fresh outputs (the expert layer is inplace-free), so they may share it.
+Prefill stays serial: a prefill chunk fills the GPU already.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_triton import FusedMoE, RoutingSpec, Scoring, SelectOn
+from moe_triton.activation import Activation
+
+from ..graphs import run_branches
+from .causal_lm import CausalLM
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .registry import register_model
+
+
+class Cohere2MoeLayerNorm(nn.Module):
+    """Bias-free LayerNorm in float32, as Cohere's reference computes it."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype, x = x.dtype, x.float()
+        x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+def norm(config) -> nn.Module:
+    if config.rms_norm_eps is not None:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
+    return Cohere2MoeLayerNorm(config.hidden_size, config.layer_norm_eps)
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Cohere2MoeAttention(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer, self.head_dim = layer, head_dim_of(config)
+        sliding = config.layer_types[layer] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+        dense_prefix = config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1
+        self.use_rope = sliding or dense_prefix  # global layers are NoPE
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
+        k = self.k_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        if self.use_rope:  # Cohere rotates in float32, interleaved pairs
+            cos, sin = rotary
+            q = apply_rotary(q.float(), cos.float(), sin.float(), interleaved=True).to(x.dtype)
+            k = apply_rotary(k.float(), cos.float(), sin.float(), interleaved=True).to(x.dtype)
+        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window)
+        return self.o_proj(out)  # [B, L, H]
+
+
+class Cohere2MoeMLP(nn.Module):
+    def __init__(self, config, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x, batch: Batch | None = None):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Cohere2MoeSparseMoeBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        scoring = Scoring.SOFTMAX if config.expert_selection_fn == "softmax" else Scoring.SIGMOID
+        routing = RoutingSpec(config.num_experts_per_tok, scoring, SelectOn.LOGITS,
+                              renormalize=scoring is Scoring.SIGMOID and config.norm_topk_prob)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.intermediate_size, routing=routing,
+                                activation=Activation.from_hidden_act(config.hidden_act))
+        self.shared_experts = (Cohere2MoeMLP(config, config.intermediate_size * config.num_shared_experts)
+                               if config.num_shared_experts > 0 else None)
+        if config.shared_expert_combination_strategy not in ("sum", "average"):
+            raise ValueError("shared_expert_combination_strategy must be 'sum' or 'average', "
+                             f"got {config.shared_expert_combination_strategy!r}")
+        self.average = config.shared_expert_combination_strategy == "average"
+
+    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        B, L, H = x.shape
+        flat = x.reshape(-1, H)  # [T, H]
+        if self.shared_experts is None:
+            return self.experts.routed_experts(flat).view(B, L, H)
+        if batch.overlap:  # shared on the calling stream, routed on "alt"
+            shared, routed = run_branches(lambda: self.shared_experts(flat), lambda: self.experts.routed_experts(flat))
+        else:
+            shared, routed = self.shared_experts(flat), self.experts.routed_experts(flat)
+        out = routed + shared
+        return (out / 2 if self.average else out).view(B, L, H)
+
+
+class Cohere2MoeDecoderLayer(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.self_attn = Cohere2MoeAttention(config, layer)
+        dense = config.mlp_layer_types[layer] == "dense"
+        self.mlp = Cohere2MoeMLP(config, config.prefix_dense_intermediate_size) if dense else Cohere2MoeSparseMoeBlock(config)
+        self.input_layernorm = norm(config)
+
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        h = self.input_layernorm(x)
+        if batch.overlap:  # decode: the MLP branch on "alt_mlp" while attention runs here
+            attn, mlp = run_branches(lambda: self.self_attn(h, rotary, batch, cache), lambda: self.mlp(h, batch),
+                                     role="alt_mlp")
+        else:
+            attn, mlp = self.self_attn(h, rotary, batch, cache), self.mlp(h, batch)
+        return x + attn + mlp
+
+
+class Cohere2MoeModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm(config)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, input_ids, batch: Batch, cache: StaticKVCache):
+        x = self.embed_tokens(input_ids)  # [B, L, H]
+        rotary = self.rotary_emb(batch.positions, x.dtype, interleaved=True)
+        for layer in self.layers:
+            x = layer(x, rotary, batch, cache)
+        return self.norm(x)
+
+
+@register_model("Cohere2MoeForCausalLM")
+class Cohere2MoeForCausalLM(CausalLM):
+    renames = [(r"\.mlp\.gate\.weight$", ".mlp.experts.gate_weight")]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = Cohere2MoeModel(config)
+        tied = config.tie_word_embeddings
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ignore = (r"^lm_head\.weight$",) if tied else ()
