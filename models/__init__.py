@@ -6,8 +6,9 @@
     causal_lm.py    prefill, decode step, greedy generate (decode through graphs/ on CUDA)
     qwen3_moe.py    Qwen3MoeForCausalLM
     cohere2_moe.py  Cohere2MoeForCausalLM (parallel block; attention || MLP and shared || routed overlap)
+    minimax_m2.py   MiniMaxM2ForCausalLM (sigmoid routing with correction bias, partial rotary)
 """
-from . import cohere2_moe, qwen3_moe  # noqa: F401  (registering their architectures)
+from . import cohere2_moe, minimax_m2, qwen3_moe  # noqa: F401  (registering their architectures)
 from .registry import MODELS, load_model, model_class, register_model
 
 __all__ = ["MODELS", "load_model", "model_class", "register_model"]

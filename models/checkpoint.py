@@ -66,14 +66,11 @@ def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor]) -> torch.
 
 
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Apply (pattern, replacement) regex rules, first match wins, to every tensor name."""
+    """Apply every (pattern, replacement) regex rule, in order, to every tensor name."""
     renamed = {}
     for name, tensor in tensors.items():
         for pattern, replacement in renames:
-            new_name, count = re.subn(pattern, replacement, name)
-            if count:
-                name = new_name
-                break
+            name = re.sub(pattern, replacement, name)
         renamed[name] = tensor
     return renamed
 
@@ -82,7 +79,9 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
               ignore: tuple[str, ...] = ()) -> None:
     """Copy the checkpoint into `model`'s parameters and persistent buffers; every mismatch is an
     error naming the tensor (missing, unexpected, or of the wrong shape)."""
-    tensors = rename(fuse_per_expert(tensors), renames)
+    # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
+    # transformers-5 names -> this model's names); rules that do not apply are no-ops.
+    tensors = rename(fuse_per_expert(rename(tensors, renames)), renames)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     state = model.state_dict()
     unexpected = sorted(set(tensors) - set(state))

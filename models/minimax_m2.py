@@ -1,0 +1,95 @@
+"""MiniMax-M2 (`MiniMaxM2ForCausalLM`), top to bottom: attention -> MoE -> decoder layer -> model -> LM.
+
+Differs from Qwen3-MoE in: q/k RMSNorm over the whole projection (all heads at once), partial
+rotary (`partial_rotary_factor`), and sigmoid routing whose `e_score_correction_bias` steers
+selection only (weights are the unbiased scores, renormalised).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from moe_triton import FusedMoE, RoutingSpec, Scoring
+from moe_triton.activation import Activation
+
+from .causal_lm import CausalLM
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .registry import register_model
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class MiniMaxM2Attention(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer, self.head_dim = layer, head_dim_of(config)
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(q_size, config.rms_norm_eps)  # over all heads, before the head split
+        self.k_norm = RMSNorm(kv_size, config.rms_norm_eps)
+
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x)).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
+        k = self.k_norm(self.k_proj(x)).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)  # partial: the first D_rot dims
+        return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5))
+
+
+def minimax_m2_block(config) -> FusedMoE:
+    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True)
+    return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
+                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act), correction_bias=True)
+
+
+class MiniMaxM2DecoderLayer(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.self_attn = MiniMaxM2Attention(config, layer)
+        self.mlp = minimax_m2_block(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MiniMaxM2Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, input_ids, batch: Batch, cache: StaticKVCache):
+        x = self.embed_tokens(input_ids)  # [B, L, H]
+        rotary = self.rotary_emb(batch.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, rotary, batch, cache)
+        return self.norm(x)
+
+
+@register_model("MiniMaxM2ForCausalLM")
+class MiniMaxM2ForCausalLM(CausalLM):
+    renames = [
+        (r"\.block_sparse_moe\.", ".mlp."),  # the Hub layout (Mixtral-style w1 / w3 / w2 experts)
+        (r"\.experts\.(\d+)\.w1\.weight$", r".experts.\1.gate_proj.weight"),
+        (r"\.experts\.(\d+)\.w3\.weight$", r".experts.\1.up_proj.weight"),
+        (r"\.experts\.(\d+)\.w2\.weight$", r".experts.\1.down_proj.weight"),
+        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
+        (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
+    ]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = MiniMaxM2Model(config)
+        tied = config.tie_word_embeddings
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ignore = (r"^lm_head\.weight$",) if tied else ()
