@@ -7,6 +7,8 @@
     qwen3_moe.py    Qwen3MoeForCausalLM
     cohere2_moe.py  Cohere2MoeForCausalLM (parallel block; attention || MLP and shared || routed overlap)
     minimax_m2.py   MiniMaxM2ForCausalLM (sigmoid routing with correction bias, partial rotary)
+    minimax_m3.py   MiniMax-M3's MoE block (shared || routed, clamped swiglu), standalone
+    nemotron_h.py   NemotronH's MoE block (relu^2, grouped top-k, latent projections), standalone
 """
 from . import cohere2_moe, minimax_m2, qwen3_moe  # noqa: F401  (registering their architectures)
 from .registry import MODELS, load_model, model_class, register_model

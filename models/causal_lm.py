@@ -55,8 +55,9 @@ class CausalLM(nn.Module):
 
     # ---- set-up and generation ---------------------------------------------------------------
 
-    def setup(self, max_batch: int, max_seq: int) -> None:
-        """Allocate the KV cache and, on CUDA, capture the decode graphs for batches up to max_batch."""
+    def setup(self, max_batch: int, max_seq: int, batch_sizes: tuple[int, ...] | None = None) -> None:
+        """Allocate the KV cache and, on CUDA, capture the decode graphs for batches up to max_batch
+        (the serving engines' buckets, or `batch_sizes`)."""
         parameter = next(self.parameters())
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -67,7 +68,7 @@ class CausalLM(nn.Module):
             inputs = {"token_ids": StaticInput(), "positions": StaticInput(),
                       "slots": StaticInput(pad_value=self.cache.dummy_slot)}
             self.graphs = DecodeGraphRunner(self.decode_step, inputs,
-                                            GraphConfig(batch_sizes=default_batch_sizes(max_batch)))
+                                            GraphConfig(batch_sizes=batch_sizes or default_batch_sizes(max_batch)))
             self.graphs.capture()
 
     @torch.no_grad()

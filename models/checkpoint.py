@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 # experts.N.<proj>.weight -> (prefix, expert index, proj)
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
 def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:

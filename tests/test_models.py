@@ -139,3 +139,65 @@ def test_unsupported_architecture_and_missing_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(tmp_path)
+
+
+# ---- standalone MoE blocks: MiniMax-M3 and NemotronH ------------------------------------------
+
+def m3_block():
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLSparseMoeBlock
+
+    from moe_triton.models.minimax_m3 import MiniMaxM3MoeBlock
+
+    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40, shared_intermediate_size=24,
+                                   num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.0,
+                                   swiglu_limit=0.7, swiglu_alpha=1.702)
+    return MiniMaxM3VLSparseMoeBlock(config), MiniMaxM3MoeBlock(config)
+
+
+def nemotron_block(latent):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    from moe_triton.models.nemotron_h import NemotronHMoeBlock
+
+    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40, moe_shared_expert_intermediate_size=24,
+                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True, moe_latent_size=latent)
+    return NemotronHMoE(config), NemotronHMoeBlock(config)
+
+
+BLOCKS = {"minimax_m3": m3_block, "nemotron_h": lambda: nemotron_block(None),
+          "nemotron_h-latent": lambda: nemotron_block(32)}
+
+
+def per_expert_layout(state):
+    """The Hub's per-expert names from transformers' fused tensors."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate[e]
+                out[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up[e]
+        elif name.endswith(("experts.up_proj", "experts.down_proj")):
+            proj = name.rsplit(".", 1)[1]
+            for e in range(t.shape[0]):
+                out[name.replace(proj, f"{e}.{proj}.weight")] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fused", "per_expert"])
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_moe_block_matches_transformers(name, layout):
+    from moe_triton.models.checkpoint import load_into
+
+    reference, ours = BLOCKS[name]()
+    randomize_(reference.eval(), seed=7)
+    state = reference.state_dict()
+    load_into(ours, per_expert_layout(state) if layout == "per_expert" else state, ours.renames)
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert_close(ours(x), reference(x), torch.float32, scale=5)

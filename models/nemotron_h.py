@@ -1,0 +1,62 @@
+"""NemotronH's MoE block (`NemotronHMoE`), standalone: the full model carries Mamba mixers
+outside this project's scope.
+
+    out = fc2(experts(fc1(x))) + shared_experts(x)
+
+Non-gated relu^2 experts (`up_proj` [E, I, H']), grouped top-k routing in float32 with a
+correction bias and `routed_scaling_factor`, optional latent projections (H -> H' -> H). In
+captured decode (`batch.overlap`) the routed path runs on "alt" and the shared MLP here.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_triton import FusedMoE, RoutingSpec, Scoring
+from moe_triton.activation import Activation
+
+from ..graphs import run_branches
+from .layers import Batch
+
+
+class NemotronHMLP(nn.Module):
+    def __init__(self, config, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHMoeBlock(nn.Module):
+    renames = [
+        (r"^gate\.weight$", "experts.gate_weight"),
+        (r"^gate\.e_score_correction_bias$", "experts.e_score_correction_bias"),
+        (r"^experts\.up_proj$", "experts.gate_up_proj"),  # non-gated: w13 holds up only
+        (r"^fc1_latent_proj\.", "experts.expert_input_proj."),
+        (r"^fc2_latent_proj\.", "experts.expert_output_proj."),
+    ]
+
+    def __init__(self, config):
+        super().__init__()
+        latent = config.moe_latent_size
+        routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=config.norm_topk_prob,
+                              n_group=config.n_group, topk_group=config.topk_group,
+                              routed_scaling_factor=float(config.routed_scaling_factor))
+        self.experts = FusedMoE(
+            config.n_routed_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
+            routing=routing, activation=Activation.from_hidden_act(config.mlp_hidden_act), correction_bias=True,
+            router_in_float32=True, expert_hidden_size=latent,
+            expert_input_proj=nn.Linear(config.hidden_size, latent, bias=config.mlp_bias) if latent else None,
+            expert_output_proj=nn.Linear(latent, config.hidden_size, bias=config.mlp_bias) if latent else None,
+        )
+        self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
+
+    def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [T, H]
+        if batch is not None and batch.overlap:
+            shared, routed = run_branches(lambda: self.shared_experts(flat), lambda: self.experts.routed_experts(flat))
+        else:
+            shared, routed = self.shared_experts(flat), self.experts.routed_experts(flat)
+        return (routed + shared).view(x.shape)
