@@ -1,12 +1,10 @@
 """graphs/: capture memory with a stream per layer vs shared role streams, and decode latency of
 a 4-layer Qwen3-30B-A3B-shaped MoE stack (router + experts), eager vs CUDA-graph replay."""
-import statistics
-
 import pytest
 import torch
 
 from moe_triton import FusedMoE
-from moe_triton.bench import QWEN3_30B_A3B, branch_stack_capture_bytes
+from moe_triton.bench import QWEN3_30B_A3B, branch_stack_capture_bytes, event_median_seconds
 from moe_triton.graphs import DecodeGraphRunner, GraphConfig, StaticInput
 
 LAYERS = 4
@@ -44,20 +42,6 @@ def qwen_stack():
         return x
 
     return step
-
-
-def event_median_seconds(fn, iterations=50):
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iterations):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
 
 
 @pytest.mark.gpu

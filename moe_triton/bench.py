@@ -5,6 +5,7 @@ bytes read + written) and F (a large bf16 matmul) measured in the same run.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -198,3 +199,36 @@ def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: 
     del graph, out
     torch.cuda.empty_cache()
     return used
+
+
+def event_median_seconds(fn: Callable[[], object], iterations: int = 30) -> float:
+    """Median seconds of `fn` between CUDA events (host launch gaps included), after a warm-up."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iterations):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build modules directly in `dtype` (large bf16 models never exist in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def random_init_(module: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, std)
+    return module
