@@ -53,11 +53,14 @@ def test_float32_generation_through_graphs_matches_transformers(checkpoint):
     assert torch.equal(actual, expected)
 
 
-def test_overlap_on_and_off_give_the_same_tokens(checkpoint, monkeypatch):
-    name, _, path = checkpoint
-    if not name.startswith("cohere2_moe"):
-        pytest.skip("overlap applies to the parallel-block family")
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("cohere2_moe")])  # the overlapping family
+def test_overlap_on_and_off_give_the_same_tokens(family, tmp_path, monkeypatch):
     import moe_triton.models.cohere2_moe as cohere
+
+    make, seed = FAMILIES[family]
+    torch.manual_seed(0)
+    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
+    path = tmp_path
 
     calls = []
     monkeypatch.setattr(cohere, "run_branches", lambda *a, **k: calls.append(k.get("role", "alt")) or run_branches(*a, **k))
