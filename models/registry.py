@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..bench import default_dtype
 from .checkpoint import load_into, read_safetensors
 
 MODELS: dict[str, type] = {}
@@ -31,8 +32,10 @@ def model_class(config) -> type:
                      f"supported: {sorted(MODELS)}")
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
-    """Build the registered model for `path`'s config.json and load its safetensors weights."""
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+               backend: str = "auto"):
+    """Build the registered model for `path`'s config.json and load its safetensors weights; every
+    MoE layer resolves `backend` once, at construction (see moe_triton.backends)."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -42,7 +45,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     cls = model_class(config)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    with torch.device(device):
-        model = cls(config).to(dtype)
+    with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
+        model = cls(config, backend=backend)
     load_into(model, read_safetensors(path), model.renames, model.ignore)
     return model.eval()
