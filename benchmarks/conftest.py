@@ -2,7 +2,14 @@
 
 Run on the GPU machine:
     pytest benchmarks -m gpu --benchmark-only --bench-table docs/bench.md
+Regression runs (README, "Benchmark regression runs"): save a baseline with --benchmark-save,
+compare with --benchmark-compare --benchmark-compare-fail=median:20%. Setting
+MOE_TRITON_BENCH_SLOWDOWN=1 runs a deliberately slowed variant (small tiles, no TMA) that such a
+comparison must fail: the proof that the check can fail.
 """
+import os
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,6 +17,20 @@ from moe_triton.bench import Ceilings, measure_ceilings
 
 TABLES: dict[str, list[dict]] = {}
 CEILINGS: list[Ceilings] = []
+
+
+def pytest_configure(config):
+    if os.environ.get("MOE_TRITON_BENCH_SLOWDOWN"):  # read here, at the entry point, never in the library
+        import moe_triton.fused_moe as fused_moe
+
+        choose = fused_moe.choose_config
+
+        def slowed(*args, **kwargs):
+            tiles = choose(*args, **kwargs)
+            slow = dict(block_n=32, block_k=32, num_stages=2, tma_weights=False)
+            return replace(tiles, up=replace(tiles.up, **slow), down=replace(tiles.down, **slow))
+
+        fused_moe.choose_config = slowed
 
 
 def pytest_addoption(parser):
