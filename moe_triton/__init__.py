@@ -12,6 +12,10 @@
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, R rows after expand.
 `reference.py` holds the float32 torch reference of the whole layer; `layer.py` the `FusedMoE`
 module; importing the package registers `experts_implementation="moe_triton"` in transformers.
+
+Which backend runs the experts (triton, torch, or a FlashInfer path) is decided once per layer
+by `backends/resolver.py` and kept as `layer.resolution`; `backends/` also holds the
+per-architecture rules, alignment padding, the FlashInfer paths and the temperature-0 probe.
 """
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
 from .config import GemmConfig, MoEConfig, choose_config
@@ -20,7 +24,10 @@ from .expert_gemm import expert_gemm
 from .finalize import finalize, finalize_torch
 from .fused_moe import fused_experts
 from .integrations.transformers import from_transformers, register_experts_implementation
-from .layer import ExpertBackend, FusedMoE, SharedCombination
+from .backends import ExpertBackend, ModelContext, Resolution, pad_experts, resolve
+from .backends.probe import ProbeMismatch, ProbeReport, probe
+from .layer import FusedMoE, SharedCombination
+from .platform import Platform, detect_platform
 from .reference import fused_experts_torch
 from .routing import (RoutingSpec, Scoring, SelectOn, biased_sigmoid_topk, grouped_topk, route, route_torch,
                       softmax_topk, topk_sigmoid, topk_softmax)
@@ -32,7 +39,8 @@ __all__ = [
     "GemmConfig", "MoEConfig", "choose_config",
     "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
     "fused_experts", "fused_experts_torch", "from_transformers",
-    "ExpertBackend", "FusedMoE", "SharedCombination",
+    "ExpertBackend", "FusedMoE", "SharedCombination", "ModelContext", "Resolution", "resolve", "pad_experts",
+    "Platform", "detect_platform", "probe", "ProbeReport", "ProbeMismatch",
     "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch",
     "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk",
 ]

@@ -1,9 +1,16 @@
-"""`moe-triton` (also `python -m moe_triton`): the command line. Environment is read here only."""
+"""`moe-triton` (also `python -m moe_triton`): the command line. Environment is read here only.
+
+    moe-triton bench                      time the expert layer on a built-in shape
+    moe-triton resolve MODEL [--platform sm100] [--backend auto] [--all-to-all X] [--lora]
+    moe-triton probe A B                  the same small layer on backends A and B, compared
+"""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -61,6 +68,74 @@ def bench(args) -> int:
     return 0
 
 
+def _read_config(path: Path) -> tuple[dict, Path | None]:
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise ValueError(f"{path} is neither a config.json nor a model directory holding one")
+    try:
+        return json.loads(config_file.read_text()), config_file.parent
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+
+
+def resolve_backend(args) -> int:
+    from . import platform as platforms
+    from .backends import ModelContext, experts_quantization, resolve
+
+    try:
+        config, model_dir = _read_config(Path(args.model))
+        platform = platforms.named_platform(args.platform) if args.platform else platforms.detect_platform()
+        context = ModelContext.from_config(config, model_dir, all_to_all=args.all_to_all, lora=args.lora)
+        resolution = resolve(args.backend, platform, context)
+    except ValueError as error:
+        print(f"moe-triton resolve: {error}", file=sys.stderr)
+        return 2
+    if args.platform:
+        where = f"{platform} (named" + (f"; FlashInfer {platform.flashinfer} assumed)" if platform.flashinfer else ")")
+    else:
+        where = f"{platform} (this machine; FlashInfer {platform.flashinfer or 'not installed'})"
+    print(f"model:         {context.architecture} ({args.model})")
+    print(f"quantization:  {experts_quantization(context.quant_config)}")
+    print(f"platform:      {where}")
+    print(f"all-to-all:    {context.all_to_all or 'none'}   LoRA: {'on' if context.lora else 'off'}")
+    print(f"requested:     {resolution.requested}")
+    print(f"backend:       {resolution.backend.value}")
+    print(f"rule:          {resolution.rule}")
+    print(f"reason:        {resolution.reason}")
+    print("(the layer also checks its own dtype, hidden size, activation and routing when it is built)")
+    return 0
+
+
+def probe_backends(args) -> int:
+    from .backends.probe import ProbeCase, ProbeMismatch, build_case, probe
+    from .platform import interpreter_enabled
+
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    if not on_gpu and not interpreter_enabled():
+        _restart_with_interpreter()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter's bf16 dot is unreliable
+    case = ProbeCase(num_tokens=args.tokens)
+    try:
+        layer_a, hidden_states, lm_head = build_case(case, args.backends[0], dtype, device, seed=args.seed)
+        layer_b, _, _ = build_case(case, args.backends[1], dtype, device, seed=args.seed)
+    except (ValueError, ImportError) as error:
+        print(f"moe-triton probe: {error}", file=sys.stderr)
+        return 2
+    print(f"moe-triton probe: E={case.num_experts} K={case.top_k} H={case.hidden_size} I={case.intermediate_size} "
+          f"T={case.num_tokens}, {dtype}")
+    for layer in (layer_a, layer_b):
+        print(f"  {layer.resolution}")
+    try:
+        report = probe(layer_a, layer_b, hidden_states, lm_head=lm_head, tolerance=args.tolerance,
+                       min_token_agreement=args.min_agreement)
+    except ProbeMismatch as mismatch:
+        print(mismatch.report)
+        return 1
+    print(report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-triton", description="Triton MoE expert layer tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -68,5 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--tokens", type=int, nargs="+", help="token counts to time")
     bench_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
     bench_parser.set_defaults(run=bench)
+    backends = ["auto", "triton", "torch", "flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutlass"]
+    resolve_parser = commands.add_parser("resolve", help="which expert backend a model gets here, and why")
+    resolve_parser.add_argument("model", help="a config.json or a model directory holding one")
+    resolve_parser.add_argument("--platform", help="resolve for a named platform: cpu, sm90, sm100, sm103, sm110, sm120")
+    resolve_parser.add_argument("--backend", default="auto", choices=backends)
+    resolve_parser.add_argument("--all-to-all", dest="all_to_all", help="expert-parallel all-to-all backend, e.g. deepep")
+    resolve_parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
+    resolve_parser.set_defaults(run=resolve_backend)
+    probe_parser = commands.add_parser("probe", help="run a small layer on two backends and compare (temperature 0)")
+    probe_parser.add_argument("backends", nargs=2, choices=backends, metavar="BACKEND",
+                              help=f"two of {', '.join(backends)} (e.g. torch triton)")
+    probe_parser.add_argument("--tokens", type=int, default=16)
+    probe_parser.add_argument("--tolerance", type=float, help="max relative difference (default by dtype)")
+    probe_parser.add_argument("--min-agreement", dest="min_agreement", type=float, default=1.0,
+                              help="minimum fraction of equal greedy tokens")
+    probe_parser.add_argument("--seed", type=int, default=0)
+    probe_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
+    probe_parser.set_defaults(run=probe_backends)
     args = parser.parse_args(argv)
     return args.run(args)

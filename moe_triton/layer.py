@@ -7,25 +7,43 @@ non-gated experts), `down_proj` (E, H, I), router `gate_weight` (E, H).
     x [T, H] -> router logits [T, E] -> route -> ids, weights [T, K]
       -> expert_input_proj? -> experts -> expert_output_proj? -> * routed_scaling_factor
       (+ shared_experts(x), summed or averaged)
+
+The experts run on the backend resolved once at construction (backends/resolver.py; kept as
+`layer.resolution`): triton, torch, or a FlashInfer path (flashinfer_trtllm routes inside its
+kernel from the logits). `prepare_weights()` after loading pads I to that backend's multiple and
+builds FlashInfer's weight view; padding replaces the parameters (no longer shared), the
+FlashInfer view is a second copy of the experts.
 """
 from __future__ import annotations
 
 import enum
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import platform as platforms
 from .activation import SILU_AND_MUL, Activation
+from .backends.catalog import SPECS, ExpertBackend, LayerTraits, ModelContext
+from .backends.flashinfer import FlashInferExperts, FlashInferModules, import_flashinfer, prepare_experts, run_cutlass, \
+    run_trtllm, run_trtllm_routed
+from .backends.padding import pad_experts
+from .backends.quantization import experts_quantization
+from .backends.resolver import Resolution, resolve
 from .fused_moe import fused_experts
-from .platform import triton_can_run_on
+from .platform import Platform
 from .reference import fused_experts_torch
 from .routing import RoutingSpec, route, route_torch
 
+logger = logging.getLogger("moe_triton")
 
-class ExpertBackend(enum.Enum):
-    TRITON = "triton"  # our pipeline (routing, expand, GEMMs, activation, finalize)
-    TORCH = "torch"  # the float32 reference, cast back to the input dtype
+
+@functools.lru_cache(maxsize=None)
+def _log_resolution(resolution: Resolution) -> None:
+    # once per distinct resolution per process, not once per layer of a 60-layer model
+    logger.info("moe_triton experts backend: %s", resolution)
 
 
 class SharedCombination(enum.Enum):
@@ -34,6 +52,10 @@ class SharedCombination(enum.Enum):
 
 
 class FusedMoE(nn.Module):
+    """The backend is resolved once here (`self.resolution`, see backends/resolver.py); call
+    `prepare_weights()` once after loading weights: it pads I to the backend's multiple and builds
+    FlashInfer's weight view (triton and torch need nothing and run without it)."""
+
     def __init__(
         self,
         num_experts: int,
@@ -52,6 +74,8 @@ class FusedMoE(nn.Module):
         expert_output_proj: nn.Module | None = None,
         expert_hidden_size: int | None = None,
         backend: ExpertBackend | str = "auto",
+        context: ModelContext | None = None,
+        platform: Platform | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
@@ -78,45 +102,83 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, expert_in, intermediate_size, **factory))
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
-        self.backend = self.resolve_backend(backend, self.gate_up_proj.device)
+        # platform: where the layer will run; detected from `device` unless given (from_transformers
+        # builds on the meta device and passes the platform of the block's weights).
+        self.context = context or ModelContext()
+        traits = LayerTraits(expert_in, self.gate_up_proj.dtype, activation.kind, self.routing, correction_bias)
+        self.resolution = resolve(backend, platform or platforms.detect_platform(self.gate_up_proj.device),
+                                  self.context, traits)
+        _log_resolution(self.resolution)
+        self.flashinfer_experts: FlashInferExperts | None = None  # set by prepare_weights
+        self._flashinfer: FlashInferModules | None = None
 
-    @staticmethod
-    def resolve_backend(backend: ExpertBackend | str, device: torch.device) -> ExpertBackend:
-        if backend == "auto":
-            return ExpertBackend.TRITON if triton_can_run_on(device) else ExpertBackend.TORCH
-        backend = ExpertBackend(backend)
-        if backend is ExpertBackend.TRITON and not triton_can_run_on(device):
-            raise ValueError(f"backend='triton' cannot run on {device}: use a CUDA device, TRITON_INTERPRET=1, "
-                             "or backend='torch'")
-        return backend
+    @property
+    def backend(self) -> ExpertBackend:
+        return self.resolution.backend
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """After loading: zero-pad I to the backend's multiple, then build FlashInfer's view. Idempotent."""
+        spec = SPECS[self.backend]
+        w13, w2 = pad_experts(self.gate_up_proj, self.down_proj, spec.intermediate_multiple, self.activation.gated)
+        if w2 is not self.down_proj:
+            self.gate_up_proj = nn.Parameter(w13, requires_grad=False)
+            self.down_proj = nn.Parameter(w2, requires_grad=False)
+        if spec.flashinfer:
+            self._flashinfer = import_flashinfer()
+            quant = experts_quantization(self.context.quant_config).format
+            self.flashinfer_experts = prepare_experts(self.backend, self.gate_up_proj, self.down_proj,
+                                                      self.activation, quant, self._flashinfer)
 
     @property
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, H) -> logits (T, E)."""
+        if self.router_in_float32:
+            return F.linear(x.float(), self.gate_weight.float())
+        return F.linear(x.to(self.gate_weight.dtype), self.gate_weight)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router: x (T, H) -> topk_ids (T, K) int32, topk_weights (T, K) float32."""
-        if self.router_in_float32:
-            logits = F.linear(x.float(), self.gate_weight.float())  # [T, E]
-        else:
-            logits = F.linear(x.to(self.gate_weight.dtype), self.gate_weight)  # [T, E]
+        logits = self.router_logits(x)  # [T, E]
         if self.backend is ExpertBackend.TORCH:
             return route_torch(logits, self.routing, self.e_score_correction_bias)
         return route(logits, self.routing, self.e_score_correction_bias)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts alone: x (T, H) -> a fresh (T, H)."""
-        if self.backend is ExpertBackend.TORCH:
+        """The routed experts alone, on our top-k: x (T, H) -> a fresh (T, H)."""
+        backend = self.backend
+        if backend is ExpertBackend.TORCH:
             out = fused_experts_torch(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
                                       activation=self.activation)
             return out.to(x.dtype)
-        return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, activation=self.activation)
+        if backend is ExpertBackend.TRITON:
+            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, activation=self.activation)
+        if backend is ExpertBackend.FLASHINFER_TRTLLM:
+            raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: call routed_experts(x)")
+        run = run_trtllm_routed if backend is ExpertBackend.FLASHINFER_TRTLLM_ROUTED else run_cutlass
+        return self._flashinfer_call(run, x, topk_ids, topk_weights)
+
+    def _flashinfer_call(self, run, x: torch.Tensor, *routing_args) -> torch.Tensor:
+        if self.flashinfer_experts is None:
+            raise RuntimeError(f"backend {self.backend.value} runs on prepared weights: call layer.prepare_weights() "
+                               "once after loading them")
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"x is {x.dtype}; FlashInfer backends take bfloat16 hidden states")
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        return run(self.flashinfer_experts, self._flashinfer, x, *routing_args)
 
     def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Router, projections and experts as one schedulable unit: x (T, H) -> (T, H)."""
-        topk_ids, topk_weights = self.route(x)
         h = self.expert_input_proj(x) if self.expert_input_proj is not None else x
-        h = self.experts(h, topk_ids, topk_weights)
+        if self.backend is ExpertBackend.FLASHINFER_TRTLLM:  # routing fused into the kernel
+            h = self._flashinfer_call(run_trtllm, h, self.router_logits(x), self.routing)
+        else:
+            topk_ids, topk_weights = self.route(x)
+            h = self.experts(h, topk_ids, topk_weights)
         if self.expert_output_proj is not None:
             h = self.expert_output_proj(h)
         return h * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else h

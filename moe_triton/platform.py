@@ -1,8 +1,24 @@
-"""Where kernels can run: the one place that looks at the hardware and the Triton interpreter."""
+"""Where kernels can run: the one place that looks at the hardware, the Triton interpreter and FlashInfer.
+
+`detect_platform` is the single detection function: the layer and the CLI call it through this
+module (`platform.detect_platform(...)`), so a test replaces it with monkeypatch and SM100
+behaviour is tested without SM100 hardware. `named_platform` builds the same value from a name
+(`sm100`, `cpu`) for `moe-triton resolve --platform`.
+"""
 from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+from dataclasses import dataclass
 
 import torch
 import triton
+
+# The FlashInfer release whose published API backends/flashinfer.py follows; older ones lack
+# the prepare helpers and the (topk_ids, topk_weights) routed form it uses.
+FLASHINFER_MIN_VERSION = (0, 7, 2)
+FLASHINFER_READ_VERSION = "0.7.2.post1"
 
 
 def interpreter_enabled() -> bool:
@@ -12,3 +28,58 @@ def interpreter_enabled() -> bool:
 
 def triton_can_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What backend choice may know of the machine."""
+
+    device_type: str  # "cuda" or "cpu"
+    capability: tuple[int, int] | None = None  # CUDA compute capability, None on CPU
+    flashinfer: str | None = None  # installed flashinfer-python version, None when absent
+    interpreter: bool = False  # Triton's CPU interpreter is on
+
+    @property
+    def sm(self) -> int | None:
+        """Compute capability as one number (SM90 -> 90, SM103 -> 103); None on CPU."""
+        return None if self.capability is None else self.capability[0] * 10 + self.capability[1]
+
+    def flashinfer_version(self) -> tuple[int, ...] | None:
+        """The leading numeric release parts (0.7.2.post1 -> (0, 7, 2)); None when absent or unparsable."""
+        match = re.match(r"(\d+)\.(\d+)\.(\d+)", self.flashinfer or "")
+        return tuple(int(part) for part in match.groups()) if match else None
+
+    def __str__(self) -> str:
+        if self.device_type == "cpu":
+            return f"CPU (Triton interpreter {'on' if self.interpreter else 'off'})"
+        return f"SM{self.sm}"
+
+
+def _flashinfer_version() -> str | None:
+    # Looked up without importing FlashInfer: importing it initialises CUDA and its JIT.
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    try:
+        return importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def detect_platform(device: torch.device | str | None = None) -> Platform:
+    """The platform `device` (default: CUDA when present, else CPU) belongs to."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return Platform("cuda", torch.cuda.get_device_capability(device), _flashinfer_version(), interpreter_enabled())
+    return Platform("cpu", None, _flashinfer_version(), interpreter_enabled())
+
+
+def named_platform(name: str) -> Platform:
+    """`sm90`, `sm100`, `sm103`, `sm110`, `sm120` ... or `cpu`; FlashInfer is assumed installed at the
+    version backends/flashinfer.py follows, so the answer shows what a fully equipped machine gets."""
+    name = name.strip().lower()
+    if name == "cpu":
+        return Platform("cpu")
+    match = re.fullmatch(r"sm(\d+)(\d)", name)
+    if not match:
+        raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100, sm103")
+    return Platform("cuda", (int(match.group(1)), int(match.group(2))), FLASHINFER_READ_VERSION)

@@ -17,7 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .. import platform as platforms
 from ..activation import Activation, ActivationKind
+from ..backends.catalog import ModelContext
 from ..fused_moe import fused_experts
 from ..layer import FusedMoE, SharedCombination
 from ..routing import RoutingSpec, Scoring, SelectOn
@@ -130,8 +132,10 @@ def _nemotron_h(block) -> dict:
                 expert_output_proj=block.fc2_latent_proj)
 
 
-def from_transformers(block: nn.Module, backend: str = "auto") -> FusedMoE:
-    """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies)."""
+def from_transformers(block: nn.Module, backend: str = "auto", context: ModelContext | None = None) -> FusedMoE:
+    """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies unless the
+    resolved backend pads or prepares them). `context` tells backend choice the model's
+    architecture, quantization config, all-to-all and LoRA (see backends/resolver.py)."""
     name = type(block).__name__
     if name not in _ADAPTERS:
         raise ValueError(f"from_transformers does not know {name}; supported blocks: {sorted(_ADAPTERS)}")
@@ -139,14 +143,15 @@ def from_transformers(block: nn.Module, backend: str = "auto") -> FusedMoE:
     bias = parts.pop("correction_bias", None)
     w13, w2 = _expert_weights(block.experts)
     E, I, H = w2.shape[0], w2.shape[2], block.gate.weight.shape[1]
-    # Built on the meta device (nothing allocated), then given the block's own tensors.
+    # Built on the meta device (nothing allocated), resolved for the block's own device, then given its tensors.
     layer = FusedMoE(E, parts["routing"].top_k, H, I, activation=experts_activation(block.experts),
-                     correction_bias=bias is not None, expert_hidden_size=w2.shape[1], backend="torch",
+                     correction_bias=bias is not None, expert_hidden_size=w2.shape[1], backend=backend,
+                     context=context, platform=platforms.detect_platform(w13.device), dtype=w13.dtype,
                      device="meta", **parts)
     layer.gate_weight = block.gate.weight
     layer.gate_up_proj = w13 if isinstance(w13, nn.Parameter) else nn.Parameter(w13, w13.requires_grad)
     layer.down_proj = w2 if isinstance(w2, nn.Parameter) else nn.Parameter(w2, w2.requires_grad)
     if bias is not None:
         layer.e_score_correction_bias = bias
-    layer.backend = FusedMoE.resolve_backend(backend, w13.device)
+    layer.prepare_weights()
     return layer

@@ -1,0 +1,21 @@
+"""Expert backends: which one runs the experts, why, and what it needs.
+
+    catalog.py       ExpertBackend, each backend's BackendSpec, the one support check
+    quantization.py  a checkpoint's quantization_config -> the experts' format
+    rules.py         per-architecture rules for backend="auto"
+    resolver.py      resolve(): request + platform + model + layer -> Resolution (backend, rule, reason)
+    padding.py       zero-padding I to a backend's multiple, after loading
+    flashinfer.py    the FlashInfer paths (imported lazily) and their weight preparation
+    probe.py         the temperature-0 probe: one layer on two backends, compared
+"""
+from .catalog import SPECS, BackendSpec, ExpertBackend, LayerTraits, ModelContext, unsupported_reason
+from .padding import pad_experts, padded_size
+from .quantization import ExpertsQuantization, QuantFormat, experts_quantization
+from .resolver import Resolution, resolve
+from .rules import RULES, Decision, rule_for
+
+__all__ = [
+    "SPECS", "BackendSpec", "ExpertBackend", "LayerTraits", "ModelContext", "unsupported_reason",
+    "pad_experts", "padded_size", "ExpertsQuantization", "QuantFormat", "experts_quantization",
+    "Resolution", "resolve", "RULES", "Decision", "rule_for",
+]

@@ -1,0 +1,174 @@
+"""The expert backends and what each can run: one `BackendSpec` per backend, one support check.
+
+`unsupported_reason` is the only place that decides whether a backend can run a layer here; the
+resolver asks it about explicit requests (an answer means a ValueError at construction) and about
+a rule's pick (an answer means the default stays, with that reason). The padding a kernel needs
+is part of its spec (`intermediate_multiple`), read by the layer after loading.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..activation import ActivationKind
+from ..platform import FLASHINFER_MIN_VERSION, Platform
+from ..routing import RoutingSpec, Scoring, SelectOn
+from .quantization import QuantFormat, experts_quantization
+
+
+class ExpertBackend(enum.Enum):
+    TRITON = "triton"  # our pipeline (routing, expand, GEMMs, activation, finalize)
+    TORCH = "torch"  # the float32 reference, cast back to the input dtype
+    FLASHINFER_TRTLLM = "flashinfer_trtllm"  # trtllm-gen: routing from logits + experts, one fused path
+    FLASHINFER_TRTLLM_ROUTED = "flashinfer_trtllm_routed"  # trtllm-gen on our precomputed top-k
+    FLASHINFER_CUTLASS = "flashinfer_cutlass"  # FlashInfer's CUTLASS fused MoE on our top-k
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What the model (not the layer) tells backend choice."""
+
+    architecture: str | None = None  # config.architectures[0], e.g. "Cohere2MoeForCausalLM"
+    quant_config: object = None  # the checkpoint's quantization_config, as read from config.json
+    all_to_all: str | None = None  # expert-parallel all-to-all backend ("deepep", ...), None without one
+    lora: bool = False  # LoRA adapters on the experts
+
+    @classmethod
+    def from_config(cls, config: Mapping, model_dir: Path | None = None, *, all_to_all: str | None = None,
+                    lora: bool = False) -> "ModelContext":
+        """From a checkpoint's config.json; a quantization kept only in model_dir/hf_quant_config.json is
+        recorded as that file's name, which reads as unreadable (we do not parse the separate file)."""
+        architectures = config.get("architectures") or [None]
+        quant = config.get("quantization_config")
+        if quant is None and model_dir is not None and (model_dir / "hf_quant_config.json").exists():
+            quant = "hf_quant_config.json"
+        return cls(architectures[0], quant, all_to_all, lora)
+
+
+@dataclass(frozen=True)
+class LayerTraits:
+    """What the layer itself requires of a backend."""
+
+    hidden_size: int  # the experts' H
+    dtype: torch.dtype
+    activation: ActivationKind
+    routing: RoutingSpec
+    correction_bias: bool
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    backend: ExpertBackend
+    sms: frozenset[int] | None  # CUDA compute capabilities it runs on; None: any
+    on_cpu: str | None  # "always", "interpreter" (Triton's CPU interpreter), or None: never
+    flashinfer: bool  # needs FlashInfer installed
+    expert_formats: frozenset[QuantFormat] | None  # checkpoint expert formats it accepts; None: any
+    all_to_all: frozenset[str | None] | None  # all-to-all backends it has a registration for; None: any
+    lora: bool
+    dtypes: tuple[torch.dtype, ...]
+    activations: frozenset[ActivationKind] | None  # None: every kind
+    intermediate_multiple: int  # the per-partition I must be a multiple of this; padded after loading
+    hidden_multiple: int  # H must be a multiple of this (H is never padded)
+    fused_router: bool  # routes from the router logits inside the kernel
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_TRTLLM_SMS = frozenset({100, 103})  # trtllm-gen cubins are built for Blackwell datacenter parts only
+_BF16_OR_NVFP4 = frozenset({QuantFormat.NONE, QuantFormat.NVFP4})
+# Ours take (topk_ids, topk_weights) after any dispatch, so every all-to-all and LoRA outside the layer fit.
+_OURS = dict(sms=None, flashinfer=False, expert_formats=None, all_to_all=None, lora=True, dtypes=_FLOATS,
+             activations=None, intermediate_multiple=1, hidden_multiple=1, fused_router=False)
+_FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloat16,),
+                   activations=frozenset({ActivationKind.SILU_AND_MUL, ActivationKind.RELU2}),
+                   all_to_all=frozenset({None}))
+
+SPECS: Mapping[ExpertBackend, BackendSpec] = {spec.backend: spec for spec in (
+    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", **_OURS),
+    BackendSpec(ExpertBackend.TORCH, on_cpu="always", **_OURS),
+    BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
+                intermediate_multiple=128, hidden_multiple=128, fused_router=True, **_FLASHINFER),
+    BackendSpec(ExpertBackend.FLASHINFER_TRTLLM_ROUTED, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
+                intermediate_multiple=128, hidden_multiple=128, fused_router=False, **_FLASHINFER),
+    # SM90 and newer, as FlashInfer's CUTLASS MoE modules are built (sm90, sm100/110, sm103, sm120/121).
+    BackendSpec(ExpertBackend.FLASHINFER_CUTLASS, frozenset({90, 100, 103, 110, 120, 121}),
+                expert_formats=frozenset({QuantFormat.NONE}), intermediate_multiple=16, hidden_multiple=16,
+                fused_router=False, **_FLASHINFER),
+)}
+
+
+def fused_routing_method(routing: RoutingSpec, correction_bias: bool) -> str | None:
+    """The trtllm-gen RoutingMethodType name that computes exactly what `route` computes, or None."""
+    if correction_bias or routing.n_group > 1 or routing.routed_scaling_factor != 1.0:
+        return None  # biased / grouped selection: use flashinfer_trtllm_routed with our top-k
+    if routing.scoring is Scoring.SOFTMAX:
+        # top-k on logits then softmax over the k == softmax, top-k, renormalise: FlashInfer runs both as one
+        return "Renormalize" if routing.select_on is SelectOn.LOGITS or routing.renormalize else "Default"
+    return "SigmoidRenorm" if routing.renormalize else "Sigmoid"  # sigmoid is monotone: select on either
+
+
+def unsupported_reason(backend: ExpertBackend, platform: Platform, context: ModelContext,
+                       layer: LayerTraits | None = None) -> str | None:
+    """Why `backend` cannot run here, or None when it can."""
+    spec = SPECS[backend]
+    for check in (_platform_reason, _flashinfer_reason, _model_reason, _layer_reason):
+        reason = check(spec, platform, context, layer)
+        if reason:
+            return reason
+    return None
+
+
+def _platform_reason(spec: BackendSpec, platform: Platform, context, layer) -> str | None:
+    if platform.device_type == "cpu":
+        if spec.on_cpu == "always" or (spec.on_cpu == "interpreter" and platform.interpreter):
+            return None
+        if spec.on_cpu == "interpreter":
+            return ("the Triton pipeline runs on CPU only under the interpreter "
+                    "(TRITON_INTERPRET=1 before importing moe_triton)")
+        return "it needs a CUDA GPU"
+    if spec.sms is not None and platform.sm not in spec.sms:
+        why = " (trtllm-gen is Blackwell SM100/SM103 only)" if spec.sms == _TRTLLM_SMS else ""
+        return f"it runs on {', '.join(f'SM{sm}' for sm in sorted(spec.sms))} only{why}"
+    return None
+
+
+def _flashinfer_reason(spec: BackendSpec, platform: Platform, context, layer) -> str | None:
+    if not spec.flashinfer:
+        return None
+    if platform.flashinfer is None:
+        return "FlashInfer is not installed (pip install 'moe-triton[flashinfer]')"
+    version = platform.flashinfer_version()
+    if version is None or version < FLASHINFER_MIN_VERSION:
+        minimum = ".".join(map(str, FLASHINFER_MIN_VERSION))
+        return f"FlashInfer {platform.flashinfer} is older than {minimum}, the API this integration follows"
+    return None
+
+
+def _model_reason(spec: BackendSpec, platform, context: ModelContext, layer) -> str | None:
+    quant = experts_quantization(context.quant_config)
+    if spec.expert_formats is not None and quant.format not in spec.expert_formats:
+        accepted = ", ".join(sorted(fmt.value for fmt in spec.expert_formats))
+        return f"it does not take {quant} (accepts {accepted} experts)"
+    if spec.all_to_all is not None and context.all_to_all not in spec.all_to_all:
+        return f"all-to-all backend {context.all_to_all!r} has no fused registration for this path"
+    if context.lora and not spec.lora:
+        return "LoRA on the experts is not supported by this fused path"
+    return None
+
+
+def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | None) -> str | None:
+    if layer is None:
+        return None
+    if layer.dtype not in spec.dtypes:
+        return f"weights are {layer.dtype}; it takes {', '.join(map(str, spec.dtypes))}"
+    if spec.activations is not None and layer.activation not in spec.activations:
+        return f"activation {layer.activation.name} is not one it implements ({sorted(a.name for a in spec.activations)})"
+    if layer.hidden_size % spec.hidden_multiple:
+        return f"hidden size {layer.hidden_size} is not a multiple of {spec.hidden_multiple}"
+    if spec.fused_router and fused_routing_method(layer.routing, layer.correction_bias) is None:
+        return (f"its in-kernel router cannot compute {layer.routing} with correction_bias={layer.correction_bias}; "
+                "use flashinfer_trtllm_routed")
+    return None

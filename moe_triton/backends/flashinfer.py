@@ -1,0 +1,160 @@
+"""FlashInfer expert backends: imported lazily, weights prepared once after loading.
+
+Written against flashinfer-python 0.7.2.post1 (docs.flashinfer.ai; flashinfer/fused_moe/core.py,
+api.py, prepare.py of that release). The entry points, by backend:
+
+    flashinfer_trtllm         trtllm_bf16_moe / trtllm_fp4_block_scale_moe          routes from router logits
+    flashinfer_trtllm_routed  trtllm_bf16_routed_moe / trtllm_fp4_block_scale_routed_moe   takes our top-k
+    flashinfer_cutlass        cutlass_fused_moe (bf16)                                 takes our top-k
+
+Where FlashInfer's conventions differ from ours:
+- GEMM1 rows are [up; gate] (TRT-LLM's "w3_w1"); our gate_up_proj is [gate; up]. `up_gate` swaps
+  the halves before FlashInfer's own preparation; a swapped pair computes silu(up) * gate, a
+  plausible but wrong output.
+- trtllm-gen weights are row-shuffled and BlockMajorK; NVFP4 weights are quantized with E4M3
+  block scales and per-expert scalars. Both views are built by FlashInfer's published helpers
+  (`TrtllmBf16Config.prepare_weights`, `TrtllmFp4Config.prepare_weights`,
+  `CutlassBf16Config.prepare_weights`), once, after loading and padding; the prepared tensors are
+  kept under FlashInfer's own keyword names and passed as they are on every forward.
+- NVFP4 here means FlashInfer quantizes the layer's bf16 weights (global scale 1, as its view
+  fixes) and, each forward, the activations; loading a checkpoint's own NVFP4 tensors is not
+  implemented.
+
+Verified on hardware: none of these paths. trtllm-gen is Blackwell-only (SM100/SM103) and refuses
+compute capability < 10, so it cannot run on our H200 (SM90). FlashInfer's SM90 CUTLASS MoE is
+compiled by nvcc on first use from ~180 translation units (well over an hour) and was not built
+or run. What is tested, on CPU: every argument we pass and the weight preparation, against
+checkers that stand in for these entry points with the published signatures.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from ..activation import Activation, ActivationKind
+from ..routing import RoutingSpec
+from .catalog import ExpertBackend, fused_routing_method
+from .quantization import QuantFormat
+
+_ACTIVATION_TYPE = {ActivationKind.SILU_AND_MUL: "Swiglu", ActivationKind.RELU2: "Relu2"}  # tllm_enums.ActivationType
+_ACTIVATION_CONFIG = {ActivationKind.SILU_AND_MUL: "SwiGLU", ActivationKind.RELU2: "ReLU2"}  # fused_moe's typed values
+_PRECOMPUTED_ROUTING = "TopK"  # routed calls: ids and weights are final, no softmax or renormalisation
+
+
+@dataclass(frozen=True)
+class FlashInferModules:
+    fused_moe: ModuleType  # flashinfer.fused_moe: kernels, *Config.prepare_* helpers, SwiGLU() / ReLU2()
+    enums: ModuleType  # flashinfer.tllm_enums: RoutingMethodType, ActivationType, WeightLayout, SfLayout
+
+
+def import_flashinfer() -> FlashInferModules:
+    try:
+        return FlashInferModules(importlib.import_module("flashinfer.fused_moe"),
+                                 importlib.import_module("flashinfer.tllm_enums"))
+    except ImportError as error:
+        raise ImportError(f"FlashInfer backends need FlashInfer: pip install 'moe-triton[flashinfer]' ({error})") from error
+
+
+@dataclass(frozen=True)
+class FlashInferExperts:
+    """The experts as FlashInfer takes them, prepared once after loading."""
+
+    backend: ExpertBackend
+    quant: QuantFormat  # NONE (bf16) or NVFP4
+    activation: ActivationKind
+    num_experts: int  # E
+    hidden_size: int  # H
+    intermediate_size: int  # I, already padded to the backend's multiple
+    weights: Mapping[str, torch.Tensor]  # FlashInfer's prepared view, keyed by its keyword names
+
+
+def up_gate(w13: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """Our [gate; up] (E, 2I, H) as FlashInfer's [up; gate]; non-gated (E, I, H) unchanged."""
+    if not activation.gated:
+        return w13.contiguous()
+    gate, up = w13.chunk(2, dim=1)  # [E, I, H] each
+    return torch.cat([up, gate], dim=1)  # [E, 2I, H]
+
+
+def prepare_experts(backend: ExpertBackend, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
+                    quant: QuantFormat, fi: FlashInferModules) -> FlashInferExperts:
+    """FlashInfer's weight view of (w13 (E, 2I, H) [gate; up] or (E, I, H), w2 (E, H, I))."""
+    if activation.kind not in _ACTIVATION_TYPE:
+        raise ValueError(f"activation {activation.kind.name} has no FlashInfer equivalent; "
+                         f"use {sorted(k.name for k in _ACTIVATION_TYPE)}")
+    if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        raise ValueError(f"FlashInfer backends take bfloat16 weights, got {w13.dtype} / {w2.dtype}; "
+                         "build the layer with dtype=torch.bfloat16")
+    E, H, I = w2.shape
+    geometry = dict(num_local_experts=E, hidden_size=H, intermediate_size=I, device=w13.device,
+                    activation=getattr(fi.fused_moe, _ACTIVATION_CONFIG[activation.kind])())
+    if backend is ExpertBackend.FLASHINFER_CUTLASS:
+        config = fi.fused_moe.CutlassBf16Config
+    elif quant is QuantFormat.NVFP4:
+        config = fi.fused_moe.TrtllmFp4Config  # NVFP4 x NVFP4 by default
+    else:
+        config = fi.fused_moe.TrtllmBf16Config
+    weights = config.prepare_weights(up_gate(w13, activation), w2.contiguous(), **geometry)
+    return FlashInferExperts(backend, quant, activation.kind, E, H, I, dict(weights))
+
+
+def _trtllm_common(experts: FlashInferExperts, fi: FlashInferModules, top_k: int, routing_method: str) -> dict:
+    return dict(
+        num_experts=experts.num_experts, top_k=top_k, n_group=None, topk_group=None,
+        intermediate_size=experts.intermediate_size, local_expert_offset=0, local_num_experts=experts.num_experts,
+        routed_scaling_factor=None, routing_method_type=int(fi.enums.RoutingMethodType[routing_method]),
+        activation_type=int(fi.enums.ActivationType[_ACTIVATION_TYPE[experts.activation]]), do_finalize=True,
+    )
+
+
+def _trtllm_weights(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor) -> dict:
+    if experts.quant is not QuantFormat.NVFP4:
+        return dict(hidden_states=hidden_states, use_shuffled_weight=True,
+                    weight_layout=int(fi.enums.WeightLayout.BlockMajorK), **experts.weights)
+    hidden_fp4, hidden_scale = fi.fused_moe.TrtllmFp4Config.prepare_activations(hidden_states)  # [T, H/2], [T, H/16]
+    weights = dict(experts.weights)
+    return dict(hidden_states=hidden_fp4, hidden_states_scale=hidden_scale,
+                hidden_states_scale_layout=fi.enums.SfLayout.layout_linear,
+                gemm1_bias=None, gemm1_alpha=weights.pop("gemm1_alpha", None), gemm1_beta=None,
+                gemm1_clamp_limit=None, gemm2_bias=None, **weights)
+
+
+def _output(result) -> torch.Tensor:
+    # bf16 entry points return the tensor (deprecated) or [output]; the fp4 ones return [output]
+    return result[0] if isinstance(result, (list, tuple)) else result
+
+
+def run_trtllm(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
+               router_logits: torch.Tensor, routing: RoutingSpec) -> torch.Tensor:
+    """flashinfer_trtllm: hidden_states (T, H) bf16, router_logits (T, E) -> (T, H); routing inside the kernel."""
+    method = fused_routing_method(routing, correction_bias=False)
+    kwargs = dict(routing_logits=router_logits.float(), routing_bias=None, norm_topk_prob=routing.renormalize,
+                  **_trtllm_common(experts, fi, routing.top_k, method), **_trtllm_weights(experts, fi, hidden_states))
+    kernel = fi.fused_moe.trtllm_fp4_block_scale_moe if experts.quant is QuantFormat.NVFP4 else fi.fused_moe.trtllm_bf16_moe
+    return _output(kernel(**kwargs))
+
+
+def run_trtllm_routed(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
+                      topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """flashinfer_trtllm_routed: hidden_states (T, H) bf16, our topk_ids / topk_weights (T, K) -> (T, H)."""
+    routing = (topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous())  # the unpacked form
+    kwargs = dict(topk_ids=routing, **_trtllm_common(experts, fi, topk_ids.shape[1], _PRECOMPUTED_ROUTING),
+                  **_trtllm_weights(experts, fi, hidden_states))
+    if experts.quant is QuantFormat.NVFP4:
+        return _output(fi.fused_moe.trtllm_fp4_block_scale_routed_moe(routing_bias=None, **kwargs))
+    return _output(fi.fused_moe.trtllm_bf16_routed_moe(**kwargs))
+
+
+def run_cutlass(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
+                topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """flashinfer_cutlass: hidden_states (T, H) bf16, our topk_ids / topk_weights (T, K) -> (T, H)."""
+    activation_type = fi.enums.ActivationType[_ACTIVATION_TYPE[experts.activation]]
+    return _output(fi.fused_moe.cutlass_fused_moe(
+        input=hidden_states, token_selected_experts=topk_ids.to(torch.int32).contiguous(),
+        token_final_scales=topk_weights.float().contiguous(), output_dtype=hidden_states.dtype,
+        quant_scales=[], activation_type=activation_type, **experts.weights,
+    ))

@@ -1,0 +1,77 @@
+"""The resolver: one pure function from a request and what is known to the backend that runs, and why.
+
+    requested ("auto" or a backend), platform, model context, layer traits
+      -> explicit request?  runs here -> it, unchanged        cannot -> ValueError (backend, platform, reason)
+      -> auto: the architecture's rule (rules.py), if any   pin that runs here -> the pin
+                                                            no pin / pin cannot run -> the default, with the reason
+      -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on
+
+Called once when a layer is built; the `Resolution` is logged and kept as `layer.resolution`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..platform import Platform
+from .catalog import ExpertBackend, LayerTraits, ModelContext, unsupported_reason
+from .rules import rule_for
+
+AUTO = "auto"
+EXPLICIT = "explicit request"
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    backend: ExpertBackend
+    requested: str  # "auto" or a backend's value
+    rule: str  # EXPLICIT, DEFAULT, or the name of the architecture rule that decided
+    reason: str
+    platform: Platform
+
+    def __str__(self) -> str:
+        return f"{self.backend.value} (requested {self.requested}, {self.platform}, rule: {self.rule}): {self.reason}"
+
+
+def parse_backend(backend: ExpertBackend | str) -> ExpertBackend | str:
+    """AUTO or an ExpertBackend; anything else is a ValueError that lists the choices."""
+    if backend == AUTO or isinstance(backend, ExpertBackend):
+        return backend
+    try:
+        return ExpertBackend(backend)
+    except ValueError:
+        choices = ", ".join([AUTO] + [b.value for b in ExpertBackend])
+        raise ValueError(f"backend={backend!r} is not a backend; pass one of {choices}") from None
+
+
+def default_backend(platform: Platform) -> tuple[ExpertBackend, str]:
+    if platform.device_type == "cuda":
+        return ExpertBackend.TRITON, "no rule pins another backend: the Triton pipeline on a CUDA GPU"
+    if platform.interpreter:
+        return ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"
+    return ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference"
+
+
+def resolve(requested: ExpertBackend | str, platform: Platform, context: ModelContext = ModelContext(),
+            layer: LayerTraits | None = None) -> Resolution:
+    """The backend for `requested` on `platform`; raises ValueError for an explicit request that cannot run."""
+    requested = parse_backend(requested)
+    if requested != AUTO:
+        reason = unsupported_reason(requested, platform, context, layer)
+        if reason:
+            raise ValueError(f"backend={requested.value!r} cannot run on {platform}: {reason}. "
+                             f"Choose another backend, or backend='auto'")
+        return Resolution(requested, requested.value, EXPLICIT, "requested explicitly, never rewritten", platform)
+    default, why_default = default_backend(platform)
+    rule = rule_for(context.architecture)
+    if rule is None:
+        return Resolution(default, AUTO, DEFAULT, f"no rule for {context.architecture or 'this model'}; {why_default}",
+                          platform)
+    decision = rule.decide(platform, context)
+    if decision.backend is None:
+        return Resolution(default, AUTO, rule.name, f"{decision.reason}; keeps {default.value}", platform)
+    blocked = unsupported_reason(decision.backend, platform, context, layer)
+    if blocked:
+        return Resolution(default, AUTO, rule.name, f"would pick {decision.backend.value} ({decision.reason}), "
+                                                    f"but {blocked}; keeps {default.value}", platform)
+    return Resolution(decision.backend, AUTO, rule.name, decision.reason, platform)

@@ -1,0 +1,42 @@
+"""platform.py: detection and named platforms."""
+import sys
+
+import pytest
+import torch
+
+import moe_triton.platform as platforms
+from moe_triton.platform import Platform, detect_platform, named_platform
+
+
+def test_detect_platform_on_this_machine():
+    platform = detect_platform("cpu")
+    assert platform.device_type == "cpu" and platform.sm is None
+    assert platform.interpreter == platforms.interpreter_enabled()
+    if torch.cuda.is_available():
+        assert detect_platform("cuda").capability == torch.cuda.get_device_capability()
+
+
+def test_flashinfer_presence_is_read_without_importing_it(monkeypatch):
+    monkeypatch.setattr(platforms.importlib.util, "find_spec", lambda name: None)
+    assert detect_platform("cpu").flashinfer is None
+    monkeypatch.setattr(platforms.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(platforms.importlib.metadata, "version", lambda name: "0.7.2.post1")
+    assert detect_platform("cpu").flashinfer == "0.7.2.post1"
+    assert "flashinfer" not in sys.modules  # only its metadata was read
+
+
+@pytest.mark.parametrize("name,sm", [("sm90", 90), ("SM100", 100), ("sm103", 103), ("sm110", 110), ("sm120", 120)])
+def test_named_platforms(name, sm):
+    platform = named_platform(name)
+    assert platform.sm == sm and str(platform) == f"SM{sm}" and platform.flashinfer_version() == (0, 7, 2)
+
+
+def test_named_cpu_and_bad_names():
+    assert named_platform("cpu") == Platform("cpu")
+    with pytest.raises(ValueError, match="platform='h200' is not a platform name"):
+        named_platform("h200")
+
+
+@pytest.mark.parametrize("version,parsed", [("0.7.2.post1", (0, 7, 2)), ("0.6.1", (0, 6, 1)), ("unknown", None)])
+def test_flashinfer_version_parsing(version, parsed):
+    assert Platform("cuda", (10, 0), version).flashinfer_version() == parsed

@@ -1,0 +1,253 @@
+"""backends/resolver.py (with rules.py and catalog.py): every rule, with the platform faked.
+
+SM90 is the H200; SM100/SM103 Blackwell datacenter parts (trtllm-gen); SM110 and SM120 newer parts
+no rule pins. FlashInfer counts as installed unless a test says otherwise.
+"""
+import json
+import logging
+import re
+
+import pytest
+import torch
+
+import moe_triton.platform as platforms
+from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, RoutingSpec, Scoring, resolve
+from moe_triton.backends import RULES, ExpertBackend, LayerTraits
+from moe_triton.backends.resolver import parse_backend
+from moe_triton.backends.rules import rule
+from moe_triton.cli import main
+from moe_triton.platform import Platform
+from test_quantization import CONFIGS
+
+FI = "0.7.2.post1"
+PLATFORMS = {
+    "SM90": Platform("cuda", (9, 0), FI), "SM100": Platform("cuda", (10, 0), FI),
+    "SM103": Platform("cuda", (10, 3), FI), "SM110": Platform("cuda", (11, 0), FI),
+    "SM120": Platform("cuda", (12, 0), FI), "CPU": Platform("cpu", None, FI, interpreter=False),
+}
+BLACKWELL = ("SM100", "SM103")
+COHERE2 = ("Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration")
+MINIMAX = "MiniMaxM2ForCausalLM"
+TRITON, TORCH = ExpertBackend.TRITON, ExpertBackend.TORCH
+FUSED, ROUTED, CUTLASS = (ExpertBackend.FLASHINFER_TRTLLM, ExpertBackend.FLASHINFER_TRTLLM_ROUTED,
+                          ExpertBackend.FLASHINFER_CUTLASS)
+
+
+def default_on(platform_name):
+    return TORCH if platform_name == "CPU" else TRITON
+
+
+def auto(platform_name, architecture=None, quant=None, **context):
+    return resolve("auto", PLATFORMS[platform_name], ModelContext(architecture, quant, **context))
+
+
+# ---- auto, no rule ------------------------------------------------------------------------------
+
+def test_default_triton_on_gpu_torch_on_cpu_triton_under_the_interpreter():
+    assert auto("SM90").backend is TRITON and auto("SM100").backend is TRITON
+    assert auto("CPU").backend is TORCH
+    assert resolve("auto", Platform("cpu", interpreter=True)).backend is TRITON
+
+
+@pytest.mark.parametrize("quant", ["none", "modelopt-nvfp4", "ct-nvfp4-linear"])
+@pytest.mark.parametrize("platform_name", list(PLATFORMS))
+def test_other_architectures_keep_the_default(platform_name, quant):
+    """No global fallback: a rule for one family changes no other model's default."""
+    resolution = auto(platform_name, "Qwen3MoeForCausalLM", CONFIGS[quant][0])
+    assert resolution.backend is default_on(platform_name) and resolution.rule == "default"
+
+
+# ---- Cohere2-MoE -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("architecture", COHERE2)
+@pytest.mark.parametrize("quant", list(CONFIGS))
+@pytest.mark.parametrize("platform_name", list(PLATFORMS))
+def test_cohere2_moe(platform_name, quant, architecture):
+    config, experts_format = CONFIGS[quant]
+    resolution = auto(platform_name, architecture, config)
+    pinned = platform_name in BLACKWELL and experts_format.value in ("unquantized", "NVFP4")
+    assert resolution.backend is (FUSED if pinned else default_on(platform_name)), resolution.reason
+    assert resolution.rule == "cohere2_moe"
+
+
+def test_cohere2_reasons_say_why():
+    assert "FP8" in auto("SM100", COHERE2[0], CONFIGS["modelopt-fp8"][0]).reason
+    assert "rejects" in auto("SM100", COHERE2[0], CONFIGS["ct-mixed-nvfp4-attention-fp8-experts"][0]).reason
+    assert "fail closed" in auto("SM100", COHERE2[0], CONFIGS["unreadable-separate-file"][0]).reason
+    assert "SM100/SM103 only, not SM90" in auto("SM90", COHERE2[0]).reason
+
+
+# ---- MiniMax-M2 --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quant", list(CONFIGS))
+@pytest.mark.parametrize("platform_name", list(PLATFORMS))
+def test_minimax_m2(platform_name, quant):
+    resolution = auto(platform_name, MINIMAX, CONFIGS[quant][0])
+    pinned = platform_name in BLACKWELL and quant.startswith("modelopt-nvfp4")
+    assert resolution.backend is (ROUTED if pinned else default_on(platform_name)), resolution.reason
+    assert resolution.rule == "minimax_m2"
+
+
+def test_minimax_m2_all_to_all_without_a_routed_registration_is_not_pinned():
+    resolution = auto("SM100", MINIMAX, CONFIGS["modelopt-nvfp4"][0], all_to_all="deepep")
+    assert resolution.backend is TRITON
+    assert "'deepep' has no fused registration" in resolution.reason and "flashinfer_trtllm_routed" in resolution.reason
+
+
+@pytest.mark.parametrize("architecture,quant", [(COHERE2[0], "none"), (MINIMAX, "modelopt-nvfp4")])
+def test_a_pin_that_cannot_run_keeps_the_default(architecture, quant):
+    config = CONFIGS[quant][0]
+    assert "LoRA" in auto("SM100", architecture, config, lora=True).reason
+    assert auto("SM100", architecture, config, lora=True).backend is TRITON
+    assert auto("SM103", architecture, config, all_to_all="deepep").backend is TRITON
+    no_flashinfer = resolve("auto", Platform("cuda", (10, 0), None), ModelContext(architecture, config))
+    assert no_flashinfer.backend is TRITON and "not installed" in no_flashinfer.reason
+    old = resolve("auto", Platform("cuda", (10, 0), "0.6.1"), ModelContext(architecture, config))
+    assert old.backend is TRITON and "older than 0.7.2" in old.reason
+
+
+def test_layer_traits_also_keep_the_default():
+    fp16_layer = LayerTraits(128, torch.float16, ActivationKind.SILU_AND_MUL, RoutingSpec(2), False)
+    resolution = resolve("auto", PLATFORMS["SM100"], ModelContext(COHERE2[0]), fp16_layer)
+    assert resolution.backend is TRITON and "torch.float16" in resolution.reason
+
+
+# ---- explicit requests -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("requested,platform_name", [
+    (TRITON, "SM100"), (TORCH, "SM100"), (TORCH, "CPU"), (FUSED, "SM100"), (FUSED, "SM103"), (ROUTED, "SM103"),
+    (CUTLASS, "SM90"), (CUTLASS, "SM120"), (TRITON, "SM90")])
+@pytest.mark.parametrize("architecture", [COHERE2[0], MINIMAX, None])
+def test_explicit_requests_are_never_rewritten(requested, platform_name, architecture):
+    resolution = resolve(requested.value, PLATFORMS[platform_name], ModelContext(architecture))
+    assert resolution.backend is requested and resolution.rule == "explicit request"
+
+
+@pytest.mark.parametrize("requested,platform,context,reason", [
+    ("flashinfer_trtllm", PLATFORMS["SM90"], ModelContext(), "SM100, SM103 only"),
+    ("flashinfer_trtllm", PLATFORMS["SM110"], ModelContext(), "SM100, SM103 only"),
+    ("flashinfer_trtllm_routed", PLATFORMS["SM120"], ModelContext(), "SM100, SM103 only"),
+    ("flashinfer_cutlass", PLATFORMS["CPU"], ModelContext(), "needs a CUDA GPU"),
+    ("flashinfer_trtllm", Platform("cuda", (10, 0), None), ModelContext(), "FlashInfer is not installed"),
+    ("flashinfer_trtllm", PLATFORMS["SM100"], ModelContext(quant_config=CONFIGS["modelopt-fp8"][0]), "FP8"),
+    ("flashinfer_trtllm", PLATFORMS["SM100"], ModelContext(quant_config="hf_quant_config.json"), "unreadable"),
+    ("flashinfer_cutlass", PLATFORMS["SM90"], ModelContext(quant_config=CONFIGS["modelopt-nvfp4"][0]), "NVFP4"),
+    ("flashinfer_trtllm_routed", PLATFORMS["SM100"], ModelContext(all_to_all="deepep"), "deepep"),
+    ("flashinfer_cutlass", PLATFORMS["SM90"], ModelContext(lora=True), "LoRA"),
+    ("triton", PLATFORMS["CPU"], ModelContext(), "interpreter"),
+])
+def test_impossible_explicit_requests_raise_naming_backend_platform_and_reason(requested, platform, context, reason):
+    with pytest.raises(ValueError, match=re.escape(f"backend='{requested}' cannot run on {platform}: ")) as error:
+        resolve(requested, platform, context)
+    assert reason in str(error.value)
+
+
+def test_unknown_backend_lists_the_choices():
+    with pytest.raises(ValueError, match="backend='cuda' is not a backend; pass one of auto, triton, torch"):
+        parse_backend("cuda")
+
+
+# ---- the layer: resolved once at construction, logged, kept -------------------------------------
+
+def test_layer_resolves_through_the_replaceable_platform_detection(monkeypatch):
+    monkeypatch.setattr(platforms, "detect_platform", lambda device=None: PLATFORMS["SM100"])
+    layer = FusedMoE(8, 2, 128, 96, routing=RoutingSpec(2, Scoring.SOFTMAX, renormalize=True),
+                     context=ModelContext(COHERE2[0]), dtype=torch.bfloat16)
+    assert layer.backend is FUSED and layer.resolution.rule == "cohere2_moe"
+    assert "SM100" in str(layer.resolution)
+
+
+@pytest.mark.parametrize("kwargs,reason", [
+    (dict(dtype=torch.float16), "torch.float16"),
+    (dict(hidden_size=100), "hidden size 100 is not a multiple of 128"),
+    (dict(activation=Activation(ActivationKind.CLAMPED_SWIGLU)), "CLAMPED_SWIGLU"),
+    (dict(correction_bias=True, routing=RoutingSpec(2, Scoring.SIGMOID)), "flashinfer_trtllm_routed"),
+])
+def test_layer_rejects_an_impossible_request_at_construction(kwargs, reason):
+    args = dict(hidden_size=128, dtype=torch.bfloat16, activation=SILU_AND_MUL) | kwargs
+    with pytest.raises(ValueError, match="backend='flashinfer_trtllm' cannot run on SM100") as error:
+        FusedMoE(8, 2, args.pop("hidden_size"), 96, backend="flashinfer_trtllm", platform=PLATFORMS["SM100"], **args)
+    assert reason in str(error.value)
+
+
+def test_resolution_is_logged_once(caplog):
+    context = ModelContext("LoggedOnceForTest")
+    with caplog.at_level(logging.INFO, logger="moe_triton"):
+        for _ in range(3):
+            FusedMoE(4, 2, 16, 8, backend="torch", context=context, platform=PLATFORMS["CPU"])
+    assert len([r for r in caplog.records if "moe_triton experts backend" in r.getMessage()]) == 1
+
+
+def test_rules_register_by_architecture_and_refuse_duplicates():
+    assert {RULES[name].name for name in COHERE2} == {"cohere2_moe"} and RULES[MINIMAX].name == "minimax_m2"
+    with pytest.raises(ValueError, match="already has rule"):
+        rule(MINIMAX)(lambda platform, context: None)
+
+
+# ---- moe-triton resolve ------------------------------------------------------------------------
+
+def write_config(tmp_path, architecture, quant=None, separate_file=False):
+    config = {"architectures": [architecture], "hidden_size": 128}
+    if quant is not None:
+        config["quantization_config"] = quant
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if separate_file:
+        (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("args,backend,rule_name", [
+    (["--platform", "sm100"], "flashinfer_trtllm", "cohere2_moe"),
+    (["--platform", "sm90"], "triton", "cohere2_moe"),
+    (["--platform", "sm100", "--lora"], "triton", "cohere2_moe"),
+    (["--platform", "sm100", "--backend", "torch"], "torch", "explicit request"),
+    (["--platform", "cpu"], "torch", "cohere2_moe"),
+])
+def test_cli_resolve_prints_backend_and_rule(tmp_path, capsys, args, backend, rule_name):
+    model = write_config(tmp_path, COHERE2[0], CONFIGS["ct-nvfp4-experts-regex"][0])
+    assert main(["resolve", str(model), *args]) == 0
+    out = capsys.readouterr().out
+    assert f"backend:       {backend}\n" in out and f"rule:          {rule_name}\n" in out
+    assert "NVFP4 experts" in out
+
+
+def test_cli_resolve_a_separate_quant_file_fails_closed(tmp_path, capsys):
+    model = write_config(tmp_path, COHERE2[0], separate_file=True)
+    assert main(["resolve", str(model / "config.json"), "--platform", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert "backend:       triton" in out and "unreadable" in out
+
+
+def test_cli_resolve_minimax_with_deepep(tmp_path, capsys):
+    model = write_config(tmp_path, MINIMAX, CONFIGS["modelopt-nvfp4"][0])
+    assert main(["resolve", str(model), "--platform", "sm103", "--all-to-all", "deepep"]) == 0
+    assert "no fused registration" in capsys.readouterr().out
+
+
+def test_cli_resolve_refusals_exit_non_zero(tmp_path, capsys):
+    model = write_config(tmp_path, MINIMAX)
+    assert main(["resolve", str(model), "--platform", "sm90", "--backend", "flashinfer_trtllm_routed"]) == 2
+    assert "cannot run on SM90" in capsys.readouterr().err
+    assert main(["resolve", str(tmp_path / "missing"), "--platform", "sm90"]) == 2
+    assert main(["resolve", str(model), "--platform", "h200"]) == 2
+    assert "not a platform name" in capsys.readouterr().err
+
+
+# ---- on the H200 (run there with pytest -m gpu) ------------------------------------------------
+
+@pytest.mark.gpu
+def test_on_this_gpu_auto_never_picks_trtllm_and_explicit_requests_fail_at_construction():
+    platform = platforms.detect_platform("cuda")
+    if platform.sm in (100, 103):
+        pytest.skip("a Blackwell part: trtllm-gen is expected to resolve here")
+    for architecture in (*COHERE2, MINIMAX, "Qwen3MoeForCausalLM"):
+        for quant, _ in CONFIGS.values():
+            layer = FusedMoE(8, 2, 128, 96, context=ModelContext(architecture, quant), dtype=torch.bfloat16,
+                             device="cuda")
+            assert layer.backend is TRITON, layer.resolution
+    for backend in ("flashinfer_trtllm", "flashinfer_trtllm_routed"):
+        with pytest.raises(ValueError, match=f"backend='{backend}' cannot run on SM{platform.sm}"):
+            FusedMoE(8, 2, 128, 96, backend=backend, dtype=torch.bfloat16, device="cuda")
+    if platform.flashinfer is None:
+        with pytest.raises(ValueError, match="FlashInfer is not installed"):
+            FusedMoE(8, 2, 128, 96, backend="flashinfer_cutlass", dtype=torch.bfloat16, device="cuda")
