@@ -21,7 +21,7 @@ from moe_triton.activation import Activation
 
 from ..graphs import run_branches
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
 from .registry import register_model
 
 
@@ -88,14 +88,14 @@ class Cohere2MoeMLP(nn.Module):
 
 
 class Cohere2MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config, backend: str = "auto"):
+    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__()
         scoring = Scoring.SOFTMAX if config.expert_selection_fn == "softmax" else Scoring.SIGMOID
         routing = RoutingSpec(config.num_experts_per_tok, scoring, SelectOn.LOGITS,
                               renormalize=scoring is Scoring.SIGMOID and config.norm_topk_prob)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size, routing=routing,
-                                activation=Activation.from_hidden_act(config.hidden_act), backend=backend)
+                                activation=Activation.from_hidden_act(config.hidden_act), **experts.fused_moe_kwargs())
         self.shared_experts = (Cohere2MoeMLP(config, config.intermediate_size * config.num_shared_experts)
                                if config.num_shared_experts > 0 else None)
         if config.shared_expert_combination_strategy not in ("sum", "average"):
@@ -117,12 +117,12 @@ class Cohere2MoeSparseMoeBlock(nn.Module):
 
 
 class Cohere2MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, backend: str):
+    def __init__(self, config, layer: int, experts: ExpertsOptions):
         super().__init__()
         self.self_attn = Cohere2MoeAttention(config, layer)
         dense = config.mlp_layer_types[layer] == "dense"
         self.mlp = (Cohere2MoeMLP(config, config.prefix_dense_intermediate_size) if dense
-                    else Cohere2MoeSparseMoeBlock(config, backend))
+                    else Cohere2MoeSparseMoeBlock(config, experts))
         self.input_layernorm = norm(config)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
@@ -136,10 +136,10 @@ class Cohere2MoeDecoderLayer(nn.Module):
 
 
 class Cohere2MoeModel(nn.Module):
-    def __init__(self, config, backend: str):
+    def __init__(self, config, experts: ExpertsOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i, experts) for i in range(config.num_hidden_layers))
         self.norm = norm(config)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -155,9 +155,9 @@ class Cohere2MoeModel(nn.Module):
 class Cohere2MoeForCausalLM(CausalLM):
     renames = [(r"\.mlp\.gate\.weight$", ".mlp.experts.gate_weight")]
 
-    def __init__(self, config, backend: str = "auto"):
+    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__(config)
-        self.model = Cohere2MoeModel(config, backend)
+        self.model = Cohere2MoeModel(config, experts)
         tied = config.tie_word_embeddings
         self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.ignore = (r"^lm_head\.weight$",) if tied else ()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends.catalog import ModelContext
 from ..graphs import ForwardMode
 
 
@@ -73,6 +74,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     x_rot = x_rot * cos + rotate(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.numel() else x_rot
+
+
+@dataclass(frozen=True)
+class ExpertsOptions:
+    """How every MoE layer of a model picks its experts backend: resolved once per layer, at
+    construction, from the request and the checkpoint's context (moe_triton.backends)."""
+
+    backend: str = "auto"
+    context: ModelContext | None = None
+
+    def fused_moe_kwargs(self) -> dict:
+        return dict(backend=self.backend, context=self.context)
 
 
 @dataclass

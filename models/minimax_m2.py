@@ -12,7 +12,7 @@ from moe_triton import FusedMoE, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
 from .registry import register_model
 
 
@@ -41,18 +41,18 @@ class MiniMaxM2Attention(nn.Module):
         return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5))
 
 
-def minimax_m2_block(config, backend: str) -> FusedMoE:
+def minimax_m2_block(config, experts: ExpertsOptions) -> FusedMoE:
     routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True)
     return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
                     routing=routing, activation=Activation.from_hidden_act(config.hidden_act), correction_bias=True,
-                    backend=backend)
+                    **experts.fused_moe_kwargs())
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, backend: str):
+    def __init__(self, config, layer: int, experts: ExpertsOptions):
         super().__init__()
         self.self_attn = MiniMaxM2Attention(config, layer)
-        self.mlp = minimax_m2_block(config, backend)
+        self.mlp = minimax_m2_block(config, experts)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -62,10 +62,10 @@ class MiniMaxM2DecoderLayer(nn.Module):
 
 
 class MiniMaxM2Model(nn.Module):
-    def __init__(self, config, backend: str):
+    def __init__(self, config, experts: ExpertsOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, experts) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -88,9 +88,9 @@ class MiniMaxM2ForCausalLM(CausalLM):
         (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
     ]
 
-    def __init__(self, config, backend: str = "auto"):
+    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__(config)
-        self.model = MiniMaxM2Model(config, backend)
+        self.model = MiniMaxM2Model(config, experts)
         tied = config.tie_word_embeddings
         self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.ignore = (r"^lm_head\.weight$",) if tied else ()

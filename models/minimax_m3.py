@@ -17,7 +17,7 @@ from moe_triton import FusedMoE, RoutingSpec, Scoring
 from moe_triton.activation import Activation, ActivationKind, activation_torch
 
 from ..graphs import run_branches
-from .layers import Batch
+from .layers import ExpertsOptions, Batch
 
 
 def clamped_swiglu(config) -> Activation:
@@ -42,13 +42,13 @@ class MiniMaxM3MoeBlock(nn.Module):
         (r"^gate\.e_score_correction_bias$", "experts.e_score_correction_bias"),
     ]
 
-    def __init__(self, config, backend: str = "auto"):
+    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__()
         routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True)
         self.experts = FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.intermediate_size, routing=routing, activation=clamped_swiglu(config),
                                 correction_bias=True, routed_scaling_factor=float(config.routed_scaling_factor),
-                                backend=backend)
+                                **experts.fused_moe_kwargs())
         self.shared_experts = MiniMaxM3SharedMLP(config)
 
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:

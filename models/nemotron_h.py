@@ -16,7 +16,7 @@ from moe_triton import FusedMoE, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
 from ..graphs import run_branches
-from .layers import Batch
+from .layers import ExpertsOptions, Batch
 
 
 class NemotronHMLP(nn.Module):
@@ -38,7 +38,7 @@ class NemotronHMoeBlock(nn.Module):
         (r"^fc2_latent_proj\.", "experts.expert_output_proj."),
     ]
 
-    def __init__(self, config, backend: str = "auto"):
+    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__()
         latent = config.moe_latent_size
         routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=config.norm_topk_prob,
@@ -50,7 +50,7 @@ class NemotronHMoeBlock(nn.Module):
             router_in_float32=True, expert_hidden_size=latent,
             expert_input_proj=nn.Linear(config.hidden_size, latent, bias=config.mlp_bias) if latent else None,
             expert_output_proj=nn.Linear(latent, config.hidden_size, bias=config.mlp_bias) if latent else None,
-            backend=backend,
+            **experts.fused_moe_kwargs(),
         )
         self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
 

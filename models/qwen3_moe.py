@@ -12,7 +12,7 @@ from moe_triton import FusedMoE, RoutingSpec
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
 from .registry import register_model
 
 
@@ -57,18 +57,18 @@ class Qwen3MoeMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def qwen3_moe_block(config, backend: str) -> FusedMoE:
+def qwen3_moe_block(config, experts: ExpertsOptions) -> FusedMoE:
     return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
                     routing=RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
-                    activation=Activation.from_hidden_act(config.hidden_act), backend=backend)
+                    activation=Activation.from_hidden_act(config.hidden_act), **experts.fused_moe_kwargs())
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, backend: str):
+    def __init__(self, config, layer: int, experts: ExpertsOptions):
         super().__init__()
         self.self_attn = Qwen3MoeAttention(config, layer)
         sparse = layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
-        self.mlp = qwen3_moe_block(config, backend) if sparse else Qwen3MoeMLP(config)
+        self.mlp = qwen3_moe_block(config, experts) if sparse else Qwen3MoeMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -78,10 +78,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, config, backend: str):
+    def __init__(self, config, experts: ExpertsOptions):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, experts) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -101,9 +101,9 @@ class Qwen3MoeForCausalLM(CausalLM):
     ]
     ignore = (r"^lm_head\.weight$",)  # only when tied; see __init__
 
-    def __init__(self, config, backend: str = "auto"):
+    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__(config)
-        self.model = Qwen3MoeModel(config, backend)
+        self.model = Qwen3MoeModel(config, experts)
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if not tied:

@@ -5,12 +5,16 @@ that declares `renames` (checkpoint name -> parameter name regexes); nothing els
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from ..backends.catalog import ModelContext
 from ..bench import default_dtype
+from ..layer import FusedMoE
 from .checkpoint import load_into, read_safetensors
+from .layers import ExpertsOptions
 
 MODELS: dict[str, type] = {}
 
@@ -45,7 +49,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     cls = model_class(config)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    experts = ExpertsOptions(backend, ModelContext.from_config(json.loads((path / "config.json").read_text()), path))
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
-        model = cls(config, backend=backend)
+        model = cls(config, experts)
     load_into(model, read_safetensors(path), model.renames, model.ignore)
+    for layer in model.modules():
+        if isinstance(layer, FusedMoE):
+            layer.prepare_weights()  # pads I / builds FlashInfer weights where the resolved backend needs it
     return model.eval()

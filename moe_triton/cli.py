@@ -136,9 +136,41 @@ def probe_backends(args) -> int:
     return 0
 
 
+def demo(args) -> int:
+    """The main job: errors are one line and a non-zero exit; --debug shows the traceback."""
+    from .demo import DemoOptions, run_demo
+    from .platform import interpreter_enabled
+
+    if not torch.cuda.is_available() and not interpreter_enabled() and args.backend != "torch":
+        _restart_with_interpreter()  # on CPU the Triton kernels run in the interpreter
+    if args.model is not None and not (args.model / "config.json").exists():
+        print(f"moe-triton demo: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    options = DemoOptions(model=args.model, backend=args.backend, batch=args.batch, tokens=args.tokens,
+                          graphs=not args.no_graphs, overlap=not args.no_overlap)
+    try:
+        return run_demo(options)
+    except Exception as error:  # one clear line for users; the traceback on request
+        if args.debug:
+            raise
+        print(f"moe-triton demo: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-triton", description="Triton MoE expert layer tools")
     commands = parser.add_subparsers(dest="command", required=True)
+    demo_parser = commands.add_parser("demo", help="generate with a small MoE model and check it against transformers")
+    demo_parser.add_argument("--model", type=Path, help="a local checkpoint directory (default: a built-in tiny model)")
+    demo_parser.add_argument("--backend", default="auto",
+                             choices=["auto", "triton", "torch", "flashinfer_trtllm", "flashinfer_trtllm_routed",
+                                      "flashinfer_cutlass"])
+    demo_parser.add_argument("--batch", type=int, default=2)
+    demo_parser.add_argument("--tokens", type=int, default=16, help="new tokens per sequence")
+    demo_parser.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
+    demo_parser.add_argument("--no-overlap", action="store_true", help="no alternate streams in captured decode")
+    demo_parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    demo_parser.set_defaults(run=demo)
     bench_parser = commands.add_parser("bench", help="time the expert layer on a built-in shape")
     bench_parser.add_argument("--tokens", type=int, nargs="+", help="token counts to time")
     bench_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-DEMO_NAME = "cohere2-moe-tiny-random-v1"
+DEMO_NAME = "cohere2-moe-tiny-random-v2"
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ def build_demo_checkpoint(path: Path) -> Path:
         config = Cohere2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                                   num_experts_per_tok=2, num_shared_experts=1, sliding_window=64,
-                                  layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+                                  layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
         torch.manual_seed(0)
         model = Cohere2MoeForCausalLM(config)
         bar.update()
