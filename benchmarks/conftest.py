@@ -33,6 +33,14 @@ def pytest_configure(config):
         fused_moe.choose_config = slowed
 
 
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Saved baselines name the accelerator and the stack they were measured with."""
+    import triton
+
+    machine_info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    machine_info["torch"], machine_info["triton"] = torch.__version__, triton.__version__
+
+
 def pytest_addoption(parser):
     parser.addoption("--bench-table", default=None, help="write the result tables (markdown) to this path")
 
