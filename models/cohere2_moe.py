@@ -21,7 +21,8 @@ from moe_triton.activation import Activation
 
 from ..graphs import run_branches
 from .causal_lm import CausalLM
-from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .layers import (Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of,
+                     shared_and_routed)
 from .registry import register_model
 
 
@@ -43,10 +44,6 @@ def norm(config) -> nn.Module:
     if config.rms_norm_eps is not None:
         return RMSNorm(config.hidden_size, config.rms_norm_eps)
     return Cohere2MoeLayerNorm(config.hidden_size, config.layer_norm_eps)
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class Cohere2MoeAttention(nn.Module):
@@ -108,10 +105,7 @@ class Cohere2MoeSparseMoeBlock(nn.Module):
         flat = x.reshape(-1, H)  # [T, H]
         if self.shared_experts is None:
             return self.experts.routed_experts(flat).view(B, L, H)
-        if batch.overlap:  # shared on the calling stream, routed on "alt"
-            shared, routed = run_branches(lambda: self.shared_experts(flat), lambda: self.experts.routed_experts(flat))
-        else:
-            shared, routed = self.shared_experts(flat), self.experts.routed_experts(flat)
+        shared, routed = shared_and_routed(self.shared_experts, self.experts.routed_experts, flat, batch)
         out = routed + shared
         return (out / 2 if self.average else out).view(B, L, H)
 

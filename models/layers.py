@@ -14,7 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends.catalog import ModelContext
-from ..graphs import ForwardMode
+from ..graphs import ForwardMode, run_branches
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def shared_and_routed(shared, routed, x: torch.Tensor, batch: Batch | None):
+    """(shared(x), routed(x)): in captured decode the routed experts run on the "alt" stream while
+    the shared experts run on the calling one. Both only read x and return fresh tensors."""
+    if batch is not None and batch.overlap:
+        return run_branches(lambda: shared(x), lambda: routed(x))
+    return shared(x), routed(x)
 
 
 class RMSNorm(nn.Module):

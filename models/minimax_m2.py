@@ -12,12 +12,8 @@ from moe_triton import FusedMoE, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention
+from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
 from .registry import register_model
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class MiniMaxM2Attention(nn.Module):

@@ -15,8 +15,7 @@ from torch import nn
 from moe_triton import FusedMoE, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
-from ..graphs import run_branches
-from .layers import ExpertsOptions, Batch
+from .layers import Batch, ExpertsOptions, shared_and_routed
 
 
 class NemotronHMLP(nn.Module):
@@ -56,8 +55,5 @@ class NemotronHMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        if batch is not None and batch.overlap:
-            shared, routed = run_branches(lambda: self.shared_experts(flat), lambda: self.experts.routed_experts(flat))
-        else:
-            shared, routed = self.shared_experts(flat), self.experts.routed_experts(flat)
+        shared, routed = shared_and_routed(self.shared_experts, self.experts.routed_experts, flat, batch)
         return (routed + shared).view(x.shape)

@@ -9,19 +9,9 @@ from moe_triton import fused_experts
 from moe_triton.bench import QWEN3_30B_A3B, random_experts, random_inputs
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
-from test_models import FAMILIES, prompt, randomize_
+from test_models import FAMILIES, checkpoint, prompt, randomize_  # noqa: F401 (checkpoint: a fixture)
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    torch.manual_seed(0)
-    make, seed = FAMILIES[request.param]
-    reference = randomize_(make().eval(), seed=seed)
-    path = tmp_path_factory.mktemp(request.param)
-    reference.save_pretrained(path)
-    return request.param, reference, path
 
 
 def relative_error(actual, expected):
@@ -31,7 +21,7 @@ def relative_error(actual, expected):
 def test_bf16_logits_match_transformers(checkpoint):
     # bf16 rounds every activation to 8 mantissa bits; through a few layers the logits drift by a
     # few 1e-3 relative: 3e-2 in norm leaves room without hiding a wrong kernel (those give O(1)).
-    _, reference, path = checkpoint
+    reference, path = checkpoint
     reference = copy.deepcopy(reference).to("cuda", torch.bfloat16)
     ours = load_model(path, dtype=torch.bfloat16, device="cuda")
     ours.use_graphs = False
@@ -43,7 +33,7 @@ def test_bf16_logits_match_transformers(checkpoint):
 
 
 def test_float32_generation_through_graphs_matches_transformers(checkpoint):
-    _, reference, path = checkpoint
+    reference, path = checkpoint
     reference = copy.deepcopy(reference).to("cuda")
     ours = load_model(path, dtype=torch.float32, device="cuda")
     ids = prompt().cuda()
