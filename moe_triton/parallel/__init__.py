@@ -1,0 +1,33 @@
+"""Expert (EP) and tensor (TP) parallelism for the expert layer, on torch.distributed.
+
+    [Router] (replicated, on every rank's own tokens)
+      -> [Dispatch]  all_to_all.py  tokens to the EP ranks owning their experts (ALL_TO_ALL EP)
+      -> [Experts]   the local pipeline (fused_experts or any backend) on this rank's shard:
+                     E/ep experts (EP), I/tp of each expert's intermediate columns (TP)   shard.py
+      -> [Combine]   all_to_all.py  results back to their source rank, summed per token
+      -> [Reduce]    groups.py      the one post-experts reduction spec.py decides: TP partial sums,
+                                    REPLICATED EP partial sums; never after a reducing combine
+
+    spec.py     ParallelSpec (ep_size, tp_size, TokenDispatch, OutputLayout), post_experts_reduction
+    groups.py   ParallelGroups / new_parallel_groups, reduce_partials
+    shard.py    shard_experts, localize_ids, compact_slots
+    all_to_all.py  dispatch, combine
+    experts.py  parallel_experts (functional), ParallelExperts (module), torch_experts
+
+Legend: T tokens, E experts, K top-k, H hidden, I intermediate; ep / tp the group sizes.
+Launch with torchrun; see docs/DISTRIBUTED.md.
+"""
+from .all_to_all import DispatchPlan, Dispatched, combine, dispatch
+from .experts import LocalExperts, ParallelExperts, parallel_experts, torch_experts
+from .groups import ParallelGroups, new_parallel_groups, reduce_partials, scattered_rows
+from .shard import compact_slots, local_sizes, localize_ids, shard_experts
+from .spec import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
+                   post_experts_reduction)
+
+__all__ = [
+    "DispatchPlan", "Dispatched", "combine", "dispatch",
+    "LocalExperts", "ParallelExperts", "parallel_experts", "torch_experts",
+    "ParallelGroups", "new_parallel_groups", "reduce_partials", "scattered_rows",
+    "compact_slots", "local_sizes", "localize_ids", "shard_experts",
+    "Collective", "OutputLayout", "ParallelSpec", "ReduceOver", "Reduction", "TokenDispatch", "post_experts_reduction",
+]

@@ -1,0 +1,231 @@
+"""Multi-process harness of the distributed tests: a pool of spawned ranks that run cases in turn.
+
+test_distributed.py runs it on gloo (CPU, kernels under the Triton interpreter) and
+test_distributed_gpu.py on NCCL (one GPU per rank). Ranks are spawned once per world size and run
+every case sent to them, so process start-up and process-group setup are paid once, not per case.
+
+A case builds full weights and every rank's tokens from seeds, routes the tokens on each rank (so
+ranks with no tokens go through routing too), runs `ParallelExperts` on the rank's shard and
+compares with `fused_experts_torch` on the full weights: the single-process reference.
+"""
+import contextlib
+import dataclasses
+import datetime
+import os
+import queue
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+if not torch.cuda.is_available():
+    # Before `import moe_triton`, in the parent (as conftest does) and in every spawned rank,
+    # which imports this module to unpickle its entry point.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from conftest import assert_close  # noqa: E402
+from moe_triton import SILU_AND_MUL, Activation, RoutingSpec, fused_experts, fused_experts_torch, route  # noqa: E402
+from moe_triton.parallel import (Collective, ParallelExperts, ParallelSpec, new_parallel_groups,  # noqa: E402
+                                 post_experts_reduction, scattered_rows, torch_experts)
+
+# Every process we start keeps NVLink multicast (NVLS) off, as issue 8 requires on the H200 machines.
+SUBPROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+COLLECTIVE_TIMEOUT_S = 20  # a rank that fails before a collective leaves its peers waiting this long
+CASE_TIMEOUT_S = 3 * COLLECTIVE_TIMEOUT_S
+FAILED_PEER_WAIT_S = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: ParallelSpec
+    tokens: tuple[int, ...]  # T per token group: one per EP rank under ALL_TO_ALL (TP peers share), else one
+    dtype: torch.dtype = torch.float32
+    backend: str = "triton"  # the local experts: "triton" (fused_experts) or "torch" (torch_experts)
+    num_experts: int = 8
+    top_k: int = 2
+    hidden: int = 16
+    intermediate: int = 10
+    activation: Activation = SILU_AND_MUL
+    filtered: bool = False  # some ids set to -1 and to E: they must contribute nothing
+    huge: bool = False  # positive bf16 outputs near the bf16 maximum, every rank the same tokens
+    seed: int = 0
+
+    def __str__(self):
+        s = self.spec
+        parts = [f"ep{s.ep_size}xtp{s.tp_size}", s.dispatch.value if s.ep_size > 1 else "", s.output.value,
+                 "T" + "-".join(map(str, self.tokens)), f"E{self.num_experts}K{self.top_k}",
+                 str(self.dtype).removeprefix("torch."), self.backend, self.activation.kind.name.lower(),
+                 "filtered" if self.filtered else "", "huge" if self.huge else ""]
+        return "-".join(p for p in parts if p)
+
+
+def _weights(case: Case):
+    g = torch.Generator().manual_seed(case.seed)
+    E, H, I = case.num_experts, case.hidden, case.intermediate
+    rows = 2 * I if case.activation.gated else I
+    if case.huge:  # all positive: every partial sum stays below the total, so only a double count overflows
+        return (torch.rand(E, rows, H, generator=g) / H, torch.rand(E, H, I, generator=g) / I,
+                torch.randn(E, H, generator=g))
+    return (torch.randn(E, rows, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5,
+            torch.randn(E, H, generator=g))
+
+
+def _tokens(case: Case, ep_rank: int, device) -> torch.Tensor:
+    group = ep_rank if case.spec.all_to_all else 0
+    g = torch.Generator().manual_seed(1000 * case.seed + 1 + (0 if case.huge else group))
+    num_tokens = case.tokens[0 if case.huge else group]
+    draw = torch.rand if case.huge else torch.randn
+    x = draw(num_tokens, case.hidden, generator=g)  # [T, H]
+    return x.to(case.dtype).to(device)  # [T, H]
+
+
+def run_case(case: Case, groups, device: torch.device) -> None:
+    """One rank's part of a case: route, run the parallel experts, compare with the full reference."""
+    w13, w2, gate = (w.to(case.dtype).to(device) for w in _weights(case))
+    x = _tokens(case, groups.ep_rank, device)  # [T, H]
+    topk_ids, topk_weights = route(x.float() @ gate.float().T, RoutingSpec(case.top_k, renormalize=True))  # [T, K]
+    if case.filtered:
+        topk_ids[::3, 0] = -1
+        topk_ids[1::3, -1] = case.num_experts
+    ref = fused_experts_torch(x, w13, w2, topk_ids, topk_weights, activation=case.activation)  # [T, H] float32
+    if case.huge:  # outputs peak near 2.5e38: bf16 holds them (max 3.39e38), twice that is inf
+        scale = (2.5e38 / ref.abs().max().item()) ** 0.5  # split over w2 and the weights: each stays finite
+        w2, topk_weights = (w2.float() * scale).to(case.dtype), topk_weights * scale
+        ref = fused_experts_torch(x, w13, w2, topk_ids, topk_weights, activation=case.activation)  # [T, H]
+
+    experts = fused_experts if case.backend == "triton" else torch_experts
+    layer = ParallelExperts.from_full(w13, w2, groups, activation=case.activation, experts=experts, device=device)
+    with torch.inference_mode():
+        out = layer(x, topk_ids, topk_weights)
+    reduction = post_experts_reduction(case.spec)
+    if reduction.collective is Collective.REDUCE_SCATTER:
+        group = groups.group(reduction.over)
+        size, index = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        ref = ref[list(scattered_rows(len(x), size, index))]  # [<= ceil(T / W), H]
+    assert out.dtype == case.dtype
+    _compare(out, ref, case.dtype)
+    if case.huge:
+        assert torch.isfinite(out).all(), "the correct reduction overflowed"
+        # The bug the reduction table prevents: one more all-reduce of an output that is already
+        # complete (after a reducing combine, or a second time). Every rank holds the same tokens here.
+        doubled = out.clone()
+        torch.distributed.all_reduce(doubled, group=groups.moe)
+        assert torch.isinf(doubled).any(), "a double count should overflow bf16 here; the case does not test it"
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype is torch.bfloat16 or (out.is_cuda and dtype is torch.float16):
+        # Real sizes in half precision: relative error in norm, as test_gpu.py (in float64: 1e38 squared fits)
+        assert out.shape == ref.shape and torch.isfinite(out).all()
+        err = (out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-300)
+        assert err.item() < 1e-2, f"{dtype} relative error {err.item():.2e}"
+    else:
+        assert_close(out, ref, dtype, scale=2)
+
+
+def _worker(rank: int, world_size: int, backend: str, init_file: str, tasks, results) -> None:
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                            device_id=device if device.type == "cuda" else None)
+    groups_by_size = {}  # groups depend on (ep_size, tp_size) only; the spec rides along
+    while (case := tasks.get()) is not None:
+        try:
+            sizes = (case.spec.ep_size, case.spec.tp_size)
+            if sizes not in groups_by_size:
+                groups_by_size[sizes] = new_parallel_groups(case.spec)
+            run_case(case, dataclasses.replace(groups_by_size[sizes], spec=case.spec), device)
+            results.put((rank, None))
+        except BaseException:
+            results.put((rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    # spawn hands the children the parent's os.environ as it is at Process.start()
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+class RankPool:
+    """`world_size` spawned ranks in one process group; `run(case)` runs a case on all of them."""
+
+    def __init__(self, world_size: int, backend: str, init_file: str):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        env = dict(SUBPROCESS_ENV)
+        if backend == "gloo" and not torch.cuda.is_available():
+            env["TRITON_INTERPRET"] = "1"
+        with _environment(env):
+            self.processes = [ctx.Process(target=_worker, args=(rank, world_size, backend, init_file, self.tasks[rank],
+                                                                self.results), daemon=True)
+                              for rank in range(world_size)]
+            for p in self.processes:
+                p.start()
+        self.open = True
+
+    def run(self, case: Case) -> None:
+        for tasks in self.tasks:
+            tasks.put(case)
+        errors, pending = [], self.world_size
+        while pending:
+            try:  # once a rank has failed, its peers may be stuck in a collective: wait only briefly
+                rank, error = self.results.get(timeout=FAILED_PEER_WAIT_S if errors else CASE_TIMEOUT_S)
+            except queue.Empty:
+                break
+            pending -= 1
+            if error:
+                errors.append(f"--- rank {rank} ---\n{error}")
+        if errors or pending:
+            self.close(kill=True)  # ranks may be out of step in their collectives: start afresh next time
+            stuck = f"{pending} rank(s) had not finished when the pool was stopped" if pending else ""
+            raise AssertionError("\n".join([str(case), *sorted(errors), stuck]))
+
+    def close(self, kill: bool = False) -> None:
+        if not self.open:
+            return
+        self.open = False
+        for p, tasks in zip(self.processes, self.tasks):
+            if kill:
+                p.terminate()
+            elif p.is_alive():
+                tasks.put(None)
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@contextlib.contextmanager
+def rank_pools(tmp_path_factory, backend: str):
+    """get(world_size): a live RankPool on `backend`, started on first use and again after a failure."""
+    live: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        if world_size not in live or not live[world_size].open:
+            init_file = tmp_path_factory.mktemp(backend) / "init"
+            live[world_size] = RankPool(world_size, backend, str(init_file))
+        return live[world_size]
+
+    try:
+        yield get
+    finally:
+        for pool in live.values():
+            pool.close()

@@ -1,0 +1,229 @@
+"""moe_triton.parallel on CPU: the reduction table, sharding in one process, and spawned gloo ranks
+(world sizes 2 and 4) whose outputs must equal the single-process reference on the full weights.
+
+The spawned ranks run the Triton kernels under the interpreter at tiny sizes; a few cases use the
+torch reference as the local experts (`backend="torch"`), so both local paths are covered.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_close
+from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
+from moe_triton import Activation, ActivationKind, fused_experts, fused_experts_torch
+from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
+                                 compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,
+                                 scattered_rows, shard_experts, torch_experts)
+
+A2A, REPLICATED = TokenDispatch.ALL_TO_ALL, TokenDispatch.REPLICATED
+FULL, SCATTERED = OutputLayout.FULL, OutputLayout.SCATTERED
+NONE = Reduction(Collective.NONE)
+RELU2 = Activation(ActivationKind.RELU2)
+
+
+# ---- the post-experts reduction: one table -------------------------------------------------
+
+REDUCTION_TABLE = [
+    # (ep, tp, dispatch, output) -> reduction
+    ((1, 1, A2A, FULL), NONE),  # one rank
+    ((1, 2, A2A, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),  # TP only; dispatch is moot without EP
+    ((1, 2, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),
+    ((1, 2, A2A, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.TP)),
+    ((2, 1, A2A, FULL), NONE),  # the all-to-all combine already summed: no all-reduce
+    ((2, 1, A2A, SCATTERED), NONE),  # tokens are each rank's own already
+    ((2, 1, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.EP)),  # EP without all-to-all
+    ((2, 1, REPLICATED, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.EP)),
+    ((2, 2, A2A, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),  # combine sums EP; TP slices remain
+    ((2, 2, A2A, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.TP)),
+    ((2, 2, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.MOE)),
+    ((2, 2, REPLICATED, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.MOE)),
+]
+
+
+@pytest.mark.parametrize("setup,expected", REDUCTION_TABLE, ids=lambda v: "-".join(
+    str(x.value if hasattr(x, "value") else x) for x in v) if isinstance(v, tuple) else None)
+def test_post_experts_reduction(setup, expected):
+    ep, tp, dispatch, output = setup
+    assert post_experts_reduction(ParallelSpec(ep, tp, dispatch, output)) == expected
+
+
+@pytest.mark.parametrize("ep,tp", [(2, 1), (4, 1), (2, 2), (8, 4)])
+@pytest.mark.parametrize("output", list(OutputLayout))
+def test_all_to_all_is_never_reduced_over_ep(ep, tp, output):
+    reduction = post_experts_reduction(ParallelSpec(ep, tp, A2A, output))
+    assert reduction.over in (None, ReduceOver.TP)
+    assert (reduction.collective is Collective.NONE) == (tp == 1)
+
+
+def test_rank_grid():
+    spec = ParallelSpec(ep_size=2, tp_size=2)
+    assert spec.tp_groups() == [[0, 1], [2, 3]]  # TP innermost: consecutive ranks, one node
+    assert spec.ep_groups() == [[0, 2], [1, 3]]
+    assert [spec.coords(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(ValueError, match="outside"):
+        spec.coords(4)
+
+
+@pytest.mark.parametrize("bad", [dict(ep_size=0), dict(tp_size=-1), dict(ep_size=1.5), dict(dispatch="all_to_all"),
+                                 dict(output="full")], ids=str)
+def test_spec_rejects(bad):
+    with pytest.raises(ValueError, match="ParallelSpec"):
+        ParallelSpec(**bad)
+
+
+def test_groups_need_an_initialised_process_group():
+    with pytest.raises(ValueError, match="init_process_group"):
+        new_parallel_groups(ParallelSpec(tp_size=2))
+
+
+@pytest.mark.parametrize("num_tokens,size", [(5, 2), (7, 4), (1, 4), (0, 2), (8, 4)])
+def test_scattered_rows_cover_every_row_once(num_tokens, size):
+    rows = [r for i in range(size) for r in scattered_rows(num_tokens, size, i)]
+    assert rows == list(range(num_tokens))
+
+
+# ---- sharding, in one process: the sum over ranks of the shards' outputs is the full layer ----
+
+def _layer(E, K, H, I, activation, T=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I if activation.gated else I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    return x, w13, w2, ids, torch.rand(T, K, generator=g)
+
+
+@pytest.mark.parametrize("ep,tp", [(1, 2), (1, 3), (2, 1), (4, 1), (2, 2)])
+@pytest.mark.parametrize("activation", [Activation(), RELU2, Activation(ActivationKind.CLAMPED_SWIGLU, 0.5)],
+                         ids=lambda a: a.kind.name)
+def test_shards_sum_to_the_full_layer(ep, tp, activation):
+    E, K, H, I = 8, 3, 12, 15 if tp == 3 else 10
+    x, w13, w2, ids, weights = _layer(E, K, H, I, activation)
+    spec = ParallelSpec(ep, tp)
+    total = torch.zeros(len(x), H)
+    for rank in range(spec.world_size):
+        w13_r, w2_r = shard_experts(w13, w2, spec, rank, activation=activation)
+        assert w13_r.shape == (E // ep, w13.shape[1] // tp, H) and w2_r.shape == (E // ep, H, I // tp)
+        assert w13_r.is_contiguous() and w2_r.is_contiguous()
+        local = localize_ids(ids, spec.coords(rank)[0] * (E // ep), E // ep)
+        total += torch_experts(x, w13_r, w2_r, *compact_slots(local, weights, E // ep), activation=activation)
+    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32, scale=2)
+
+
+def test_triton_on_a_tp_shard_with_an_odd_slice():
+    x, w13, w2, ids, weights = _layer(4, 2, 16, 2 * 33, Activation())  # I/tp = 33: the backend's own tail masking
+    spec = ParallelSpec(tp_size=2)
+    total = sum(fused_experts(x, *shard_experts(w13, w2, spec, rank), ids, weights) for rank in range(2))
+    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights), torch.float32, scale=2)
+
+
+def test_backend_padding_applies_per_partition():
+    """Shard first, then pad I/tp to the backend's multiple (7688 / 8 = 961 in the field): still exact."""
+    from moe_triton.backends.padding import pad_experts
+
+    x, w13, w2, ids, weights = _layer(4, 2, 16, 30, Activation())
+    spec = ParallelSpec(tp_size=2)
+    total = torch.zeros(len(x), 16)
+    for rank in range(2):
+        w13_r, w2_r = pad_experts(*shard_experts(w13, w2, spec, rank), 16, gated=True)  # I/tp = 15 -> 16
+        assert w13_r.shape[1] == 32 and w2_r.shape[2] == 16
+        total += torch_experts(x, w13_r, w2_r, ids, weights)
+    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights), torch.float32, scale=2)
+
+
+def test_tp_shard_slices_gate_and_up_separately():
+    E, H, I = 1, 1, 4
+    w13 = torch.arange(2 * I, dtype=torch.float32).reshape(E, 2 * I, H)  # gate rows 0..3, up rows 4..7
+    w2 = torch.zeros(E, H, I)
+    assert shard_experts(w13, w2, ParallelSpec(tp_size=2), 1)[0].flatten().tolist() == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(E=6, ep=4), "ep_size"), (dict(I=10, tp=4), "tp_size"), (dict(rows=7), "rows"),
+], ids=["experts", "intermediate", "w13_rows"])
+def test_shard_rejects(bad, match):
+    E, I = bad.get("E", 8), bad.get("I", 8)
+    w13, w2 = torch.zeros(E, bad.get("rows", 2 * I), 4), torch.zeros(E, 4, I)
+    with pytest.raises(ValueError, match=match):
+        shard_experts(w13, w2, ParallelSpec(bad.get("ep", 1), bad.get("tp", 1)), 0)
+
+
+def test_localize_and_compact():
+    ids = torch.tensor([[5, 2, 9], [4, 5, -1], [0, 16, 3]], dtype=torch.int32)
+    local = localize_ids(ids, first_expert=4, num_local=2)  # the rank owning experts 4 and 5 of 16
+    assert local.tolist() == [[1, -1, -1], [0, 1, -1], [-1, -1, -1]]
+    weights = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    ids2, weights2 = compact_slots(local, weights, num_local=2)  # K = 3 > E/ep = 2: local slots first
+    assert ids2.tolist() == [[1, -1], [0, 1], [-1, -1]]
+    assert torch.equal(weights2[:2, 0], weights[:2, 0]) and weights2[1, 1] == weights[1, 1]
+    assert compact_slots(local, weights, num_local=3)[0] is local  # K <= E/ep: untouched
+
+
+# ---- spawned gloo ranks: the parallel layer equals the full single-process reference ----------
+
+# bf16 runs the torch experts: Triton 3.9's interpreter computes tl.dot on bf16 operands wrongly
+# (float16 is exact), and these cases test the collectives in bf16, not the kernels.
+HUGE = dict(dtype=torch.bfloat16, huge=True, backend="torch")
+CASES = {
+    2: [
+        Case(ParallelSpec(tp_size=2), (5,)),
+        Case(ParallelSpec(tp_size=2), (6,), activation=RELU2),
+        Case(ParallelSpec(tp_size=2, output=SCATTERED), (5,)),
+        Case(ParallelSpec(tp_size=2), (0,)),
+        Case(ParallelSpec(tp_size=2), (4,), **HUGE),
+        Case(ParallelSpec(ep_size=2), (5, 3)),
+        Case(ParallelSpec(ep_size=2), (0, 6)),
+        Case(ParallelSpec(ep_size=2), (0, 0)),
+        Case(ParallelSpec(ep_size=2), (7, 4), filtered=True),
+        Case(ParallelSpec(ep_size=2), (6, 2), num_experts=4, top_k=3),  # K > E/ep
+        Case(ParallelSpec(ep_size=2), (5, 3), dtype=torch.float16, backend="torch"),
+        Case(ParallelSpec(ep_size=2), (4, 4), **HUGE),
+        Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (5,)),
+        Case(ParallelSpec(ep_size=2, dispatch=REPLICATED, output=SCATTERED), (5,)),
+        Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (4,), **HUGE),
+    ],
+    4: [
+        Case(ParallelSpec(tp_size=4), (5,), intermediate=12),  # I/tp = 3
+        Case(ParallelSpec(tp_size=4, output=SCATTERED), (3,), intermediate=12),  # a rank keeps no row
+        Case(ParallelSpec(ep_size=4), (3, 0, 7, 1)),
+        Case(ParallelSpec(ep_size=4), (2, 5, 0, 3), top_k=4, filtered=True, backend="torch"),  # K > E/ep
+        Case(ParallelSpec(ep_size=4, dispatch=REPLICATED), (6,)),
+        Case(ParallelSpec(ep_size=2, tp_size=2), (4, 0)),
+        Case(ParallelSpec(ep_size=2, tp_size=2), (3, 6), filtered=True),
+        Case(ParallelSpec(ep_size=2, tp_size=2), (6, 1), dtype=torch.float16),
+        Case(ParallelSpec(ep_size=2, tp_size=2, output=SCATTERED), (5, 2)),
+        Case(ParallelSpec(ep_size=2, tp_size=2, dispatch=REPLICATED), (5,)),
+        Case(ParallelSpec(ep_size=2, tp_size=2, dispatch=REPLICATED, output=SCATTERED), (7,)),
+        Case(ParallelSpec(ep_size=2, tp_size=2), (4, 4), **HUGE),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    with rank_pools(tmp_path_factory, "gloo") as get:
+        yield get
+
+
+@pytest.mark.parametrize("world_size,case", [(w, c) for w, cases in CASES.items() for c in cases],
+                         ids=lambda v: str(v) if isinstance(v, Case) else f"ws{v}")
+def test_parallel_experts_match_the_reference(pools, world_size, case):
+    assert case.spec.world_size == world_size
+    pools(world_size).run(case)
+
+
+def test_docs_example_runs_under_torchrun(tmp_path):
+    """docs/DISTRIBUTED.md's example, launched as the doc says, on 2 gloo ranks; it checks itself."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "DISTRIBUTED.md").read_text()
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "new_parallel_groups" in block]
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = {**os.environ, **SUBPROCESS_ENV, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, on any machine
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
