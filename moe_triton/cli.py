@@ -158,13 +158,14 @@ def demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .backends.catalog import ExpertBackend
+
     parser = argparse.ArgumentParser(prog="moe-triton", description="Triton MoE expert layer tools")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="generate with a small MoE model and check it against transformers")
     demo_parser.add_argument("--model", type=Path, help="a local checkpoint directory (default: a built-in tiny model)")
-    demo_parser.add_argument("--backend", default="auto",
-                             choices=["auto", "triton", "torch", "flashinfer_trtllm", "flashinfer_trtllm_routed",
-                                      "flashinfer_cutlass"])
+    backends = ["auto", *(backend.value for backend in ExpertBackend)]
+    demo_parser.add_argument("--backend", default="auto", choices=backends)
     demo_parser.add_argument("--batch", type=int, default=2)
     demo_parser.add_argument("--tokens", type=int, default=16, help="new tokens per sequence")
     demo_parser.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
@@ -175,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--tokens", type=int, nargs="+", help="token counts to time")
     bench_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
     bench_parser.set_defaults(run=bench)
-    backends = ["auto", "triton", "torch", "flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutlass"]
     resolve_parser = commands.add_parser("resolve", help="which expert backend a model gets here, and why")
     resolve_parser.add_argument("model", help="a config.json or a model directory holding one")
     resolve_parser.add_argument("--platform", help="resolve for a named platform: cpu, sm90, sm100, sm103, sm110, sm120")
