@@ -7,6 +7,7 @@ compare with --benchmark-compare --benchmark-compare-fail=median:20%. Setting
 MOE_TRITON_BENCH_SLOWDOWN=1 runs a deliberately slowed variant (small tiles, no TMA) that such a
 comparison must fail: the proof that the check can fail.
 """
+import math
 import os
 from dataclasses import replace
 
@@ -65,6 +66,18 @@ def _markdown(rows: list[dict]) -> list[str]:
     return lines + ["| " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for row in rows]
 
 
+def _fraction_summary(rows: list[dict]) -> list[str]:
+    """Geometric mean and minimum of a table's `floor_frac` column, when it has one."""
+    fractions = [float(row["floor_frac"]) for row in rows if "floor_frac" in row]
+    if not fractions:
+        return []
+    geomean = math.exp(sum(math.log(f) for f in fractions) / len(fractions))
+    lowest = min(rows, key=lambda row: float(row.get("floor_frac", "inf")))
+    where = ", ".join(f"{k}={lowest[k]}" for k in list(lowest)[:2])
+    return ["", f"floor_frac over {len(fractions)} rows: geometric mean {geomean:.3f}, "
+                f"minimum {float(lowest['floor_frac']):.2f} ({where})"]
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if not TABLES:
         return
@@ -76,7 +89,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         lines.append(f"ceilings: B = {c.bandwidth / 1e12:.2f} TB/s (copy, read + write), "
                      f"F = {c.matmul_flops / 1e12:.0f} TFLOP/s (bf16 matmul)")
     for table, rows in TABLES.items():
-        lines += ["", f"### {table}", ""] + _markdown(rows)
+        lines += ["", f"### {table}", ""] + _markdown(rows) + _fraction_summary(rows)
     text = "\n".join(lines)
     terminalreporter.write_line("\n" + text)
     path = config.getoption("--bench-table")

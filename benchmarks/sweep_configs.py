@@ -2,13 +2,14 @@
 
 Not a test: a script for the GPU machine that informs `moe_triton.config.choose_config`.
     python benchmarks/sweep_configs.py > sweep.txt
+    python benchmarks/sweep_configs.py --split-k > sweep-split-k.txt   (decode, grid shapes)
 Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once per case.
 """
 import torch
 from triton.testing import do_bench
 
 from moe_triton import GemmConfig, LayoutKind, SILU_AND_MUL, expand, expert_gemm, fused_experts, per_pair_layout
-from moe_triton.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
+from moe_triton.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
 # (block_n, block_k, num_stages, num_warps, tma_weights)
 DECODE_UP = [(64, 256, 3, 4, False), (64, 256, 3, 4, True), (64, 128, 4, 4, True), (128, 128, 4, 4, True)]
@@ -53,6 +54,42 @@ def sweep_case(shape, T, w13, w2):
             print(f"{shape.name} T={T} {kind.value} BM{bm} {name}: {best}", flush=True)
 
 
+# Split-K at decode sizes: (block_n, block_k, num_stages, num_warps, split_k), all through TMA.
+SPLIT_UP = [(64, 128, 4, 4, s) for s in (1, 2, 3, 4, 6, 8)] + [(32, 128, 4, 4, s) for s in (1, 2, 4)]
+SPLIT_DOWN = [(128, 128, 4, 4, s) for s in (1, 2, 3, 4, 6, 8)] + [(64, 128, 4, 4, s) for s in (1, 2, 4)]
+SPLIT_CASES = [(shape, [1, 4, 16, 64]) for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)]
+
+
+def sweep_split_k(shape, T, w13, w2):
+    """Each GEMM alone over SPLIT_UP / SPLIT_DOWN, on the layout choose_config picks for T."""
+    from moe_triton import choose_config
+
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
+    x, ids = inputs.hidden_states[0], inputs.topk_ids[0]
+    chosen = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                           torch.device("cuda"))
+    bm = chosen.block_m
+    layout = (per_pair_layout(ids, shape.num_experts, bm) if chosen.layout is LayoutKind.PER_PAIR
+              else expand(ids, shape.num_experts, bm))
+    for name, tiles in (("up", SPLIT_UP), ("down", SPLIT_DOWN)):
+        results = []
+        for bn, bk, stages, warps, split in tiles:
+            config = GemmConfig(bm, bn, bk, group_m=1, num_warps=warps, num_stages=stages, tma_weights=True,
+                                split_k=split)
+            if name == "up":
+                run = lambda: expert_gemm(x, w13, layout, config, gather=True, activation=SILU_AND_MUL)  # noqa: E731
+            else:  # the down GEMM's input: plain rows (its own split-K partials go to finalize)
+                h = torch.randn(layout.max_rows, shape.intermediate_size, device="cuda", dtype=torch.bfloat16)
+                run = lambda: expert_gemm(h, w2, layout, config, gather=False)  # noqa: E731
+            try:
+                results.append((time_us(run), bn, split))
+            except Exception as error:  # out of shared memory etc.: report and go on
+                print(f"  {name} {config}: {type(error).__name__}")
+        results.sort()
+        print(f"split {shape.name} T={T} {chosen.layout.value} BM{bm} {name}: "
+              + ", ".join(f"{t:.1f}us BN{bn}/K{split}" for t, bn, split in results), flush=True)
+
+
 def profile_layer(shape, T, w13, w2):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
     args = (inputs.hidden_states[0], w13, w2, inputs.topk_ids[0], inputs.topk_weights[0])
@@ -72,6 +109,14 @@ def profile_layer(shape, T, w13, w2):
 if __name__ == "__main__":
     import sys
 
+    if "--split-k" in sys.argv:
+        for shape, tokens in SPLIT_CASES:
+            w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
+            for T in tokens:
+                sweep_split_k(shape, T, w13, w2)
+            del w13, w2
+            torch.cuda.empty_cache()
+        sys.exit(0)
     for shape, tokens in CASES:
         w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
         if "--profile" in sys.argv:

@@ -116,6 +116,37 @@ def time_cpu(step: Callable[[int], object], repeats: int = 3) -> float:
     return statistics.median(times)
 
 
+def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8) -> dict[str, float]:
+    """GPU seconds per call of each stage of `step` (fused_experts): expand, up, down, finalize.
+
+    From torch.profiler's kernel records of `calls` eager calls: the expand kernels are summed,
+    the expert GEMM kernels alternate up, down within each call, anything else (a memset) is "other".
+    """
+    for i in range(num_variants):
+        step(i)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for i in range(calls):
+            step(i % num_variants)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    totals: dict[str, float] = {}
+    gemms = 0
+    for event in kernels:
+        if "expert_gemm" in event.name:
+            name = ("up", "down")[gemms % 2]
+            gemms += 1
+        elif any(kernel in event.name for kernel in ("histogram", "expert_offsets", "scatter_pairs")):
+            name = "expand"  # _expand_kernels.py
+        elif "finalize" in event.name:
+            name = "finalize"
+        else:
+            name = "other"
+        totals[name] = totals.get(name, 0.0) + event.time_range.elapsed_us() * 1e-6 / calls
+    return totals
+
+
 @dataclass
 class LayerInputs:
     hidden_states: list[torch.Tensor]  # num_variants x [T, H]

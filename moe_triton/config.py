@@ -6,6 +6,7 @@ explicitly (tests, tuning).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,6 +23,11 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma_weights: bool = False  # load weight tiles through a TMA descriptor where the layout allows
+    split_k: int = 1  # programs along K; > 1 hands float32 partials to the next stage (expert_gemm.py)
+
+    def __post_init__(self):
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,13 @@ class MoEConfig:
     @property
     def block_m(self) -> int:
         return self.up.block_m
+
+    def describe(self) -> str:
+        """One line for benchmark tables, e.g. `sorted BM16 up 64x128/s4/w4/tma/K2 down ...`."""
+        def gemm(c: GemmConfig) -> str:
+            return (f"{c.block_n}x{c.block_k}/s{c.num_stages}/w{c.num_warps}{'/tma' if c.tma_weights else ''}"
+                    f"{f'/K{c.split_k}' if c.split_k > 1 else ''}")
+        return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:
@@ -65,6 +78,30 @@ def _gemm_config(block_m: int, k: int, fused_gate: bool) -> GemmConfig:
     return GemmConfig(block_m, 256, block_k=64, group_m=8, num_warps=8, num_stages=4, tma_weights=True)
 
 
+def _expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int, layout: LayoutKind) -> float:
+    """Row blocks a layer is expected to fill: one per pair without the sort; else the experts
+    hit under uniform routing, E (1 - (1 - K/E)^T), each with its share of rows in block_m tiles."""
+    num_pairs = num_tokens * top_k
+    if layout is LayoutKind.PER_PAIR:
+        return num_pairs
+    experts_hit = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+    return experts_hit * -(-num_pairs / experts_hit // block_m)
+
+
+def _split_k(config: GemmConfig, blocks: float, n: int, k: int, num_sms: int) -> GemmConfig:
+    # Too few output tiles to keep every SM streaming weights: cut K into slices until there are
+    # about SPLIT_K_WAVES programs per SM, each slice keeping at least MIN_STEPS_PER_SPLIT K steps.
+    tiles = blocks * -(-n // config.block_n)
+    k_steps = -(-k // config.block_k)
+    split = min(-(-SPLIT_K_WAVES * num_sms // max(tiles, 1)), k_steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT_K)
+    return replace(config, split_k=max(1, int(split)))
+
+
+SPLIT_K_WAVES = 2
+MIN_STEPS_PER_SPLIT = 2
+MAX_SPLIT_K = 8
+
+
 def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
     # The tiles above fill shared memory with 2-byte operands; wider ones take proportionally shorter K steps.
     return replace(config, block_k=max(16, config.block_k * 2 // element_size))
@@ -81,6 +118,16 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1), layout)
     block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts)
     element_size = dtype.itemsize
-    up = _gemm_config(block_m, k=hidden_size, fused_gate=True)
-    down = _gemm_config(block_m, k=intermediate_size, fused_gate=False)
-    return MoEConfig(_for_element_size(up, element_size), _for_element_size(down, element_size), layout)
+    up = _for_element_size(_gemm_config(block_m, k=hidden_size, fused_gate=True), element_size)
+    down = _for_element_size(_gemm_config(block_m, k=intermediate_size, fused_gate=False), element_size)
+    if block_m <= 32:  # decode: few row blocks
+        blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
+        num_sms = _num_sms(device)
+        up = _split_k(up, blocks, intermediate_size, hidden_size, num_sms)
+        down = _split_k(down, blocks, hidden_size, intermediate_size, num_sms)
+    return MoEConfig(up, down, layout)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

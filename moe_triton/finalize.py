@@ -2,6 +2,9 @@
 
     out[t, :] = sum_j topk_weights[t, j] * y[pair_to_row[t * K + j], :]   (filtered pairs skipped)
 
+`y` may also be the second GEMM's split-K partials, shape (S, R, H) in float32: they are summed
+in slice order first (expert_gemm.py).
+
 The output is always a *fresh* tensor: it never aliases hidden_states or any intermediate another
 stream may still read (the inplace-free contract the models' stream overlap relies on). The sum
 runs over j in slot order in float32, one program per (token block, column block), with no
@@ -19,8 +22,9 @@ from .expand import ExpertLayout, LayoutKind
 @triton.jit
 def _finalize_kernel(
     y_ptr, topk_weights_ptr, pair_to_row_ptr, out_ptr,
-    T, H, E, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
+    T, H, E, stride_y_split, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
     PER_PAIR_ROWS: tl.constexpr,  # 0: rows from pair_to_row; m > 0: pair p at row p * m, pair_to_row_ptr = ids
+    Y_SPLITS: tl.constexpr,  # split-K partials per row of y (1: plain rows)
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -37,22 +41,27 @@ def _finalize_kernel(
         routed = row >= 0  # a filtered pair (row -1) adds nothing, whatever its weight
         weight = tl.load(topk_weights_ptr + tokens * stride_w_t + j * stride_w_k, mask=routed, other=0.0)
         y_tile = y_ptr + row[:, None].to(tl.int64) * stride_y_r + cols[None, :]
-        y = tl.load(y_tile, mask=routed[:, None] & (cols[None, :] < H), other=0.0)
-        acc += y.to(tl.float32) * weight.to(tl.float32)[:, None]
+        y_mask = routed[:, None] & (cols[None, :] < H)
+        y = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, Y_SPLITS):
+            y += tl.load(y_tile + s * stride_y_split, mask=y_mask, other=0.0)
+        acc += y * weight.to(tl.float32)[:, None]
     out = out_ptr + tokens[:, None].to(tl.int64) * stride_out_t + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_token[:, None] & (cols[None, :] < H))
 
 
-def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None):
-    """Weighted sum of the expert rows `y`, shape (R, H), back into token order: shape (T, H).
+def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None):
+    """Weighted sum of the expert rows `y`, shape (R, H) or split-K partials (S, R, H), back into
+    token order: shape (T, H), in hidden_states' dtype `out_dtype` (default: y's).
 
     `out`, when given, must be a fresh buffer of shape (T, H) (e.g. a graph's static output); it is
     fully overwritten.
     """
     T = layout.num_pairs // max(layout.top_k, 1)
-    H = y.shape[1]
+    H = y.shape[-1]
     if out is None:
-        out = torch.empty(T, H, dtype=y.dtype, device=y.device)  # [T, H]
+        out = torch.empty(T, H, dtype=out_dtype or y.dtype, device=y.device)  # [T, H]
     elif out.shape != (T, H) or out.stride(1) != 1:
         raise ValueError(f"out must have shape ({T}, {H}) and unit last stride, got {tuple(out.shape)}")
     if T == 0 or H == 0:
@@ -63,8 +72,10 @@ def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, 
     per_pair = layout.kind is LayoutKind.PER_PAIR
     _finalize_kernel[grid](
         y, topk_weights, layout.topk_ids if per_pair else layout.pair_to_row, out,
-        T, H, layout.num_experts, y.stride(0), topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
-        PER_PAIR_ROWS=layout.block_m if per_pair else 0, TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
+        T, H, layout.num_experts, y.stride(0) if y.dim() == 3 else 0, y.stride(-2),
+        topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
+        PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=y.shape[0] if y.dim() == 3 else 1,
+        TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )
     return out
 

@@ -4,6 +4,8 @@
       -> expand      (expand.py)       pairs sorted by expert, block-padded
       -> expert GEMM (expert_gemm.py)  gather + w13 + activation epilogue   [R, I]
       -> expert GEMM (expert_gemm.py)  w2                                   [R, H]
+    (decode with split-K: float32 partials [S, R, 2I] / [S, R, H] instead, summed where the next
+     stage loads them: the activation moves into the second GEMM's loads)
       -> finalize    (finalize.py)     weighted un-permute into a fresh     [T, H]
 
 Every argument is checked here, before any kernel launches.
@@ -93,10 +95,14 @@ def fused_experts(
         layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
     else:
         layout = expand(topk_ids, E, config.block_m)
-    if fuse_activation:
+    pending = None  # the activation left for the second GEMM's loads (split-K partials)
+    if config.up.split_k > 1:
+        h = expert_gemm(hidden_states, w13, layout, config.up, gather=True, activation=activation)  # [S, R, 2I] fp32
+        pending = activation
+    elif fuse_activation:
         h = expert_gemm(hidden_states, w13, layout, config.up, gather=True, activation=activation)  # [R, I]
     else:
         gate_up = expert_gemm(hidden_states, w13, layout, config.up, gather=True)  # [R, 2I] or [R, I]
         h = activate(gate_up, activation)  # [R, I]
-    y = expert_gemm(h, w2, layout, config.down, gather=False)  # [R, H]
-    return finalize(y, topk_weights, layout, out=out)  # [T, H]
+    y = expert_gemm(h, w2, layout, config.down, gather=False, a_activation=pending)  # [R, H] or [S, R, H] fp32
+    return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]

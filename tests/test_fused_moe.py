@@ -54,6 +54,37 @@ def test_fused_experts_activations(activation, fuse, poisoned_empty):
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32)
 
 
+# Split-K: float32 partials per K slice, the activation applied in the second GEMM's loads and the
+# down partials summed by finalize. Slices that do not divide the K steps (3 into 2 steps of 32 for
+# H=40) leave an empty slice, which must still store zeros; filtered ids must stay unread.
+@pytest.mark.parametrize("splits", [(2, 1), (1, 3), (3, 2), (4, 4)], ids=lambda s: f"up{s[0]}-down{s[1]}")
+@pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
+@pytest.mark.parametrize("activation", [
+    Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.RELU2),
+    Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.702),
+], ids=lambda a: a.kind.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k(splits, layout, activation, dtype, poisoned_empty):
+    x, w13, w2, ids, weights = make_layer(5, 8, 2, 40, 65, dtype, seed=7, activation=activation, filtered=0.2)
+    up, down = splits
+    config = MoEConfig(GemmConfig(16, 32, 32, group_m=2, split_k=up), GemmConfig(16, 32, 16, split_k=down), layout)
+    out = fused_experts(x, w13, w2, ids, weights, activation=activation, config=config)
+    assert out.dtype == dtype
+    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), dtype, scale=2)
+
+
+def test_split_k_is_bit_stable(poisoned_empty):
+    x, w13, w2, ids, weights = make_layer(9, 8, 2, 64, 96, torch.float16, seed=8)
+    config = MoEConfig(GemmConfig(16, 32, 16, split_k=4), GemmConfig(16, 32, 16, split_k=3))
+    assert torch.equal(fused_experts(x, w13, w2, ids, weights, config=config),
+                       fused_experts(x, w13, w2, ids, weights, config=config))
+
+
+def test_split_k_must_be_positive():
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(16, 32, 32, split_k=0)
+
+
 @pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
 def test_filtered_ids_contribute_nothing(layout, poisoned_empty):
     x, w13, w2, ids, weights = make_layer(17, 8, 4, 40, 33, torch.float32, seed=4, filtered=0.3)
