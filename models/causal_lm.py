@@ -2,7 +2,8 @@
 
 A family file defines `model` (embed_tokens -> layers -> norm, called as model(input_ids, batch,
 cache)) and `lm_head`; this base runs them. Decode goes through graphs/ when CUDA is present:
-one CUDA graph per batch bucket over (token_ids, positions, slots), overlap enabled inside.
+one CUDA graph per batch bucket over (token_ids, positions, slots), overlap enabled inside;
+eagerly when a layer cannot be captured (expert-parallel all-to-all dispatch syncs with the host).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ..graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, default_batch_sizes, overlap_enabled
+from ..layer import FusedMoE
 from .layers import Batch, StaticKVCache
 
 
@@ -64,7 +66,9 @@ class CausalLM(nn.Module):
         self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq, config.num_key_value_heads, head_dim,
                                    parameter.dtype, parameter.device)
         self.graphs = None
-        if self.use_graphs and parameter.device.type == "cuda":
+        # Expert-parallel all-to-all reads split sizes on the host: such a model decodes eagerly.
+        capturable = all(layer.graph_capturable for layer in self.modules() if isinstance(layer, FusedMoE))
+        if self.use_graphs and capturable and parameter.device.type == "cuda":
             inputs = {"token_ids": StaticInput(), "positions": StaticInput(),
                       "slots": StaticInput(pad_value=self.cache.dummy_slot)}
             self.graphs = DecodeGraphRunner(self.decode_step, inputs,

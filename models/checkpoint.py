@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..layer import FusedMoE
+
 # experts.N.<proj>.weight -> (prefix, expert index, proj)
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -83,6 +85,9 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
     tensors = rename(fuse_per_expert(rename(tensors, renames)), renames)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            module.take_shard(tensors, prefix=f"{name}." if name else "")  # under parallel=: this rank's experts only
     state = model.state_dict()
     unexpected = sorted(set(tensors) - set(state))
     missing = sorted(set(state) - set(tensors))

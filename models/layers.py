@@ -8,6 +8,7 @@ slot's cache row with a mask (j <= position, and j > position - window for slidi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 
 from ..backends.catalog import ModelContext
 from ..graphs import ForwardMode, run_branches
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelGroups
 
 
 def head_dim_of(config) -> int:
@@ -95,9 +99,10 @@ class ExpertsOptions:
 
     backend: str = "auto"
     context: ModelContext | None = None
+    parallel: ParallelGroups | None = None  # shard every MoE layer's experts over ranks (moe_triton.parallel)
 
     def fused_moe_kwargs(self) -> dict:
-        return dict(backend=self.backend, context=self.context)
+        return dict(backend=self.backend, context=self.context, parallel=self.parallel)
 
 
 @dataclass

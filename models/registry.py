@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from ..bench import default_dtype
 from ..layer import FusedMoE
 from .checkpoint import load_into, read_safetensors
 from .layers import ExpertsOptions
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelGroups
 
 MODELS: dict[str, type] = {}
 
@@ -37,9 +41,13 @@ def model_class(config) -> type:
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               backend: str = "auto"):
+               backend: str = "auto", parallel: ParallelGroups | None = None):
     """Build the registered model for `path`'s config.json and load its safetensors weights; every
-    MoE layer resolves `backend` once, at construction (see moe_triton.backends)."""
+    MoE layer resolves `backend` once, at construction (see moe_triton.backends).
+
+    `parallel` (moe_triton.parallel.new_parallel_groups(...), every rank calling with the same
+    spec) shards every MoE layer's experts: each rank keeps its slice of the checkpoint's experts,
+    and the rest of the model (attention, router, shared experts) is replicated."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -49,7 +57,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     cls = model_class(config)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    experts = ExpertsOptions(backend, ModelContext.from_config(json.loads((path / "config.json").read_text()), path))
+    context = ModelContext.from_config(json.loads((path / "config.json").read_text()), path)
+    experts = ExpertsOptions(backend, context, parallel)
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
         model = cls(config, experts)
     load_into(model, read_safetensors(path), model.renames, model.ignore)

@@ -13,12 +13,20 @@ The experts run on the backend resolved once at construction (backends/resolver.
 kernel from the logits). `prepare_weights()` after loading pads I to that backend's multiple and
 builds FlashInfer's weight view; padding replaces the parameters (no longer shared), the
 FlashInfer view is a second copy of the experts.
+
+`parallel=` (a `moe_triton.parallel.ParallelGroups`) shards the experts over ranks: the layer
+then holds this rank's (E/ep, 2I/tp, H) / (E/ep, H, I/tp) slice, routes its own tokens with the
+full (replicated) router, and its experts step is `parallel_experts` around the same local
+pipeline. Without it nothing changes. Loading full-size expert tensors (`load_state_dict`, or
+models/'s loader) cuts this rank's shard on the way in (`take_shard`).
 """
 from __future__ import annotations
 
 import enum
 import functools
 import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +44,9 @@ from .fused_moe import fused_experts
 from .platform import Platform
 from .reference import fused_experts_torch
 from .routing import RoutingSpec, route, route_torch
+
+if TYPE_CHECKING:
+    from .parallel import ParallelGroups
 
 logger = logging.getLogger("moe_triton")
 
@@ -76,6 +87,7 @@ class FusedMoE(nn.Module):
         backend: ExpertBackend | str = "auto",
         context: ModelContext | None = None,
         platform: Platform | None = None,
+        parallel: ParallelGroups | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
@@ -96,15 +108,29 @@ class FusedMoE(nn.Module):
         self.expert_output_proj = expert_output_proj
         factory = dict(dtype=dtype, device=device)
         expert_in = expert_hidden_size or hidden_size  # NemotronH's latent projections narrow the experts
-        w13_rows = 2 * intermediate_size if activation.gated else intermediate_size
-        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, w13_rows, expert_in, **factory))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, expert_in, intermediate_size, **factory))
+        self.global_num_experts = num_experts
+        self.parallel = parallel
+        local_experts, local_intermediate = num_experts, intermediate_size
+        if parallel is not None:
+            from .parallel import OutputLayout, local_sizes
+
+            if parallel.spec.output is not OutputLayout.FULL:
+                raise ValueError(f"parallel.spec.output is {parallel.spec.output.value}; FusedMoE returns every token's "
+                                 "full row (shared experts and the residual add to it): use OutputLayout.FULL, or "
+                                 "moe_triton.parallel.parallel_experts directly for a scattered output")
+            local_experts, local_intermediate = local_sizes(num_experts, intermediate_size, parallel.spec)
+        w13_rows = 2 * local_intermediate if activation.gated else local_intermediate
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))  # the full router
+        self.gate_up_proj = nn.Parameter(torch.empty(local_experts, w13_rows, expert_in, **factory))
+        self.down_proj = nn.Parameter(torch.empty(local_experts, expert_in, local_intermediate, **factory))
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         # platform: where the layer will run; detected from `device` unless given (from_transformers
         # builds on the meta device and passes the platform of the block's weights).
         self.context = context or ModelContext()
+        if parallel is not None:  # the resolver keeps the paths that have not run sharded out
+            self.context = replace(self.context, sharded_experts=True)
+        self._register_load_state_dict_pre_hook(self._shard_on_load)
         traits = LayerTraits(expert_in, self.gate_up_proj.dtype, activation.kind, self.routing, correction_bias)
         self.resolution = resolve(backend, platform or platforms.detect_platform(self.gate_up_proj.device),
                                   self.context, traits)
@@ -132,7 +158,32 @@ class FusedMoE(nn.Module):
 
     @property
     def num_experts(self) -> int:
+        """Experts held here: all E, or this rank's E / ep under `parallel`."""
         return self.gate_up_proj.shape[0]
+
+    @property
+    def graph_capturable(self) -> bool:
+        """All-to-all dispatch reads split sizes on the host, so that mode cannot be captured."""
+        return self.parallel is None or not self.parallel.spec.all_to_all
+
+    def take_shard(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
+        """Under `parallel`: replace full-size expert tensors (E, 2I, H) / (E, H, I) in `state`
+        (names `prefix` + gate_up_proj / down_proj) by this rank's shard, cut on the host."""
+        names = (prefix + "gate_up_proj", prefix + "down_proj")
+        if self.parallel is None or not all(name in state for name in names):
+            return
+        w13, w2 = (state[name] for name in names)
+        if w13.shape == self.gate_up_proj.shape and w2.shape == self.down_proj.shape:
+            return  # already this rank's shard
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != self.global_num_experts:
+            return  # malformed: the shape check that follows names the tensor
+        from .parallel import shard_experts
+
+        state[names[0]], state[names[1]] = shard_experts(w13, w2, self.parallel.spec, self.parallel.rank,
+                                                         activation=self.activation)
+
+    def _shard_on_load(self, state_dict, prefix, *args, **kwargs):
+        self.take_shard(state_dict, prefix)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> logits (T, E)."""
@@ -148,14 +199,23 @@ class FusedMoE(nn.Module):
         return route(logits, self.routing, self.e_score_correction_bias)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts alone, on our top-k: x (T, H) -> a fresh (T, H)."""
+        """The routed experts alone, on our top-k (global ids): x (T, H) -> a fresh (T, H).
+        Under `parallel` a collective: every rank calls it, with T = 0 where it has no tokens."""
+        if self.parallel is not None:
+            from .parallel import parallel_experts
+
+            return parallel_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.parallel,
+                                    activation=self.activation, experts=self._local_experts)
+        return self._local_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
+                                   activation=self.activation)
+
+    def _local_experts(self, x, w13, w2, topk_ids, topk_weights, *, activation: Activation) -> torch.Tensor:
+        # fused_experts' signature, so parallel_experts can run it on this rank's shard
         backend = self.backend
         if backend is ExpertBackend.TORCH:
-            out = fused_experts_torch(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
-                                      activation=self.activation)
-            return out.to(x.dtype)
+            return fused_experts_torch(x, w13, w2, topk_ids, topk_weights, activation=activation).to(x.dtype)
         if backend is ExpertBackend.TRITON:
-            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, activation=self.activation)
+            return fused_experts(x, w13, w2, topk_ids, topk_weights, activation=activation)
         if backend is ExpertBackend.FLASHINFER_TRTLLM:
             raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: call routed_experts(x)")
         run = run_trtllm_routed if backend is ExpertBackend.FLASHINFER_TRTLLM_ROUTED else run_cutlass

@@ -6,7 +6,10 @@ every case sent to them, so process start-up and process-group setup are paid on
 
 A case builds full weights and every rank's tokens from seeds, routes the tokens on each rank (so
 ranks with no tokens go through routing too), runs `ParallelExperts` on the rank's shard and
-compares with `fused_experts_torch` on the full weights: the single-process reference.
+compares with `fused_experts_torch` on the full weights: the single-process reference. Two more
+kinds of case run the same check one level up: `FusedMoE(parallel=...)` loaded from a full layer's
+state dict against that layer, and `load_model(..., parallel=...)` against the same checkpoint
+loaded whole (logits and greedy tokens, each rank its own prompt under all-to-all EP).
 """
 import contextlib
 import dataclasses
@@ -25,7 +28,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import assert_close  # noqa: E402
-from moe_triton import SILU_AND_MUL, Activation, RoutingSpec, fused_experts, fused_experts_torch, route  # noqa: E402
+from moe_triton import (SILU_AND_MUL, Activation, FusedMoE, RoutingSpec, fused_experts, fused_experts_torch,  # noqa: E402
+                        route)
 from moe_triton.parallel import (Collective, ParallelExperts, ParallelSpec, new_parallel_groups,  # noqa: E402
                                  post_experts_reduction, scattered_rows, torch_experts)
 
@@ -50,13 +54,16 @@ class Case:
     filtered: bool = False  # some ids set to -1 and to E: they must contribute nothing
     huge: bool = False  # positive bf16 outputs near the bf16 maximum, every rank the same tokens
     seed: int = 0
+    module: str = "experts"  # what runs sharded: "experts" (ParallelExperts), "fused_moe", "model"
+    checkpoint: str | None = None  # module="model": a checkpoint directory; tokens are then prompt lengths
 
     def __str__(self):
         s = self.spec
         parts = [f"ep{s.ep_size}xtp{s.tp_size}", s.dispatch.value if s.ep_size > 1 else "", s.output.value,
                  "T" + "-".join(map(str, self.tokens)), f"E{self.num_experts}K{self.top_k}",
                  str(self.dtype).removeprefix("torch."), self.backend, self.activation.kind.name.lower(),
-                 "filtered" if self.filtered else "", "huge" if self.huge else ""]
+                 "filtered" if self.filtered else "", "huge" if self.huge else "",
+                 self.module if self.module != "experts" else ""]
         return "-".join(p for p in parts if p)
 
 
@@ -82,6 +89,10 @@ def _tokens(case: Case, ep_rank: int, device) -> torch.Tensor:
 
 def run_case(case: Case, groups, device: torch.device) -> None:
     """One rank's part of a case: route, run the parallel experts, compare with the full reference."""
+    if case.module == "fused_moe":
+        return run_fused_moe_case(case, groups, device)
+    if case.module == "model":
+        return run_model_case(case, groups, device)
     w13, w2, gate = (w.to(case.dtype).to(device) for w in _weights(case))
     x = _tokens(case, groups.ep_rank, device)  # [T, H]
     topk_ids, topk_weights = route(x.float() @ gate.float().T, RoutingSpec(case.top_k, renormalize=True))  # [T, K]
@@ -112,6 +123,45 @@ def run_case(case: Case, groups, device: torch.device) -> None:
         doubled = out.clone()
         torch.distributed.all_reduce(doubled, group=groups.moe)
         assert torch.isinf(doubled).any(), "a double count should overflow bf16 here; the case does not test it"
+
+
+def run_fused_moe_case(case: Case, groups, device: torch.device) -> None:
+    """FusedMoE(parallel=groups) given a full layer's state dict equals that layer on this rank's tokens."""
+    w13, w2, gate = _weights(case)
+    dims = (case.num_experts, case.top_k, case.hidden, case.intermediate)
+    kwargs = dict(routing=RoutingSpec(case.top_k, renormalize=True), activation=case.activation, dtype=case.dtype,
+                  device=device, routed_scaling_factor=1.5)
+    full = FusedMoE(*dims, backend="torch", **kwargs)
+    with torch.no_grad():
+        for param, value in ((full.gate_weight, gate), (full.gate_up_proj, w13), (full.down_proj, w2)):
+            param.copy_(value)
+    sharded = FusedMoE(*dims, backend=case.backend, parallel=groups, **kwargs)
+    sharded.load_state_dict(full.state_dict())  # full-size experts in, this rank's shard kept
+    assert sharded.num_experts == case.num_experts // case.spec.ep_size
+    assert sharded.down_proj.shape[2] == case.intermediate // case.spec.tp_size
+    x = _tokens(case, groups.ep_rank, device)  # [T, H]
+    with torch.inference_mode():
+        out, ref = sharded(x), full(x)
+    assert out.dtype == case.dtype
+    _compare(out, ref.float(), case.dtype)
+
+
+def run_model_case(case: Case, groups, device: torch.device) -> None:
+    """load_model(parallel=groups) equals the whole checkpoint: prefill logits and greedy tokens."""
+    from moe_triton.models import load_model
+
+    model = load_model(case.checkpoint, dtype=case.dtype, device=device, backend=case.backend, parallel=groups)
+    whole = load_model(case.checkpoint, dtype=case.dtype, device=device, backend="torch")
+    whole.use_graphs = False  # the torch reference syncs with the host; the sharded model is captured where it can be
+    group = groups.ep_rank if case.spec.all_to_all else 0  # all-to-all EP: every rank its own prompt
+    g = torch.Generator().manual_seed(100 + group)
+    prompt = torch.randint(0, model.config.vocab_size, (2, case.tokens[group]), generator=g).to(device)
+    for lm in (model, whole):
+        lm.setup(max_batch=2, max_seq=32)
+    assert (model.graphs is not None) == (device.type == "cuda" and not case.spec.all_to_all)
+    with torch.inference_mode():
+        _compare(model.prefill(prompt), whole.prefill(prompt).float(), case.dtype)
+    assert torch.equal(model.generate(prompt, max_new_tokens=5), whole.generate(prompt, max_new_tokens=5))
 
 
 def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from conftest import assert_close
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
-from moe_triton import Activation, ActivationKind, fused_experts, fused_experts_torch
+from moe_triton import Activation, ActivationKind, FusedMoE, fused_experts, fused_experts_torch
 from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
                                  compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,
                                  scattered_rows, shard_experts, torch_experts)
@@ -202,6 +202,57 @@ CASES = {
         Case(ParallelSpec(ep_size=2, tp_size=2), (4, 4), **HUGE),
     ],
 }
+
+
+# One level up: FusedMoE(parallel=...) and a whole model loaded with parallel=, against the same
+# layer / checkpoint unsharded (run by the ranks, in float32, Triton kernels under the interpreter).
+LAYER = dict(module="fused_moe", hidden=24, intermediate=12)
+for world_size, specs in {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2),
+                              ParallelSpec(ep_size=2, dispatch=REPLICATED)],
+                          4: [ParallelSpec(ep_size=2, tp_size=2)]}.items():
+    CASES[world_size] += [Case(spec, (5,) if not spec.all_to_all else (5, 0, 3, 2)[:spec.ep_size], **LAYER)
+                          for spec in specs]
+CASES[2].append(Case(ParallelSpec(ep_size=2), (4, 3), module="fused_moe", activation=RELU2, backend="torch"))
+MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)], 4: [ParallelSpec(ep_size=2, tp_size=2)]}
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    from test_models import randomize_, tiny_qwen3_moe
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    randomize_(tiny_qwen3_moe().eval(), seed=1).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("world_size,spec", [(w, s) for w, specs in MODEL_SPECS.items() for s in specs],
+                         ids=lambda v: f"ep{v.ep_size}xtp{v.tp_size}" if isinstance(v, ParallelSpec) else f"ws{v}")
+def test_sharded_model_matches_the_whole_checkpoint(pools, qwen3_checkpoint, world_size, spec):
+    tokens = (7, 4)[:spec.ep_size] if spec.all_to_all else (6,)  # under all-to-all, uneven prompts per rank
+    pools(world_size).run(Case(spec, tokens, module="model", checkpoint=qwen3_checkpoint))
+
+
+def test_fused_moe_rejects_a_scattered_output():
+    from moe_triton.parallel import ParallelGroups
+
+    spec = ParallelSpec(tp_size=2, output=SCATTERED)
+    groups = ParallelGroups(spec, 0, None, None, None)  # never reaches a collective
+    with pytest.raises(ValueError, match="parallel.spec.output"):
+        FusedMoE(8, 2, 16, 10, parallel=groups)
+
+
+def test_resolver_keeps_flashinfer_off_sharded_experts():
+    from moe_triton.backends import ExpertBackend, ModelContext, resolve
+    from moe_triton.platform import Platform
+
+    blackwell = Platform("cuda", (10, 0), "0.7.2")
+    whole = ModelContext("Cohere2MoeForCausalLM")  # its rule picks a FlashInfer path on Blackwell
+    sharded = ModelContext("Cohere2MoeForCausalLM", sharded_experts=True)
+    assert resolve("auto", blackwell, whole).backend is not ExpertBackend.TRITON
+    assert resolve("auto", blackwell, sharded).backend is ExpertBackend.TRITON
+    for backend in ("flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutlass"):
+        with pytest.raises(ValueError, match="not wired to the FlashInfer paths"):
+            resolve(backend, blackwell, sharded)
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,23 @@ def test_stages_bf16(layer, T, poisoned_empty):
     assert relative_error(finalize(y, weights, layout), finalize_torch(y, weights, layout.pair_to_row, shape.top_k)) < 1e-2
 
 
+@pytest.mark.parametrize("splits", [(1, 1), (2, 1), (3, 3), (8, 4)], ids=lambda s: f"up{s[0]}-down{s[1]}")
+@pytest.mark.parametrize("T", [1, 4, 16])
+def test_split_k_bf16(layer, T, splits):
+    """Split-K partials (float32) on the compiled kernels, TMA weight tiles, both layouts."""
+    from moe_triton import GemmConfig, LayoutKind, MoEConfig
+
+    shape, w13, w2 = layer
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
+    x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+    ref = fused_experts_torch(x, w13, w2, ids, weights)
+    for layout in LayoutKind:
+        up = GemmConfig(16, 64, 128, group_m=1, num_stages=4, tma_weights=True, split_k=splits[0])
+        down = GemmConfig(16, 128, 128, group_m=1, num_stages=4, tma_weights=True, split_k=splits[1])
+        out = fused_experts(x, w13, w2, ids, weights, config=MoEConfig(up, down, layout))
+        assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2, (layout, relative_error(out, ref))
+
+
 def test_fp32_operands_use_ieee_dot():
     shape = QWEN3_30B_A3B
     w13, w2 = random_experts(shape, torch.float32, "cuda")

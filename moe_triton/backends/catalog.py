@@ -36,6 +36,7 @@ class ModelContext:
     quant_config: object = None  # the checkpoint's quantization_config, as read from config.json
     all_to_all: str | None = None  # expert-parallel all-to-all backend ("deepep", ...), None without one
     lora: bool = False  # LoRA adapters on the experts
+    sharded_experts: bool = False  # experts split over ranks by moe_triton.parallel (FusedMoE(parallel=...))
 
     @classmethod
     def from_config(cls, config: Mapping, model_dir: Path | None = None, *, all_to_all: str | None = None,
@@ -156,6 +157,9 @@ def _model_reason(spec: BackendSpec, platform, context: ModelContext, layer) -> 
         return f"all-to-all backend {context.all_to_all!r} has no fused registration for this path"
     if context.lora and not spec.lora:
         return "LoRA on the experts is not supported by this fused path"
+    if context.sharded_experts and spec.flashinfer:
+        return ("moe_triton.parallel's shards (local ids, -1 for other ranks' experts) are not wired to the "
+                "FlashInfer paths, which have not run sharded")
     return None
 
 
