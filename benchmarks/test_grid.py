@@ -63,7 +63,6 @@ def peer_times(shape, w13, w2, inputs, num_tokens) -> dict[str, float]:
         with torch.no_grad():
             times[implementation] = time_step(peer, graphable=num_tokens <= GRAPH_MAX_TOKENS
                                               and implementation == "batched_mm")[0]
-        del experts
     return times
 
 
