@@ -54,40 +54,32 @@ def sweep_case(shape, T, w13, w2):
             print(f"{shape.name} T={T} {kind.value} BM{bm} {name}: {best}", flush=True)
 
 
-# Split-K at decode sizes: (block_n, block_k, num_stages, num_warps, split_k), all through TMA.
-SPLIT_UP = [(64, 128, 4, 4, s) for s in (1, 2, 3, 4, 6, 8)] + [(32, 128, 4, 4, s) for s in (1, 2, 4)]
-SPLIT_DOWN = [(128, 128, 4, 4, s) for s in (1, 2, 3, 4, 6, 8)] + [(64, 128, 4, 4, s) for s in (1, 2, 4)]
-SPLIT_CASES = [(shape, [1, 4, 16, 64]) for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)]
+# Split-K at decode sizes: the whole layer per (up, down) split, timed as CUDA-graph replays over
+# four routings (a host-side timer would time Python launches at these sizes, not the GPU).
+LAYER_SPLITS = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 4)]
+SPLIT_CASES = [(shape, [1, 4, 16]) for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)]
 
 
 def sweep_split_k(shape, T, w13, w2):
-    """Each GEMM alone over SPLIT_UP / SPLIT_DOWN, on the layout choose_config picks for T."""
     from moe_triton import choose_config
+    from moe_triton.bench import capture_graph, time_graph_replays
 
-    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
-    x, ids = inputs.hidden_states[0], inputs.topk_ids[0]
-    chosen = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                           torch.device("cuda"))
-    bm = chosen.block_m
-    layout = (per_pair_layout(ids, shape.num_experts, bm) if chosen.layout is LayoutKind.PER_PAIR
-              else expand(ids, shape.num_experts, bm))
-    for name, tiles in (("up", SPLIT_UP), ("down", SPLIT_DOWN)):
-        results = []
-        for bn, bk, stages, warps, split in tiles:
-            config = GemmConfig(bm, bn, bk, group_m=1, num_warps=warps, num_stages=stages, tma_weights=True,
-                                split_k=split)
-            if name == "up":
-                run = lambda: expert_gemm(x, w13, layout, config, gather=True, activation=SILU_AND_MUL)  # noqa: E731
-            else:  # the down GEMM's input: plain rows (its own split-K partials go to finalize)
-                h = torch.randn(layout.max_rows, shape.intermediate_size, device="cuda", dtype=torch.bfloat16)
-                run = lambda: expert_gemm(h, w2, layout, config, gather=False)  # noqa: E731
-            try:
-                results.append((time_us(run), bn, split))
-            except Exception as error:  # out of shared memory etc.: report and go on
-                print(f"  {name} {config}: {type(error).__name__}")
-        results.sort()
-        print(f"split {shape.name} T={T} {chosen.layout.value} BM{bm} {name}: "
-              + ", ".join(f"{t:.1f}us BN{bn}/K{split}" for t, bn, split in results), flush=True)
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=4)
+    results = []
+    for splits in LAYER_SPLITS:
+        config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                               torch.device("cuda"), split_k=splits)
+
+        def step(i):
+            return fused_experts(inputs.hidden_states[i], w13, w2, inputs.topk_ids[i], inputs.topk_weights[i],
+                                 config=config)
+
+        try:
+            results.append((time_graph_replays(capture_graph(step, 4), 4) * 1e6, config.describe()))
+        except Exception as error:  # out of shared memory etc.: report and go on
+            print(f"  {splits}: {type(error).__name__}: {str(error)[:100]}")
+    results.sort()
+    print(f"split {shape.name} T={T}: " + ", ".join(f"{t:.1f}us [{c}]" for t, c in results), flush=True)
 
 
 def profile_layer(shape, T, w13, w2):

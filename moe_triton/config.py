@@ -107,9 +107,13 @@ def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
     return replace(config, block_k=max(16, config.block_k * 2 // element_size))
 
 
-def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
-                  intermediate_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
-    """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate."""
+def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int,
+                  device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                  split_k: tuple[int, int] | None = None) -> MoEConfig:
+    """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate.
+
+    `split_k` = (up, down) fixes the decode GEMMs' K slices instead of deriving them from the
+    tile count (tuning, benchmarks/sweep_configs.py); shared memory is fitted either way."""
     num_pairs = num_tokens * top_k
     # Skip the sort when pairs rarely share an expert: one token's K experts are distinct, and
     # P^2 <= E keeps the expected number of shared experts under one half.
@@ -122,12 +126,41 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     down = _for_element_size(_gemm_config(block_m, k=intermediate_size, fused_gate=False), element_size)
     if block_m <= 32:  # decode: few row blocks
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
-        num_sms = _num_sms(device)
-        up = _split_k(up, blocks, intermediate_size, hidden_size, num_sms)
-        down = _split_k(down, blocks, hidden_size, intermediate_size, num_sms)
+        num_sms, shared_memory = _device_limits(device)
+        if split_k is None:
+            up = _split_k(up, blocks, intermediate_size, hidden_size, num_sms)
+            down = _split_k(down, blocks, hidden_size, intermediate_size, num_sms)
+        else:
+            up, down = replace(up, split_k=split_k[0]), replace(down, split_k=split_k[1])
+        # With a split first GEMM the second one loads float32 [gate | up] partials per slice.
+        down = _fit_shared_memory(down, element_size, a_tiles=2 * up.split_k if up.split_k > 1 else 0,
+                                  limit=shared_memory)
     return MoEConfig(up, down, layout)
 
 
+def _fit_shared_memory(config: GemmConfig, element_size: int, a_tiles: int, limit: int) -> GemmConfig:
+    """Fewer stages, then shorter K steps, until num_stages copies of every tile the K loop loads
+    fit in shared memory (Triton pipelines each load). `a_tiles` float32 `a` tiles per step
+    replace the usual one `a` tile of `element_size` bytes."""
+    def stage_bytes(c: GemmConfig) -> int:
+        a = a_tiles * c.block_m * c.block_k * 4 if a_tiles else c.block_m * c.block_k * element_size
+        return a + c.block_n * c.block_k * element_size
+
+    while config.num_stages * stage_bytes(config) > limit * SHARED_MEMORY_USE:
+        if config.num_stages > 2:
+            config = replace(config, num_stages=config.num_stages - 1)
+        elif config.block_k > 16:
+            config = replace(config, block_k=config.block_k // 2, num_stages=4)
+        else:
+            break
+    return config
+
+
+SHARED_MEMORY_USE = 0.85  # leave room for the epilogue's and the compiler's own buffers
+
+
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _device_limits(device: torch.device) -> tuple[int, int]:
+    """(SM count, shared memory per block with opt-in, bytes) of a CUDA device."""
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.shared_memory_per_block_optin

@@ -171,3 +171,22 @@ def test_nan_hidden_states_stay_in_their_rows():
     others = torch.ones(17, dtype=torch.bool)
     others[3] = False
     assert not out[others].isnan().any()
+
+
+@pytest.mark.parametrize("splits", [None, (1, 1), (3, 3), (8, 4), (8, 8)], ids=str)
+def test_decode_configs_fit_shared_memory(monkeypatch, splits):
+    """Every decode config leaves num_stages copies of its tiles within an H200's shared memory,
+    counting the float32 [gate | up] partials the second GEMM loads after a split first GEMM."""
+    from moe_triton import choose_config, config as configs
+    from moe_triton.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B
+
+    limit = 232448  # H200: shared_memory_per_block_optin
+    monkeypatch.setattr(configs, "_device_limits", lambda device: (132, limit))
+    for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
+        for T in (1, 4, 16, 64, 256):
+            c = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                              torch.device("cuda"), split_k=splits)
+            up_stage = c.up.block_k * (c.up.block_m + 2 * c.up.block_n) * 2  # a + gate + up tiles, bf16
+            a_down = (2 * c.up.split_k * 4 if c.up.split_k > 1 else 2) * c.down.block_m * c.down.block_k
+            down_stage = a_down + c.down.block_n * c.down.block_k * 2
+            assert c.up.num_stages * up_stage <= limit and c.down.num_stages * down_stage <= limit, c.describe()
