@@ -88,18 +88,16 @@ def _expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int
     return experts_hit * -(-num_pairs / experts_hit // block_m)
 
 
-def _split_k(config: GemmConfig, blocks: float, n: int, k: int, num_sms: int) -> GemmConfig:
-    # Too few output tiles to keep every SM streaming weights: cut K into slices until there are
-    # about SPLIT_K_WAVES programs per SM, each slice keeping at least MIN_STEPS_PER_SPLIT K steps.
+def _down_split_k(config: GemmConfig, blocks: float, n: int, k: int, num_sms: int) -> GemmConfig:
+    # Fewer output tiles than SMs: cut the second GEMM's K in two (finalize sums the two float32
+    # partials). The H200 sweep (docs/sweep-split-k-2026-11-29.txt, whole layer, graph replays)
+    # measured 2-4% faster at Qwen3 and Mixtral M=1 and no gain past one wave. Splitting the first
+    # GEMM measured slower at every decode size (up to 1.9x): its float32 [gate | up] partials
+    # cost the second GEMM half its pipeline stages, so choose_config never splits it (explicit
+    # configs still can).
     tiles = blocks * -(-n // config.block_n)
     k_steps = -(-k // config.block_k)
-    split = min(-(-SPLIT_K_WAVES * num_sms // max(tiles, 1)), k_steps // MIN_STEPS_PER_SPLIT, MAX_SPLIT_K)
-    return replace(config, split_k=max(1, int(split)))
-
-
-SPLIT_K_WAVES = 2
-MIN_STEPS_PER_SPLIT = 2
-MAX_SPLIT_K = 8
+    return replace(config, split_k=2) if tiles < num_sms and k_steps >= 4 else config
 
 
 def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
@@ -128,8 +126,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
         num_sms, shared_memory = _device_limits(device)
         if split_k is None:
-            up = _split_k(up, blocks, intermediate_size, hidden_size, num_sms)
-            down = _split_k(down, blocks, hidden_size, intermediate_size, num_sms)
+            down = _down_split_k(down, blocks, hidden_size, intermediate_size, num_sms)
         else:
             up, down = replace(up, split_k=split_k[0]), replace(down, split_k=split_k[1])
         # With a split first GEMM the second one loads float32 [gate | up] partials per slice.

@@ -70,16 +70,18 @@ def test_stages_bf16(layer, T, poisoned_empty):
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_split_k_bf16(layer, T, splits):
     """Split-K partials (float32) on the compiled kernels, TMA weight tiles, both layouts."""
-    from moe_triton import GemmConfig, LayoutKind, MoEConfig
+    from dataclasses import replace
+
+    from moe_triton import LayoutKind, choose_config
 
     shape, w13, w2 = layer
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
     x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
     ref = fused_experts_torch(x, w13, w2, ids, weights)
+    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                           torch.device("cuda"), split_k=splits)  # tiles fitted to shared memory
     for layout in LayoutKind:
-        up = GemmConfig(16, 64, 128, group_m=1, num_stages=4, tma_weights=True, split_k=splits[0])
-        down = GemmConfig(16, 128, 128, group_m=1, num_stages=4, tma_weights=True, split_k=splits[1])
-        out = fused_experts(x, w13, w2, ids, weights, config=MoEConfig(up, down, layout))
+        out = fused_experts(x, w13, w2, ids, weights, config=replace(config, layout=layout))
         assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2, (layout, relative_error(out, ref))
 
 
