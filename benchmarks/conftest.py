@@ -67,15 +67,16 @@ def _markdown(rows: list[dict]) -> list[str]:
 
 
 def _fraction_summary(rows: list[dict]) -> list[str]:
-    """Geometric mean and minimum of a table's `floor_frac` column, when it has one."""
-    fractions = [float(row["floor_frac"]) for row in rows if "floor_frac" in row]
-    if not fractions:
-        return []
-    geomean = math.exp(sum(math.log(f) for f in fractions) / len(fractions))
-    lowest = min(rows, key=lambda row: float(row.get("floor_frac", "inf")))
-    where = ", ".join(f"{k}={lowest[k]}" for k in list(lowest)[:2])
-    return ["", f"floor_frac over {len(fractions)} rows: geometric mean {geomean:.3f}, "
-                f"minimum {float(lowest['floor_frac']):.2f} ({where})"]
+    """Geometric mean and minimum of each `*_frac` column (fractions of the floor) of a table."""
+    lines = []
+    for column in [c for c in rows[0] if c.endswith("_frac")]:
+        fractions = [float(row[column]) for row in rows]
+        geomean = math.exp(sum(math.log(f) for f in fractions) / len(fractions))
+        lowest = min(rows, key=lambda row: float(row[column]))
+        where = ", ".join(f"{k}={lowest[k]}" for k in list(lowest)[:2])
+        lines.append(f"{column} over {len(fractions)} rows: geometric mean {geomean:.3f}, "
+                     f"minimum {float(lowest[column]):.2f} ({where})")
+    return ["", *lines] if lines else []
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
