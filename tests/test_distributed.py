@@ -271,7 +271,7 @@ def test_parallel_experts_match_the_reference(pools, world_size, case):
 def test_docs_example_runs_under_torchrun(tmp_path):
     """docs/DISTRIBUTED.md's example, launched as the doc says, on 2 gloo ranks; it checks itself."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "DISTRIBUTED.md").read_text()
-    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "new_parallel_groups" in block]
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "init_process_group(" in block]
     script = tmp_path / "example.py"
     script.write_text(example)
     env = {**os.environ, **SUBPROCESS_ENV, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, on any machine
