@@ -91,6 +91,10 @@ def fused_experts(
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
     config = config or choose_config(T, K, E, H, I, hidden_states.device, hidden_states.dtype)
+    if config.up.split_k > 1 and not fuse_activation:
+        raise ValueError("fuse_activation=False runs the standalone activation on the first GEMM's output, but "
+                         f"config.up.split_k={config.up.split_k} leaves partial sums for the second GEMM to "
+                         "activate: use split_k=1 for the first GEMM, or fuse_activation=True")
     if config.layout is LayoutKind.PER_PAIR:
         layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
     else:

@@ -80,6 +80,16 @@ def test_split_k_is_bit_stable(poisoned_empty):
                        fused_experts(x, w13, w2, ids, weights, config=config))
 
 
+def test_split_first_gemm_with_standalone_activation_is_rejected(monkeypatch):
+    x, w13, w2, ids, weights = make_layer(3, 4, 2, 32, 32, torch.float16, seed=9)
+    config = MoEConfig(GemmConfig(16, 32, 16, split_k=2), GemmConfig(16, 32, 16))
+    launches = []
+    monkeypatch.setattr("moe_triton.fused_moe.expand", lambda *a, **k: launches.append(a))
+    with pytest.raises(ValueError, match="fuse_activation=False"):
+        fused_experts(x, w13, w2, ids, weights, config=config, fuse_activation=False)
+    assert not launches
+
+
 def test_split_k_must_be_positive():
     with pytest.raises(ValueError, match="split_k"):
         GemmConfig(16, 32, 32, split_k=0)
