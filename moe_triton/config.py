@@ -1,8 +1,10 @@
 """Launch configuration: one function of (shape, token count, dtype, device) -> tile sizes.
 
-No per-device tables: tiles follow from the token count, the shape and the element size alone,
-so a device the function has never seen still gets a sensible configuration. `fused_experts(config=...)` overrides it
-explicitly (tests, tuning).
+No per-device tables: tiles follow from the token count, the shape and the element size; the
+device enters only through two properties it reports (SM count, for how many tiles fill it;
+shared memory per block, which the pipelined tiles must fit), so a device the function has never
+seen still gets a sensible configuration. `fused_experts(config=...)` overrides it explicitly
+(tests, tuning); `choose_config(split_k=...)` fixes the decode split for sweeps.
 """
 from __future__ import annotations
 
