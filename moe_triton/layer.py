@@ -26,7 +26,6 @@ import enum
 import functools
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +40,10 @@ from .backends.padding import pad_experts
 from .backends.quantization import experts_quantization
 from .backends.resolver import Resolution, resolve
 from .fused_moe import fused_experts
+from .parallel import OutputLayout, ParallelGroups, local_sizes, parallel_experts, shard_experts
 from .platform import Platform
 from .reference import fused_experts_torch
 from .routing import RoutingSpec, route, route_torch
-
-if TYPE_CHECKING:
-    from .parallel import ParallelGroups
 
 logger = logging.getLogger("moe_triton")
 
@@ -112,8 +109,6 @@ class FusedMoE(nn.Module):
         self.parallel = parallel
         local_experts, local_intermediate = num_experts, intermediate_size
         if parallel is not None:
-            from .parallel import OutputLayout, local_sizes
-
             if parallel.spec.output is not OutputLayout.FULL:
                 raise ValueError(f"parallel.spec.output is {parallel.spec.output.value}; FusedMoE returns every token's "
                                  "full row (shared experts and the residual add to it): use OutputLayout.FULL, or "
@@ -177,8 +172,6 @@ class FusedMoE(nn.Module):
             return  # already this rank's shard
         if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != self.global_num_experts:
             return  # malformed: the shape check that follows names the tensor
-        from .parallel import shard_experts
-
         state[names[0]], state[names[1]] = shard_experts(w13, w2, self.parallel.spec, self.parallel.rank,
                                                          activation=self.activation)
 
@@ -202,8 +195,6 @@ class FusedMoE(nn.Module):
         """The routed experts alone, on our top-k (global ids): x (T, H) -> a fresh (T, H).
         Under `parallel` a collective: every rank calls it, with T = 0 where it has no tokens."""
         if self.parallel is not None:
-            from .parallel import parallel_experts
-
             return parallel_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.parallel,
                                     activation=self.activation, experts=self._local_experts)
         return self._local_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights,
