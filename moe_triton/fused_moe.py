@@ -99,14 +99,11 @@ def fused_experts(
         layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
     else:
         layout = expand(topk_ids, E, config.block_m)
-    pending = None  # the activation left for the second GEMM's loads (split-K partials)
-    if config.up.split_k > 1:
-        h = expert_gemm(hidden_states, w13, layout, config.up, gather=True, activation=activation)  # [S, R, 2I] fp32
-        pending = activation
-    elif fuse_activation:
+    if fuse_activation:  # a split first GEMM leaves float32 partials, [S, R, 2I], for the second to activate
         h = expert_gemm(hidden_states, w13, layout, config.up, gather=True, activation=activation)  # [R, I]
     else:
         gate_up = expert_gemm(hidden_states, w13, layout, config.up, gather=True)  # [R, 2I] or [R, I]
         h = activate(gate_up, activation)  # [R, I]
+    pending = activation if config.up.split_k > 1 else None
     y = expert_gemm(h, w2, layout, config.down, gather=False, a_activation=pending)  # [R, H] or [S, R, H] fp32
     return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]

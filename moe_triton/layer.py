@@ -105,7 +105,6 @@ class FusedMoE(nn.Module):
         self.expert_output_proj = expert_output_proj
         factory = dict(dtype=dtype, device=device)
         expert_in = expert_hidden_size or hidden_size  # NemotronH's latent projections narrow the experts
-        self.global_num_experts = num_experts
         self.parallel = parallel
         local_experts, local_intermediate = num_experts, intermediate_size
         if parallel is not None:
@@ -170,7 +169,7 @@ class FusedMoE(nn.Module):
         w13, w2 = (state[name] for name in names)
         if w13.shape == self.gate_up_proj.shape and w2.shape == self.down_proj.shape:
             return  # already this rank's shard
-        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != self.global_num_experts:
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != self.gate_weight.shape[0]:  # the router sees all E
             return  # malformed: the shape check that follows names the tensor
         state[names[0]], state[names[1]] = shard_experts(w13, w2, self.parallel.spec, self.parallel.rank,
                                                          activation=self.activation)
