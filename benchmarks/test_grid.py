@@ -19,7 +19,7 @@ import torch
 from moe_triton import RoutingSpec, choose_config, fused_experts, fused_experts_torch, route
 from moe_triton.bench import (DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, capture_graph,
                               floor_seconds, layer_bytes, layer_flops, random_experts, random_inputs, stage_times,
-                              time_eager, time_graph_replays, transformers_experts)
+                              time_graph_replays, time_step, transformers_experts)
 
 VARIANTS = 4
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
@@ -33,15 +33,6 @@ TABLE = "expert layer over the grid (bf16, SiLU-gated)"
 def weights(shape: LayerShape):
     torch.cuda.empty_cache()
     return random_experts(shape, torch.bfloat16, "cuda")
-
-
-def time_step(step, graphable: bool) -> tuple[float, str]:
-    if graphable:
-        try:
-            return time_graph_replays(capture_graph(step, VARIANTS), VARIANTS), "graph"
-        except RuntimeError:  # not capturable (transformers' grouped_mm reads offsets on the host)
-            torch.cuda.synchronize()
-    return time_eager(step, VARIANTS), "eager"
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -62,7 +53,7 @@ def peer_times(shape, w13, w2, inputs, num_tokens) -> dict[str, float]:
             return experts(inputs.hidden_states[i], inputs.topk_ids[i].long(), inputs.topk_weights[i])
 
         with torch.no_grad():
-            times[implementation] = time_step(peer, graphable=num_tokens <= GRAPH_MAX_TOKENS
+            times[implementation] = time_step(peer, VARIANTS, graphable=num_tokens <= GRAPH_MAX_TOKENS
                                               and implementation == "batched_mm")[0]
     return times
 
@@ -83,13 +74,13 @@ def test_grid(benchmark, shape, num_tokens, ceilings, record):
     del ref
     assert rel_err < 1e-2, f"{shape.name} M={num_tokens}: bf16 relative error {rel_err:.2e}"
 
-    ours_s, mode = time_step(ours, graphable)
+    ours_s, mode = time_step(ours, VARIANTS, graphable)
     # Past 256 tokens the prescribed timer (do_bench) starts before the launches: on this host
     # Triton's launch path (~40-65 us a launch, benchmarks/host_overhead.py) can outlast the GPU
     # work. A graph replay of the same calls shows the GPU side alone.
     graph_s = ours_s if graphable else time_graph_replays(capture_graph(ours, VARIANTS), VARIANTS)
     logits = [torch.randn(num_tokens, shape.num_experts, device="cuda") for _ in range(VARIANTS)]
-    routing_s, _ = time_step(lambda i: route(logits[i], RoutingSpec(shape.top_k)), graphable)
+    routing_s, _ = time_step(lambda i: route(logits[i], RoutingSpec(shape.top_k)), VARIANTS, graphable)
     stages = stage_times(ours, VARIANTS)
     peers = peer_times(shape, w13, w2, inputs, num_tokens)
 

@@ -11,7 +11,7 @@ import torch
 
 from moe_triton import choose_config, fused_experts, fused_experts_torch
 from moe_triton.bench import (MIXTRAL_8X7B, QWEN3_30B_A3B, capture_graph, floor_seconds, layer_bytes, layer_flops,
-                              random_experts, random_inputs, time_eager, time_graph_replays, transformers_experts)
+                              random_experts, random_inputs, time_step, transformers_experts)
 
 VARIANTS = 4
 DECODE = [1, 8, 32, 128]
@@ -22,15 +22,6 @@ BATCHED_MM_MAX_BYTES = 8 * 2**30  # batched_mm gathers one weight copy per (toke
 @functools.lru_cache(maxsize=1)
 def weights(shape):
     return random_experts(shape, torch.bfloat16, "cuda")
-
-
-def time_step(step, graphable: bool) -> tuple[float, str]:
-    if graphable:
-        try:
-            return time_graph_replays(capture_graph(step, VARIANTS), VARIANTS), "graph"
-        except RuntimeError:  # not capturable: fall back to eager timing, and say so
-            torch.cuda.synchronize()
-    return time_eager(step, VARIANTS), "eager"
 
 
 @pytest.mark.gpu
@@ -49,7 +40,7 @@ def test_layer(benchmark, shape, num_tokens, ceilings, record):
     rel_err = ((out - ref).norm() / ref.norm()).item()
     assert rel_err < 1e-2, f"bf16 relative error {rel_err:.2e}"
 
-    ours_s, ours_mode = time_step(ours, graphable=decode)
+    ours_s, ours_mode = time_step(ours, VARIANTS, graphable=decode)
     peers = {}
     for impl in ("grouped_mm", "batched_mm"):
         gathered = num_tokens * shape.top_k * w13[0].numel() * 3 // 2 * 2
@@ -59,7 +50,7 @@ def test_layer(benchmark, shape, num_tokens, ceilings, record):
         experts = transformers_experts(shape, w13, w2, impl)
         peer = lambda i: experts(inputs.hidden_states[i], inputs.topk_ids[i].long(), inputs.topk_weights[i])  # noqa: E731
         with torch.no_grad():
-            peers[impl] = time_step(peer, graphable=decode and impl == "batched_mm")
+            peers[impl] = time_step(peer, VARIANTS, graphable=decode and impl == "batched_mm")
 
     bytes_moved = sum(layer_bytes(shape, ids) for ids in inputs.topk_ids) / VARIANTS
     flops = layer_flops(shape, num_tokens)

@@ -106,6 +106,18 @@ def time_eager(step: Callable[[int], object], num_variants: int) -> float:
     return do_bench(lambda: step(next(counter) % num_variants), warmup=25, rep=200, return_mode="median") * 1e-3
 
 
+def time_step(step: Callable[[int], object], num_variants: int, graphable: bool) -> tuple[float, str]:
+    """Seconds per call and how they were taken: graph replays when asked and capturable, else
+    do_bench (a step that cannot be captured, like transformers' grouped_mm whose offsets become a
+    host-side shape, falls back to eager timing and says so)."""
+    if graphable:
+        try:
+            return time_graph_replays(capture_graph(step, num_variants), num_variants), "graph"
+        except RuntimeError:
+            torch.cuda.synchronize()
+    return time_eager(step, num_variants), "eager"
+
+
 def time_cpu(step: Callable[[int], object], repeats: int = 3) -> float:
     """Wall-clock seconds per call (median) on the CPU, where the Triton interpreter runs."""
     times = []
