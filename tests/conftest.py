@@ -68,3 +68,13 @@ def poisoned_empty(monkeypatch):
     empty, empty_like = torch.empty, torch.empty_like
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poison_(empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
+
+
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-MoE saved in the Hub layout (the distributed model tests load it sharded)."""
+    from test_models import randomize_, tiny_qwen3_moe
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    randomize_(tiny_qwen3_moe().eval(), seed=1).save_pretrained(path)
+    return str(path)

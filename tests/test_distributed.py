@@ -216,15 +216,6 @@ CASES[2].append(Case(ParallelSpec(ep_size=2), (4, 3), module="fused_moe", activa
 MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)], 4: [ParallelSpec(ep_size=2, tp_size=2)]}
 
 
-@pytest.fixture(scope="module")
-def qwen3_checkpoint(tmp_path_factory):
-    from test_models import randomize_, tiny_qwen3_moe
-
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    randomize_(tiny_qwen3_moe().eval(), seed=1).save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("world_size,spec", [(w, s) for w, specs in MODEL_SPECS.items() for s in specs],
                          ids=lambda v: f"ep{v.ep_size}xtp{v.tp_size}" if isinstance(v, ParallelSpec) else f"ws{v}")
 def test_sharded_model_matches_the_whole_checkpoint(pools, qwen3_checkpoint, world_size, spec):

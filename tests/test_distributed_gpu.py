@@ -48,15 +48,6 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def qwen3_checkpoint(tmp_path_factory):
-    from test_models import randomize_, tiny_qwen3_moe
-
-    path = tmp_path_factory.mktemp("qwen3_moe")
-    randomize_(tiny_qwen3_moe().eval(), seed=1).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def pools(tmp_path_factory):
     with rank_pools(tmp_path_factory, "nccl") as get:
         yield get
