@@ -29,6 +29,13 @@ class CausalLM(nn.Module):
         self.use_graphs = True  # decode through CUDA graphs where CUDA is present
         self.use_overlap = True  # overlap independent branches on alternate streams in captured decode
 
+    def _output_head(self, config) -> None:
+        """lm_head (H -> vocab), or None when tied to the input embeddings, whose checkpoint copy
+        of lm_head.weight, if any, is then skipped. Families call it after building `model`."""
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.ignore = (r"^lm_head\.weight$",) if tied else ()
+
     # ---- the forward pieces ------------------------------------------------------------------
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,4 @@ class MiniMaxM2ForCausalLM(CausalLM):
     def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__(config)
         self.model = MiniMaxM2Model(config, experts)
-        tied = config.tie_word_embeddings
-        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.ignore = (r"^lm_head\.weight$",) if tied else ()
+        self._output_head(config)

@@ -95,12 +95,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
         (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
     ]
-    ignore = (r"^lm_head\.weight$",)  # only when tied; see __init__
 
     def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
         super().__init__(config)
         self.model = Qwen3MoeModel(config, experts)
-        tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if not tied:
-            self.ignore = ()
+        self._output_head(config)
