@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from moe_triton.bench import Ceilings, measure_ceilings
+from moe_triton.tools.bench import Ceilings, measure_ceilings
 
 TABLES: dict[str, list[dict]] = {}
 CEILINGS: list[Ceilings] = []

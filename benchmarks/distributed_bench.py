@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 from moe_triton import fused_experts  # noqa: E402
-from moe_triton.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, random_experts, random_inputs  # noqa: E402
+from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, random_experts, random_inputs  # noqa: E402
 from moe_triton.parallel import (ParallelSpec, TokenDispatch, combine, compact_slots, dispatch,  # noqa: E402
                                  localize_ids, new_parallel_groups, parallel_experts, post_experts_reduction,
                                  reduce_partials, shard_experts, torch_experts)

@@ -7,7 +7,10 @@ import torch
 
 from moe_triton.graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput
 from moe_triton.models.layers import Batch
-from moe_triton.bench import default_dtype, event_median_seconds, random_init_
+from moe_triton.models import default_dtype
+from moe_triton.tools.bench import random_init_
+
+from measure import event_median_seconds
 
 BATCHES = (1, 4, 16, 64)
 LAYERS = 4

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from moe_triton import FusedMoE
-from moe_triton.bench import QWEN3_30B_A3B, branch_stack_capture_bytes, event_median_seconds
+from moe_triton.tools.bench import QWEN3_30B_A3B, branch_stack_capture_bytes
+
+from measure import event_median_seconds
 from moe_triton.graphs import DecodeGraphRunner, GraphConfig, StaticInput
 
 LAYERS = 4

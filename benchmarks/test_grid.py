@@ -17,9 +17,12 @@ import pytest
 import torch
 
 from moe_triton import RoutingSpec, choose_config, fused_experts, fused_experts_torch, route
-from moe_triton.bench import (DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, capture_graph,
-                              floor_seconds, layer_bytes, layer_flops, random_experts, random_inputs, stage_times,
-                              time_graph_replays, time_step, transformers_experts)
+from moe_triton.graphs import capture_graph
+from moe_triton.tools.bench import (DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, floor_seconds,
+                                    layer_bytes, layer_flops, random_experts, random_inputs, time_graph_replays,
+                                    time_step)
+
+from measure import stage_times, transformers_experts
 
 VARIANTS = 4
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]

@@ -148,3 +148,22 @@ class DecodeGraphRunner:
                 raise ValueError(f"input {name!r} must be (batch, *{spec.shape}) {spec.dtype}, "
                                  f"got {tuple(value.shape)} {value.dtype}")
         return sizes.pop()
+
+
+def capture_graph(step: Callable[[int], object], num_variants: int) -> torch.cuda.CUDAGraph:
+    """One CUDA graph holding `step(0) ... step(num_variants - 1)`, captured after a warm-up: how
+    benchmarks and tests time a whole layer call (rotating over several input sets keeps one
+    call's weights out of L2 for the next). Decode steps of a model use DecodeGraphRunner."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(num_variants):  # warm-up: compiles kernels, fills the allocator outside capture
+            step(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(num_variants):
+            step(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph

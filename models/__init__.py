@@ -11,6 +11,6 @@
     nemotron_h.py   NemotronH's MoE block (relu^2, grouped top-k, latent projections), standalone
 """
 from . import cohere2_moe, minimax_m2, qwen3_moe  # noqa: F401  (registering their architectures)
-from .registry import MODELS, load_model, model_class, register_model
+from .registry import MODELS, default_dtype, load_model, model_class, register_model
 
-__all__ = ["MODELS", "load_model", "model_class", "register_model"]
+__all__ = ["MODELS", "default_dtype", "load_model", "model_class", "register_model"]

@@ -5,6 +5,7 @@ that declares `renames` (checkpoint name -> parameter name regexes); nothing els
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..backends.catalog import ModelContext
-from ..bench import default_dtype
 from ..layer import FusedMoE
 from .checkpoint import load_into, read_safetensors
 from .layers import ExpertsOptions
@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from ..parallel import ParallelGroups
 
 MODELS: dict[str, type] = {}
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build modules directly in `dtype` (large bf16 models never exist in float32)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def register_model(*architectures: str):

@@ -25,7 +25,6 @@ from .finalize import finalize, finalize_torch
 from .fused_moe import fused_experts
 from .integrations.transformers import from_transformers, register_experts_implementation
 from .backends import ExpertBackend, ModelContext, Resolution, pad_experts, resolve
-from .backends.probe import ProbeMismatch, ProbeReport, probe
 from .layer import FusedMoE, SharedCombination
 from .platform import Platform, detect_platform
 from .reference import fused_experts_torch
@@ -40,7 +39,7 @@ __all__ = [
     "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
     "fused_experts", "fused_experts_torch", "from_transformers",
     "ExpertBackend", "FusedMoE", "SharedCombination", "ModelContext", "Resolution", "resolve", "pad_experts",
-    "Platform", "detect_platform", "probe", "ProbeReport", "ProbeMismatch",
+    "Platform", "detect_platform",
     "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch",
     "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk",
 ]

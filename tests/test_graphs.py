@@ -153,7 +153,7 @@ def test_role_streams_are_shared_per_device_and_role():
 
 @pytest.mark.gpu
 def test_shared_role_streams_capture_in_less_memory_than_a_stream_per_layer():
-    from moe_triton.bench import branch_stack_capture_bytes
+    from moe_triton.tools.bench import branch_stack_capture_bytes
 
     shared = branch_stack_capture_bytes(32, stream_per_layer=False)
     per_layer = branch_stack_capture_bytes(32, stream_per_layer=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_triton import fused_experts
-from moe_triton.bench import QWEN3_30B_A3B, random_experts, random_inputs
+from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
 from test_models import FAMILIES, checkpoint, prompt, randomize_  # noqa: F401 (checkpoint: a fixture)

@@ -1,11 +1,10 @@
-"""backends/probe.py and `moe-triton probe`: one layer on two backends, compared at temperature 0."""
+"""tools/probe.py and `moe-triton probe`: one layer on two backends, compared at temperature 0."""
 import pytest
 import torch
 
-import moe_triton.backends.probe as probe_module
-from moe_triton import ProbeMismatch, probe
-from moe_triton.backends.probe import ProbeCase, build_case
-from moe_triton.cli import main
+import moe_triton.tools.probe as probe_module
+from moe_triton.tools.probe import ProbeCase, ProbeMismatch, build_case, probe
+from moe_triton.tools.cli import main
 
 CASE = ProbeCase(num_tokens=12)
 

@@ -15,7 +15,7 @@ from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, Model
 from moe_triton.backends import RULES, ExpertBackend, LayerTraits
 from moe_triton.backends.resolver import parse_backend
 from moe_triton.backends.rules import rule
-from moe_triton.cli import main
+from moe_triton.tools.cli import main
 from moe_triton.platform import Platform
 from test_quantization import CONFIGS
 

@@ -6,7 +6,6 @@
     resolver.py      resolve(): request + platform + model + layer -> Resolution (backend, rule, reason)
     padding.py       zero-padding I to a backend's multiple, after loading
     flashinfer.py    the FlashInfer paths (imported lazily) and their weight preparation
-    probe.py         the temperature-0 probe: one layer on two backends, compared
 """
 from .catalog import SPECS, BackendSpec, ExpertBackend, LayerTraits, ModelContext, unsupported_reason
 from .padding import pad_experts, padded_size

@@ -71,8 +71,8 @@ def _timed(fn):
 def run_demo(options: DemoOptions, print_=print) -> int:
     from transformers import AutoModelForCausalLM
 
-    from .models import load_model
-    from .platform import interpreter_enabled
+    from ..models import load_model
+    from ..platform import interpreter_enabled
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"

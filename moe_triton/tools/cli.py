@@ -26,16 +26,16 @@ def _bench_cases(on_gpu: bool):
 def _restart_with_interpreter() -> None:
     """Kernels are bound to the interpreter when defined, i.e. at import: start again with it on."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    os.execve(sys.executable, [sys.executable, "-m", "moe_triton", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "moe_triton.tools.cli", *sys.argv[1:]], env)
 
 
 def bench(args) -> int:
     from tqdm import tqdm
 
-    from . import fused_experts
+    from .. import fused_experts
     from .bench import (capture_graph, floor_seconds, layer_bytes, layer_flops, measure_ceilings, random_experts,
                         random_inputs, time_cpu, time_eager, time_graph_replays)
-    from .platform import interpreter_enabled
+    from ..platform import interpreter_enabled
 
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu and not interpreter_enabled():
@@ -79,8 +79,8 @@ def _read_config(path: Path) -> tuple[dict, Path | None]:
 
 
 def resolve_backend(args) -> int:
-    from . import platform as platforms
-    from .backends import ModelContext, experts_quantization, resolve
+    from .. import platform as platforms
+    from ..backends import ModelContext, experts_quantization, resolve
 
     try:
         config, model_dir = _read_config(Path(args.model))
@@ -107,8 +107,8 @@ def resolve_backend(args) -> int:
 
 
 def probe_backends(args) -> int:
-    from .backends.probe import ProbeCase, ProbeMismatch, build_case, probe
-    from .platform import interpreter_enabled
+    from .probe import ProbeCase, ProbeMismatch, build_case, probe
+    from ..platform import interpreter_enabled
 
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu and not interpreter_enabled():
@@ -139,7 +139,7 @@ def probe_backends(args) -> int:
 def demo(args) -> int:
     """The main job: errors are one line and a non-zero exit; --debug shows the traceback."""
     from .demo import DemoOptions, run_demo
-    from .platform import interpreter_enabled
+    from ..platform import interpreter_enabled
 
     if not torch.cuda.is_available() and not interpreter_enabled() and args.backend != "torch":
         _restart_with_interpreter()  # on CPU the Triton kernels run in the interpreter
@@ -158,7 +158,7 @@ def demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .backends.catalog import ExpertBackend
+    from ..backends.catalog import ExpertBackend
 
     parser = argparse.ArgumentParser(prog="moe-triton", description="Triton MoE expert layer tools")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -195,3 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     probe_parser.set_defaults(run=probe_backends)
     args = parser.parse_args(argv)
     return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

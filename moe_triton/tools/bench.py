@@ -1,17 +1,18 @@
-"""Timing and roofline helpers shared by `moe-triton bench` and benchmarks/.
+"""Timing and roofline helpers of `moe-triton bench`, shared with benchmarks/ and the GPU tests.
 
 Every time is reported beside its floor, max(bytes / B, FLOPs / F), with B (device-to-device copy,
 bytes read + written) and F (a large bf16 matmul) measured in the same run.
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from ..graphs import capture_graph
 
 
 @dataclass(frozen=True)
@@ -65,28 +66,8 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     return Ceilings(bandwidth=2 * src.numel() * 4 / (copy_ms * 1e-3), matmul_flops=2 * 8192**3 / (mm_ms * 1e-3))
 
 
-def capture_graph(step: Callable[[int], object], num_variants: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph holding `step(0) ... step(num_variants - 1)`, captured after a warm-up.
-
-    Rotating over several input sets keeps the weights of one call out of L2 for the next.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(num_variants):  # warm-up: compiles kernels, fills the allocator outside capture
-            step(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(num_variants):
-            step(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def time_graph_replays(graph: torch.cuda.CUDAGraph, num_variants: int, replays: int = 50) -> float:
-    """Seconds per step of a graph from `capture_graph` (median of `replays` timed replays)."""
+    """Seconds per step of a graph from graphs.capture_graph (median of `replays` timed replays)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -128,37 +109,6 @@ def time_cpu(step: Callable[[int], object], repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8) -> dict[str, float]:
-    """GPU seconds per call of each stage of `step` (fused_experts): expand, up, down, finalize.
-
-    From torch.profiler's kernel records of `calls` eager calls: the expand kernels are summed,
-    the expert GEMM kernels alternate up, down within each call, anything else (a memset) is "other".
-    """
-    for i in range(num_variants):
-        step(i)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for i in range(calls):
-            step(i % num_variants)
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-    totals: dict[str, float] = {}
-    gemms = 0
-    for event in kernels:
-        if "expert_gemm" in event.name:
-            name = ("up", "down")[gemms % 2]
-            gemms += 1
-        elif any(kernel in event.name for kernel in ("histogram", "expert_offsets", "scatter_pairs")):
-            name = "expand"  # _expand_kernels.py
-        elif "finalize" in event.name:
-            name = "finalize"
-        else:
-            name = "other"
-        totals[name] = totals.get(name, 0.0) + event.time_range.elapsed_us() * 1e-6 / calls
-    return totals
-
-
 @dataclass
 class LayerInputs:
     hidden_states: list[torch.Tensor]  # num_variants x [T, H]
@@ -189,21 +139,6 @@ def random_inputs(shape: LayerShape, num_tokens: int, dtype: torch.dtype, device
     return inputs
 
 
-def transformers_experts(shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor, implementation: str):
-    """transformers' own Qwen3MoeExperts over the same weights, set to `implementation`."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    config = Qwen3MoeConfig(hidden_size=shape.hidden_size, moe_intermediate_size=shape.intermediate_size,
-                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, hidden_act="silu")
-    config._experts_implementation = implementation
-    with torch.device("meta"):
-        experts = Qwen3MoeExperts(config)
-    experts.gate_up_proj = torch.nn.Parameter(w13, requires_grad=False)
-    experts.down_proj = torch.nn.Parameter(w2, requires_grad=False)
-    return experts
-
-
 def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: int = 2048,
                                hidden: int = 2048, device="cuda") -> int:
     """Device memory a CUDA graph of a synthetic `num_layers` stack reserves, each layer running
@@ -212,7 +147,7 @@ def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: 
     The allocator never reuses a block across streams, so per-layer streams keep every layer's
     side-branch intermediates alive in the graph pool; the shared role stream reuses one set.
     """
-    from moe_triton.graphs import run_branches
+    from ..graphs import run_branches
 
     g = torch.Generator(device=device).manual_seed(0)
     up = torch.randn(hidden, 4 * hidden, generator=g, device=device, dtype=torch.bfloat16) / hidden**0.5
@@ -242,32 +177,6 @@ def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: 
     del graph, out
     torch.cuda.empty_cache()
     return used
-
-
-def event_median_seconds(fn: Callable[[], object], iterations: int = 30) -> float:
-    """Median seconds of `fn` between CUDA events (host launch gaps included), after a warm-up."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iterations):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    """Build modules directly in `dtype` (large bf16 models never exist in float32)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def random_init_(module: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
