@@ -28,7 +28,7 @@ def pytest_configure(config):
 
         def slowed(*args, **kwargs):
             tiles = choose(*args, **kwargs)
-            slow = dict(block_n=32, block_k=32, num_stages=2, tma_weights=False)
+            slow = dict(block_n=32, block_c=32, num_stages=2, tma_weights=False)
             return replace(tiles, up=replace(tiles.up, **slow), down=replace(tiles.down, **slow))
 
         fused_moe.choose_config = slowed

@@ -41,7 +41,7 @@ def main():
     layout = expand(ids, shape.num_experts, 128)
     h = torch.randn(layout.max_rows, shape.intermediate_size, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(layout.max_rows, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
-    tiles = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    tiles = dict(block_m=128, block_n=128, block_c=64, num_warps=8, num_stages=4)
     cases = {
         "torch.empty (reference point)": lambda: torch.empty(T, shape.hidden_size, device="cuda"),
         "route (1 launch)": lambda: route(logits, RoutingSpec(shape.top_k)),

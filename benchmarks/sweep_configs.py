@@ -2,16 +2,16 @@
 
 Not a test: a script for the GPU machine that informs `moe_triton.config.choose_config`.
     python benchmarks/sweep_configs.py > sweep.txt
-    python benchmarks/sweep_configs.py --split-k > sweep-split-k.txt   (decode, grid shapes)
+    python benchmarks/sweep_configs.py --split > sweep-split.txt   (decode, grid shapes)
 Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once per case.
 """
 import torch
 from triton.testing import do_bench
 
 from moe_triton import GemmConfig, LayoutKind, SILU_AND_MUL, expand, expert_gemm, fused_experts, per_pair_layout
-from moe_triton.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
+from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
-# (block_n, block_k, num_stages, num_warps, tma_weights)
+# (block_n, block_c, num_stages, num_warps, tma_weights)
 DECODE_UP = [(64, 256, 3, 4, False), (64, 256, 3, 4, True), (64, 128, 4, 4, True), (128, 128, 4, 4, True)]
 DECODE_DOWN = [(32, 128, 4, 4, False), (32, 128, 4, 4, True), (64, 128, 4, 4, True), (128, 128, 4, 4, False),
                (128, 128, 4, 4, True)]
@@ -41,34 +41,36 @@ def sweep_case(shape, T, w13, w2):
             ("down", downs, lambda c: expert_gemm(h, w2, layout, c, gather=False)),
         ):
             results = []
-            for bn, bk, stages, warps, tma in tiles:
-                config = GemmConfig(bm, bn, bk, group_m=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages,
+            for bn, bc, stages, warps, tma in tiles:
+                config = GemmConfig(bm, bn, bc, group_m=8 if bm >= 64 else 1, num_warps=warps, num_stages=stages,
                                     tma_weights=tma)
                 try:
                     results.append((time_us(lambda: run(config)), config))
                 except Exception as error:  # out of shared memory etc.: report and go on
                     print(f"  {name} {config}: {type(error).__name__}")
             results.sort(key=lambda r: r[0])
-            best = ", ".join(f"{t:.1f}us BN{c.block_n}/BK{c.block_k}/s{c.num_stages}/w{c.num_warps}"
+            best = ", ".join(f"{t:.1f}us BN{c.block_n}/BC{c.block_c}/s{c.num_stages}/w{c.num_warps}"
                              f"{'/tma' if c.tma_weights else ''}" for t, c in results)
             print(f"{shape.name} T={T} {kind.value} BM{bm} {name}: {best}", flush=True)
 
 
-# Split-K at decode sizes: the whole layer per (up, down) split, timed as CUDA-graph replays over
-# four routings (a host-side timer would time Python launches at these sizes, not the GPU).
-LAYER_SPLITS = [(1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (2, 2), (3, 3), (4, 4), (8, 4)]
+# Split-C (split-K) of the second GEMM at decode sizes: the whole layer per split, timed as CUDA-graph
+# replays over four routings (a host-side timer would time Python launches at these sizes, not the
+# GPU). The first GEMM is never split: docs/sweep-split-k-2026-11-29.txt measured it slower everywhere.
+DOWN_SPLITS = [1, 2, 3, 4, 8]
 SPLIT_CASES = [(shape, [1, 4, 16]) for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)]
 
 
-def sweep_split_k(shape, T, w13, w2):
+def sweep_down_split(shape, T, w13, w2):
     from moe_triton import choose_config
-    from moe_triton.bench import capture_graph, time_graph_replays
+    from moe_triton.graphs import capture_graph
+    from moe_triton.tools.bench import time_graph_replays
 
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=4)
     results = []
-    for splits in LAYER_SPLITS:
+    for splits in DOWN_SPLITS:
         config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                               torch.device("cuda"), split_k=splits)
+                               torch.device("cuda"), down_split=splits)
 
         def step(i):
             return fused_experts(inputs.hidden_states[i], w13, w2, inputs.topk_ids[i], inputs.topk_weights[i],
@@ -101,11 +103,11 @@ def profile_layer(shape, T, w13, w2):
 if __name__ == "__main__":
     import sys
 
-    if "--split-k" in sys.argv:
+    if "--split" in sys.argv:
         for shape, tokens in SPLIT_CASES:
             w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
             for T in tokens:
-                sweep_split_k(shape, T, w13, w2)
+                sweep_down_split(shape, T, w13, w2)
             del w13, w2
             torch.cuda.empty_cache()
         sys.exit(0)

@@ -70,8 +70,8 @@ def test_layer(benchmark, shape, num_tokens, ceilings, record):
         batched_mm_us=(f"{peers['batched_mm'][0] * 1e6:.1f} ({peers['batched_mm'][1]})"
                        if peers["batched_mm"][0] == peers["batched_mm"][0] else peers["batched_mm"][1]),
         speedup_vs_best_peer=f"{best_peer / ours_s:.2f}x", rel_err=f"{rel_err:.1e}",
-        config=f"{config.layout.value} BM{config.block_m} up BN{config.up.block_n}/BK{config.up.block_k} "
-               f"down BN{config.down.block_n}/BK{config.down.block_k}{' tma' if config.up.tma_weights else ''}",
+        config=f"{config.layout.value} BM{config.block_m} up BN{config.up.block_n}/BC{config.up.block_c} "
+               f"down BN{config.down.block_n}/BC{config.down.block_c}{' tma' if config.up.tma_weights else ''}",
     )
     record("expert layer vs transformers (bf16)", row)
     benchmark.extra_info.update(dict(

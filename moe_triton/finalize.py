@@ -2,7 +2,7 @@
 
     out[t, :] = sum_j topk_weights[t, j] * y[pair_to_row[t * K + j], :]   (filtered pairs skipped)
 
-`y` may also be the second GEMM's split-K partials, shape (S, R, H) in float32: they are summed
+`y` may also be the second GEMM's split-C partials, shape (S, R, H) in float32: they are summed
 in slice order first (expert_gemm.py).
 
 The output is always a *fresh* tensor: it never aliases hidden_states or any intermediate another
@@ -21,10 +21,10 @@ from .expand import ExpertLayout, LayoutKind
 
 @triton.jit
 def _finalize_kernel(
-    y_ptr, topk_weights_ptr, pair_to_row_ptr, out_ptr,
+    y_ptr, topk_weights_ptr, pair_to_row_ptr, topk_ids_ptr, out_ptr,
     T, H, E, stride_y_split, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
-    PER_PAIR_ROWS: tl.constexpr,  # 0: rows from pair_to_row; m > 0: pair p at row p * m, pair_to_row_ptr = ids
-    Y_SPLITS: tl.constexpr,  # split-K partials per row of y (1: plain rows)
+    PER_PAIR_ROWS: tl.constexpr,  # 0: rows from pair_to_row; m > 0: pair p at row p * m when its id is in [0, E)
+    Y_SPLITS: tl.constexpr,  # split-C partials per row of y (1: plain rows)
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -34,7 +34,7 @@ def _finalize_kernel(
     for j in tl.static_range(TOP_K):
         pairs = tokens * TOP_K + j
         if PER_PAIR_ROWS > 0:
-            ids = tl.load(pair_to_row_ptr + pairs, mask=is_token, other=-1)
+            ids = tl.load(topk_ids_ptr + pairs, mask=is_token, other=-1)
             row = tl.where((ids >= 0) & (ids < E), pairs * PER_PAIR_ROWS, -1)
         else:
             row = tl.load(pair_to_row_ptr + pairs, mask=is_token, other=-1)
@@ -52,7 +52,7 @@ def _finalize_kernel(
 
 def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None):
-    """Weighted sum of the expert rows `y`, shape (R, H) or split-K partials (S, R, H), back into
+    """Weighted sum of the expert rows `y`, shape (R, H) or split-C partials (S, R, H), back into
     token order: shape (T, H), in hidden_states' dtype `out_dtype` (default: y's).
 
     `out`, when given, must be a fresh buffer of shape (T, H) (e.g. a graph's static output); it is
@@ -70,8 +70,9 @@ def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, 
     BLOCK_H = min(256, triton.next_power_of_2(H))
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
     per_pair = layout.kind is LayoutKind.PER_PAIR
+    # A PER_PAIR layout has no pair_to_row: the kernel reads topk_ids there and pair_to_row otherwise.
     _finalize_kernel[grid](
-        y, topk_weights, layout.topk_ids if per_pair else layout.pair_to_row, out,
+        y, topk_weights, layout.topk_ids if per_pair else layout.pair_to_row, layout.topk_ids, out,
         T, H, layout.num_experts, y.stride(0) if y.dim() == 3 else 0, y.stride(-2),
         topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
         PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=y.shape[0] if y.dim() == 3 else 1,

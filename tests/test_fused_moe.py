@@ -54,45 +54,39 @@ def test_fused_experts_activations(activation, fuse, poisoned_empty):
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32)
 
 
-# Split-K: float32 partials per K slice, the activation applied in the second GEMM's loads and the
-# down partials summed by finalize. Slices that do not divide the K steps (3 into 2 steps of 32 for
-# H=40) leave an empty slice, which must still store zeros; filtered ids must stay unread.
-@pytest.mark.parametrize("splits", [(2, 1), (1, 3), (3, 2), (4, 4)], ids=lambda s: f"up{s[0]}-down{s[1]}")
+# Split-C (split-K) of the second GEMM: float32 partials per C slice, summed by finalize. Slices
+# that do not divide the C steps (3 into 5 steps of 16 for I=65) leave a short or empty slice,
+# which must still store zeros; filtered ids must stay unread.
+@pytest.mark.parametrize("splits", [2, 3, 4, 8], ids=lambda s: f"down{s}")
 @pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
 @pytest.mark.parametrize("activation", [
     Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.RELU2),
     Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.702),
 ], ids=lambda a: a.kind.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_split_k(splits, layout, activation, dtype, poisoned_empty):
+def test_split_c(splits, layout, activation, dtype, poisoned_empty):
     x, w13, w2, ids, weights = make_layer(5, 8, 2, 40, 65, dtype, seed=7, activation=activation, filtered=0.2)
-    up, down = splits
-    config = MoEConfig(GemmConfig(16, 32, 32, group_m=2, split_k=up), GemmConfig(16, 32, 16, split_k=down), layout)
+    config = MoEConfig(GemmConfig(16, 32, 32, group_m=2), GemmConfig(16, 32, 16, split_c=splits), layout)
     out = fused_experts(x, w13, w2, ids, weights, activation=activation, config=config)
     assert out.dtype == dtype
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), dtype, scale=2)
 
 
-def test_split_k_is_bit_stable(poisoned_empty):
+def test_split_c_is_bit_stable(poisoned_empty):
     x, w13, w2, ids, weights = make_layer(9, 8, 2, 64, 96, torch.float16, seed=8)
-    config = MoEConfig(GemmConfig(16, 32, 16, split_k=4), GemmConfig(16, 32, 16, split_k=3))
+    config = MoEConfig(GemmConfig(16, 32, 16), GemmConfig(16, 32, 16, split_c=3))
     assert torch.equal(fused_experts(x, w13, w2, ids, weights, config=config),
                        fused_experts(x, w13, w2, ids, weights, config=config))
 
 
-def test_split_first_gemm_with_standalone_activation_is_rejected(monkeypatch):
-    x, w13, w2, ids, weights = make_layer(3, 4, 2, 32, 32, torch.float16, seed=9)
-    config = MoEConfig(GemmConfig(16, 32, 16, split_k=2), GemmConfig(16, 32, 16))
-    launches = []
-    monkeypatch.setattr("moe_triton.fused_moe.expand", lambda *a, **k: launches.append(a))
-    with pytest.raises(ValueError, match="fuse_activation=False"):
-        fused_experts(x, w13, w2, ids, weights, config=config, fuse_activation=False)
-    assert not launches
+def test_split_first_gemm_is_rejected():
+    with pytest.raises(ValueError, match="up.split_c"):
+        MoEConfig(GemmConfig(16, 32, 16, split_c=2), GemmConfig(16, 32, 16))
 
 
-def test_split_k_must_be_positive():
-    with pytest.raises(ValueError, match="split_k"):
-        GemmConfig(16, 32, 32, split_k=0)
+def test_split_c_must_be_positive():
+    with pytest.raises(ValueError, match="split_c"):
+        GemmConfig(16, 32, 32, split_c=0)
 
 
 @pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
@@ -183,20 +177,18 @@ def test_nan_hidden_states_stay_in_their_rows():
     assert not out[others].isnan().any()
 
 
-@pytest.mark.parametrize("splits", [None, (1, 1), (3, 3), (8, 4), (8, 8)], ids=str)
+@pytest.mark.parametrize("splits", [None, 1, 3, 8], ids=str)
 def test_decode_configs_fit_shared_memory(monkeypatch, splits):
-    """Every decode config leaves num_stages copies of its tiles within an H200's shared memory,
-    counting the float32 [gate | up] partials the second GEMM loads after a split first GEMM."""
+    """Every decode config leaves num_stages copies of its tiles within an H200's shared memory."""
     from moe_triton import choose_config, config as configs
-    from moe_triton.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B
+    from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B
 
     limit = 232448  # H200: shared_memory_per_block_optin
     monkeypatch.setattr(configs, "_device_limits", lambda device: (132, limit))
     for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
         for T in (1, 4, 16, 64, 256):
             c = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                              torch.device("cuda"), split_k=splits)
-            up_stage = c.up.block_k * (c.up.block_m + 2 * c.up.block_n) * 2  # a + gate + up tiles, bf16
-            a_down = (2 * c.up.split_k * 4 if c.up.split_k > 1 else 2) * c.down.block_m * c.down.block_k
-            down_stage = a_down + c.down.block_n * c.down.block_k * 2
+                              torch.device("cuda"), down_split=splits)
+            up_stage = c.up.block_c * (c.up.block_m + 2 * c.up.block_n) * 2  # a + gate + up tiles, bf16
+            down_stage = c.down.block_c * (c.down.block_m + c.down.block_n) * 2
             assert c.up.num_stages * up_stage <= limit and c.down.num_stages * down_stage <= limit, c.describe()
