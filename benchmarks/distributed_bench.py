@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
 
 import torch.distributed as dist  # noqa: E402
 
-from moe_triton import fused_experts  # noqa: E402
+from moe_triton import ExpertWeights, fused_experts  # noqa: E402
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, random_experts, random_inputs  # noqa: E402
 from moe_triton.parallel import (ParallelSpec, TokenDispatch, combine, compact_slots, dispatch,  # noqa: E402
                                  localize_ids, new_parallel_groups, parallel_experts, post_experts_reduction,
@@ -152,9 +152,11 @@ def bench_row(shape: LayerShape, mode: str, num_tokens: int, full, device, dtype
         out, sent_bytes, pairs = phases(x, w13, w2, ids, weights, groups, experts, clock)
         runs.append(clock.intervals())
     per_phase = [statistics.median(r[i] for r in runs) for i in range(4)]
-    total = median_seconds(lambda: parallel_experts(x, w13, w2, ids, weights, groups, experts=experts), reps, device)
+    shard = ExpertWeights(w13, w2)
+    local = lambda x_, w, i, tw: experts(x_, w.w13, w.w2, i, tw)  # noqa: E731  (parallel_experts' local form)
+    total = median_seconds(lambda: parallel_experts(x, shard, ids, weights, groups, experts=local), reps, device)
     single = median_seconds(lambda: experts(x, *full, ids, weights), reps, device)
-    reference = parallel_experts(x, w13, w2, ids, weights, groups, experts=experts)
+    reference = parallel_experts(x, shard, ids, weights, groups, experts=local)
     drift = (out.float() - reference.float()).abs().amax().item() if out.numel() else 0.0  # phases() must not drift
     times = slowest([*per_phase, total, single, drift], device)
     dispatch_s, experts_s, combine_s, reduce_s, total, single, drift = times
@@ -196,7 +198,8 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    dtype, experts = (torch.bfloat16, fused_experts) if cuda else (torch.float32, torch_experts)
+    reference_experts = lambda x, w13, w2, i, tw: torch_experts(x, ExpertWeights(w13, w2), i, tw)  # noqa: E731
+    dtype, experts = (torch.bfloat16, fused_experts) if cuda else (torch.float32, reference_experts)
     rank, world = dist.get_rank(), dist.get_world_size()
     groups_by_size = {}
     machine = torch.cuda.get_device_name(device) if cuda else "CPU (gloo)"

@@ -74,7 +74,7 @@ class CausalLM(nn.Module):
                                    parameter.dtype, parameter.device)
         self.graphs = None
         # Expert-parallel all-to-all reads split sizes on the host: such a model decodes eagerly.
-        capturable = all(layer.graph_capturable for layer in self.modules() if isinstance(layer, FusedMoE))
+        capturable = all(layer.runner.graph_capturable for layer in self.modules() if isinstance(layer, FusedMoE))
         if self.use_graphs and capturable and parameter.device.type == "cuda":
             inputs = {"token_ids": StaticInput(), "positions": StaticInput(),
                       "slots": StaticInput(pad_value=self.cache.dummy_slot)}

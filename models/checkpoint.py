@@ -86,8 +86,8 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     tensors = rename(fuse_per_expert(rename(tensors, renames)), renames)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
-            module.take_shard(tensors, prefix=f"{name}." if name else "")  # under parallel=: this rank's experts only
+        if isinstance(module, FusedMoE):  # under a parallel placement: this rank's experts only
+            module.take_shard(tensors, f"{name}." if name else "")
     state = model.state_dict()
     unexpected = sorted(set(tensors) - set(state))
     missing = sorted(set(state) - set(tensors))

@@ -16,13 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_triton import FusedMoE, RoutingSpec, Scoring, SelectOn
+from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring, SelectOn, SharedCombination
 from moe_triton.activation import Activation
 
 from ..graphs import run_branches
 from .causal_lm import CausalLM
-from .layers import (Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of,
-                     shared_and_routed)
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
 from .registry import register_model
 
 
@@ -80,60 +79,50 @@ class Cohere2MoeMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x, batch: Batch | None = None):
+    def forward(self, x, overlap: bool = False):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Cohere2MoeSparseMoeBlock(nn.Module):
-    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
-        super().__init__()
-        scoring = Scoring.SOFTMAX if config.expert_selection_fn == "softmax" else Scoring.SIGMOID
-        routing = RoutingSpec(config.num_experts_per_tok, scoring, SelectOn.LOGITS,
-                              renormalize=scoring is Scoring.SIGMOID and config.norm_topk_prob)
-        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.intermediate_size, routing=routing,
-                                activation=Activation.from_hidden_act(config.hidden_act), **experts.fused_moe_kwargs())
-        self.shared_experts = (Cohere2MoeMLP(config, config.intermediate_size * config.num_shared_experts)
-                               if config.num_shared_experts > 0 else None)
-        if config.shared_expert_combination_strategy not in ("sum", "average"):
-            raise ValueError("shared_expert_combination_strategy must be 'sum' or 'average', "
-                             f"got {config.shared_expert_combination_strategy!r}")
-        self.average = config.shared_expert_combination_strategy == "average"
-
-    def forward(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        B, L, H = x.shape
-        flat = x.reshape(-1, H)  # [T, H]
-        if self.shared_experts is None:
-            return self.experts.routed_experts(flat).view(B, L, H)
-        shared, routed = shared_and_routed(self.shared_experts, self.experts.routed_experts, flat, batch)
-        out = routed + shared
-        return (out / 2 if self.average else out).view(B, L, H)
+def cohere2_moe_block(config, placement: Placement) -> FusedMoE:
+    """Router, routed experts and the shared experts (summed or averaged with them) as one FusedMoE."""
+    if config.shared_expert_combination_strategy not in ("sum", "average"):
+        raise ValueError("shared_expert_combination_strategy must be 'sum' or 'average', "
+                         f"got {config.shared_expert_combination_strategy!r}")
+    scoring = Scoring.SOFTMAX if config.expert_selection_fn == "softmax" else Scoring.SIGMOID
+    routing = RoutingSpec(config.num_experts_per_tok, scoring, SelectOn.LOGITS,
+                          renormalize=scoring is Scoring.SIGMOID and config.norm_topk_prob)
+    shared = (Cohere2MoeMLP(config, config.intermediate_size * config.num_shared_experts)
+              if config.num_shared_experts > 0 else None)
+    return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
+                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act), shared_experts=shared,
+                    shared_combination=SharedCombination(config.shared_expert_combination_strategy),
+                    placement=placement)
 
 
 class Cohere2MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, experts: ExpertsOptions):
+    def __init__(self, config, layer: int, placement: Placement):
         super().__init__()
         self.self_attn = Cohere2MoeAttention(config, layer)
         dense = config.mlp_layer_types[layer] == "dense"
         self.mlp = (Cohere2MoeMLP(config, config.prefix_dense_intermediate_size) if dense
-                    else Cohere2MoeSparseMoeBlock(config, experts))
+                    else cohere2_moe_block(config, placement))
         self.input_layernorm = norm(config)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
         h = self.input_layernorm(x)
         if batch.overlap:  # decode: the MLP branch on "alt_mlp" while attention runs here
-            attn, mlp = run_branches(lambda: self.self_attn(h, rotary, batch, cache), lambda: self.mlp(h, batch),
-                                     role="alt_mlp")
+            attn, mlp = run_branches(lambda: self.self_attn(h, rotary, batch, cache),
+                                     lambda: self.mlp(h, overlap=True), role="alt_mlp")
         else:
-            attn, mlp = self.self_attn(h, rotary, batch, cache), self.mlp(h, batch)
+            attn, mlp = self.self_attn(h, rotary, batch, cache), self.mlp(h)
         return x + attn + mlp
 
 
 class Cohere2MoeModel(nn.Module):
-    def __init__(self, config, experts: ExpertsOptions):
+    def __init__(self, config, placement: Placement):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i, experts) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
         self.norm = norm(config)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -147,9 +136,12 @@ class Cohere2MoeModel(nn.Module):
 
 @register_model("Cohere2MoeForCausalLM")
 class Cohere2MoeForCausalLM(CausalLM):
-    renames = [(r"\.mlp\.gate\.weight$", ".mlp.experts.gate_weight")]
+    renames = [
+        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
+        (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
+    ]
 
-    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
+    def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
-        self.model = Cohere2MoeModel(config, experts)
+        self.model = Cohere2MoeModel(config, placement)
         self._output_head(config)

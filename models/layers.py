@@ -8,29 +8,16 @@ slot's cache row with a mask (j <= position, and j > position - window for slidi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backends.catalog import ModelContext
-from ..graphs import ForwardMode, run_branches
-
-if TYPE_CHECKING:
-    from ..parallel import ParallelGroups
+from ..graphs import ForwardMode
 
 
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def shared_and_routed(shared, routed, x: torch.Tensor, batch: Batch | None):
-    """(shared(x), routed(x)): in captured decode the routed experts run on the "alt" stream while
-    the shared experts run on the calling one. Both only read x and return fresh tensors."""
-    if batch is not None and batch.overlap:
-        return run_branches(lambda: shared(x), lambda: routed(x))
-    return shared(x), routed(x)
 
 
 class RMSNorm(nn.Module):
@@ -90,19 +77,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     x_rot = x_rot * cos + rotate(x_rot) * sin
     return torch.cat((x_rot, x_pass), dim=-1) if x_pass.numel() else x_rot
-
-
-@dataclass(frozen=True)
-class ExpertsOptions:
-    """How every MoE layer of a model picks its experts backend: resolved once per layer, at
-    construction, from the request and the checkpoint's context (moe_triton.backends)."""
-
-    backend: str = "auto"
-    context: ModelContext | None = None
-    parallel: ParallelGroups | None = None  # shard every MoE layer's experts over ranks (moe_triton.parallel)
-
-    def fused_moe_kwargs(self) -> dict:
-        return dict(backend=self.backend, context=self.context, parallel=self.parallel)
 
 
 @dataclass

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_triton import FusedMoE, RoutingSpec, Scoring
+from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
 from .registry import register_model
 
 
@@ -37,18 +37,17 @@ class MiniMaxM2Attention(nn.Module):
         return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5))
 
 
-def minimax_m2_block(config, experts: ExpertsOptions) -> FusedMoE:
-    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True)
+def minimax_m2_block(config, placement: Placement) -> FusedMoE:
+    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True, correction_bias=True)
     return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act), correction_bias=True,
-                    **experts.fused_moe_kwargs())
+                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act), placement=placement)
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, experts: ExpertsOptions):
+    def __init__(self, config, layer: int, placement: Placement):
         super().__init__()
         self.self_attn = MiniMaxM2Attention(config, layer)
-        self.mlp = minimax_m2_block(config, experts)
+        self.mlp = minimax_m2_block(config, placement)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -58,10 +57,10 @@ class MiniMaxM2DecoderLayer(nn.Module):
 
 
 class MiniMaxM2Model(nn.Module):
-    def __init__(self, config, experts: ExpertsOptions):
+    def __init__(self, config, placement: Placement):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, experts) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -84,7 +83,7 @@ class MiniMaxM2ForCausalLM(CausalLM):
         (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
     ]
 
-    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
+    def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
-        self.model = MiniMaxM2Model(config, experts)
+        self.model = MiniMaxM2Model(config, placement)
         self._output_head(config)

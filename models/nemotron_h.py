@@ -5,17 +5,15 @@ outside this project's scope.
 
 Non-gated relu^2 experts (`up_proj` [E, I, H']), grouped top-k routing in float32 with a
 correction bias and `routed_scaling_factor`, optional latent projections (H -> H' -> H). In
-captured decode (`batch.overlap`) the routed path runs on "alt" and the shared MLP here.
+captured decode (`overlap=True`) the routed path runs on "alt" and the shared MLP on the calling stream.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from moe_triton import FusedMoE, RoutingSpec, Scoring
+from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation
-
-from .layers import Batch, ExpertsOptions, shared_and_routed
 
 
 class NemotronHMLP(nn.Module):
@@ -28,32 +26,29 @@ class NemotronHMLP(nn.Module):
         return self.down_proj(torch.relu(self.up_proj(x)).square())
 
 
-class NemotronHMoeBlock(nn.Module):
+class NemotronHMoeBlock(FusedMoE):
+    """NemotronH's MoE block: one FusedMoE with the shared MLP, loaded from transformers' names."""
+
     renames = [
-        (r"^gate\.weight$", "experts.gate_weight"),
-        (r"^gate\.e_score_correction_bias$", "experts.e_score_correction_bias"),
-        (r"^experts\.up_proj$", "experts.gate_up_proj"),  # non-gated: w13 holds up only
-        (r"^fc1_latent_proj\.", "experts.expert_input_proj."),
-        (r"^fc2_latent_proj\.", "experts.expert_output_proj."),
+        (r"^gate\.weight$", "gate_weight"),
+        (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
+        (r"^experts\.up_proj$", "gate_up_proj"),  # non-gated: w13 holds up only
+        (r"^experts\.down_proj$", "down_proj"),
+        (r"^fc1_latent_proj\.", "expert_input_proj."),
+        (r"^fc2_latent_proj\.", "expert_output_proj."),
     ]
 
-    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
-        super().__init__()
+    def __init__(self, config, placement: Placement = Placement()):
         latent = config.moe_latent_size
         routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=config.norm_topk_prob,
                               n_group=config.n_group, topk_group=config.topk_group,
-                              routed_scaling_factor=float(config.routed_scaling_factor))
-        self.experts = FusedMoE(
+                              routed_scaling_factor=float(config.routed_scaling_factor), correction_bias=True,
+                              router_in_float32=True)
+        super().__init__(
             config.n_routed_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
-            routing=routing, activation=Activation.from_hidden_act(config.mlp_hidden_act), correction_bias=True,
-            router_in_float32=True, expert_hidden_size=latent,
+            routing=routing, activation=Activation.from_hidden_act(config.mlp_hidden_act),
+            shared_experts=NemotronHMLP(config, config.moe_shared_expert_intermediate_size),
             expert_input_proj=nn.Linear(config.hidden_size, latent, bias=config.mlp_bias) if latent else None,
             expert_output_proj=nn.Linear(latent, config.hidden_size, bias=config.mlp_bias) if latent else None,
-            **experts.fused_moe_kwargs(),
+            placement=placement,
         )
-        self.shared_experts = NemotronHMLP(config, config.moe_shared_expert_intermediate_size)
-
-    def forward(self, x: torch.Tensor, batch: Batch | None = None) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [T, H]
-        shared, routed = shared_and_routed(self.shared_experts, self.experts.routed_experts, flat, batch)
-        return (routed + shared).view(x.shape)

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_triton import FusedMoE, RoutingSpec
+from moe_triton import FusedMoE, Placement, RoutingSpec
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, ExpertsOptions, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
 from .registry import register_model
 
 
@@ -53,18 +53,18 @@ class Qwen3MoeMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def qwen3_moe_block(config, experts: ExpertsOptions) -> FusedMoE:
+def qwen3_moe_block(config, placement: Placement) -> FusedMoE:
     return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
                     routing=RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
-                    activation=Activation.from_hidden_act(config.hidden_act), **experts.fused_moe_kwargs())
+                    activation=Activation.from_hidden_act(config.hidden_act), placement=placement)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, experts: ExpertsOptions):
+    def __init__(self, config, layer: int, placement: Placement):
         super().__init__()
         self.self_attn = Qwen3MoeAttention(config, layer)
         sparse = layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
-        self.mlp = qwen3_moe_block(config, experts) if sparse else Qwen3MoeMLP(config)
+        self.mlp = qwen3_moe_block(config, placement) if sparse else Qwen3MoeMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -74,10 +74,10 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, config, experts: ExpertsOptions):
+    def __init__(self, config, placement: Placement):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, experts) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
@@ -96,7 +96,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
     ]
 
-    def __init__(self, config, experts: ExpertsOptions = ExpertsOptions()):
+    def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
-        self.model = Qwen3MoeModel(config, experts)
+        self.model = Qwen3MoeModel(config, placement)
         self._output_head(config)

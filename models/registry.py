@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..backends.catalog import ModelContext
+from ..placement import Placement
 from ..layer import FusedMoE
 from .checkpoint import load_into, read_safetensors
-from .layers import ExpertsOptions
 
 if TYPE_CHECKING:
     from ..parallel import ParallelGroups
@@ -69,9 +69,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     context = ModelContext.from_config(json.loads((path / "config.json").read_text()), path)
-    experts = ExpertsOptions(backend, context, parallel)
+    placement = Placement(backend, context, parallel)
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
-        model = cls(config, experts)
+        model = cls(config, placement)
     load_into(model, read_safetensors(path), model.renames, model.ignore)
     for layer in model.modules():
         if isinstance(layer, FusedMoE):

@@ -49,6 +49,8 @@ class RoutingSpec:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # multiplies the final weights, after renormalisation
+    correction_bias: bool = False  # a per-expert bias added to the scores for selection only (weights stay unbiased)
+    router_in_float32: bool = False  # the router GEMM runs in float32 (NemotronH); read by the layer
 
     def __post_init__(self):
         if not isinstance(self.scoring, Scoring) or not isinstance(self.select_on, SelectOn):
@@ -59,6 +61,8 @@ class RoutingSpec:
             raise ValueError(f"RoutingSpec.n_group must be >= 1 (1 disables grouping), got {self.n_group}")
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"RoutingSpec.topk_group must lie in [1, n_group={self.n_group}], got {self.topk_group}")
+        if self.correction_bias and self.select_on is not SelectOn.SCORES:
+            raise ValueError("RoutingSpec.correction_bias is added to scores; it needs select_on=SelectOn.SCORES")
 
 
 @dataclass(frozen=True)
@@ -204,9 +208,11 @@ def _check_inputs(logits, spec, correction_bias, out):
         if spec.top_k > spec.topk_group * (num_experts // spec.n_group):
             raise ValueError(f"top_k={spec.top_k} exceeds the {spec.topk_group * (num_experts // spec.n_group)} experts "
                              f"in topk_group={spec.topk_group} groups; raise topk_group or lower top_k")
+    if (correction_bias is not None) != spec.correction_bias:
+        raise ValueError(f"correction_bias is {'given' if correction_bias is not None else 'missing'} but "
+                         f"RoutingSpec.correction_bias={spec.correction_bias}: pass the bias tensor exactly when the "
+                         "spec says the router has one")
     if correction_bias is not None:
-        if spec.select_on is not SelectOn.SCORES:
-            raise ValueError("correction_bias is added to scores; it needs select_on=SelectOn.SCORES")
         if (not isinstance(correction_bias, torch.Tensor) or correction_bias.shape != (num_experts,)
                 or not correction_bias.dtype.is_floating_point or correction_bias.device != logits.device
                 or not correction_bias.is_contiguous()):
@@ -271,11 +277,13 @@ def topk_sigmoid(logits, top_k, renormalize=False, *, out=None):
 def biased_sigmoid_topk(logits, correction_bias, top_k, *, out=None):
     """transformers `MiniMaxM2TopKRouter` / `MiniMaxM3VLTopKRouter`: sigmoid scores, top-k on scores +
     `e_score_correction_bias`, weights are the unbiased scores of the chosen experts, renormalised."""
-    return route(logits, RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize=True), correction_bias, out=out)
+    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize=True, correction_bias=True)
+    return route(logits, spec, correction_bias, out=out)
 
 
 def grouped_topk(logits, correction_bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, *, out=None):
     """transformers `NemotronHTopkRouter` (DeepSeek-V3 style): biased sigmoid scores, keep the
     topk_group groups with the best sum of 2 scores, top-k within them, renormalise, then scale."""
-    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize, n_group, topk_group, routed_scaling_factor)
+    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize, n_group, topk_group, routed_scaling_factor,
+                       correction_bias=True)
     return route(logits, spec, correction_bias, out=out)

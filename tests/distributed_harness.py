@@ -18,6 +18,7 @@ import os
 import queue
 import traceback
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.multiprocessing as mp
@@ -28,8 +29,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from conftest import assert_close  # noqa: E402
-from moe_triton import (SILU_AND_MUL, Activation, FusedMoE, RoutingSpec, fused_experts, fused_experts_torch,  # noqa: E402
-                        route)
+from moe_triton import (SILU_AND_MUL, Activation, FusedMoE, Placement, RoutingSpec, fused_experts_torch,  # noqa: E402
+                        route, run_experts)
 from moe_triton.parallel import (Collective, ParallelExperts, ParallelSpec, new_parallel_groups,  # noqa: E402
                                  post_experts_reduction, scattered_rows, torch_experts)
 
@@ -45,7 +46,7 @@ class Case:
     spec: ParallelSpec
     tokens: tuple[int, ...]  # T per token group: one per EP rank under ALL_TO_ALL (TP peers share), else one
     dtype: torch.dtype = torch.float32
-    backend: str = "triton"  # the local experts: "triton" (fused_experts) or "torch" (torch_experts)
+    backend: str = "triton"  # the local experts: "triton" (run_experts) or "torch" (torch_experts)
     num_experts: int = 8
     top_k: int = 2
     hidden: int = 16
@@ -105,7 +106,8 @@ def run_case(case: Case, groups, device: torch.device) -> None:
         w2, topk_weights = (w2.float() * scale).to(case.dtype), topk_weights * scale
         ref = fused_experts_torch(x, w13, w2, topk_ids, topk_weights, activation=case.activation)  # [T, H]
 
-    experts = fused_experts if case.backend == "triton" else torch_experts
+    local = run_experts if case.backend == "triton" else torch_experts
+    experts = partial(local, activation=case.activation)
     layer = ParallelExperts.from_full(w13, w2, groups, activation=case.activation, experts=experts, device=device)
     with torch.inference_mode():
         out = layer(x, topk_ids, topk_weights)
@@ -129,15 +131,15 @@ def run_fused_moe_case(case: Case, groups, device: torch.device) -> None:
     """FusedMoE(parallel=groups) given a full layer's state dict equals that layer on this rank's tokens."""
     w13, w2, gate = _weights(case)
     dims = (case.num_experts, case.top_k, case.hidden, case.intermediate)
-    kwargs = dict(routing=RoutingSpec(case.top_k, renormalize=True), activation=case.activation, dtype=case.dtype,
-                  device=device, routed_scaling_factor=1.5)
-    full = FusedMoE(*dims, backend="torch", **kwargs)
+    kwargs = dict(routing=RoutingSpec(case.top_k, renormalize=True, routed_scaling_factor=1.5),
+                  activation=case.activation, dtype=case.dtype, device=device)
+    full = FusedMoE(*dims, placement=Placement("torch"), **kwargs)
     with torch.no_grad():
         for param, value in ((full.gate_weight, gate), (full.gate_up_proj, w13), (full.down_proj, w2)):
             param.copy_(value)
-    sharded = FusedMoE(*dims, backend=case.backend, parallel=groups, **kwargs)
+    sharded = FusedMoE(*dims, placement=Placement(case.backend, parallel=groups), **kwargs)
     sharded.load_state_dict(full.state_dict())  # full-size experts in, this rank's shard kept
-    assert sharded.num_experts == case.num_experts // case.spec.ep_size
+    assert sharded.gate_up_proj.shape[0] == case.num_experts // case.spec.ep_size
     assert sharded.down_proj.shape[2] == case.intermediate // case.spec.tp_size
     x = _tokens(case, groups.ep_rank, device)  # [T, H]
     with torch.inference_mode():

@@ -15,7 +15,7 @@ import torch
 
 from conftest import assert_close
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
-from moe_triton import Activation, ActivationKind, FusedMoE, fused_experts, fused_experts_torch
+from moe_triton import Activation, ActivationKind, ExpertWeights, FusedMoE, Placement, fused_experts, fused_experts_torch
 from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
                                  compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,
                                  scattered_rows, shard_experts, torch_experts)
@@ -111,7 +111,8 @@ def test_shards_sum_to_the_full_layer(ep, tp, activation):
         assert w13_r.shape == (E // ep, w13.shape[1] // tp, H) and w2_r.shape == (E // ep, H, I // tp)
         assert w13_r.is_contiguous() and w2_r.is_contiguous()
         local = localize_ids(ids, spec.coords(rank)[0] * (E // ep), E // ep)
-        total += torch_experts(x, w13_r, w2_r, *compact_slots(local, weights, E // ep), activation=activation)
+        total += torch_experts(x, ExpertWeights(w13_r, w2_r, activation.gated), *compact_slots(local, weights, E // ep),
+                               activation=activation)
     assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32, scale=2)
 
 
@@ -132,7 +133,7 @@ def test_backend_padding_applies_per_partition():
     for rank in range(2):
         w13_r, w2_r = pad_experts(*shard_experts(w13, w2, spec, rank), 16, gated=True)  # I/tp = 15 -> 16
         assert w13_r.shape[1] == 32 and w2_r.shape[2] == 16
-        total += torch_experts(x, w13_r, w2_r, ids, weights)
+        total += torch_experts(x, ExpertWeights(w13_r, w2_r), ids, weights)
     assert_close(total, fused_experts_torch(x, w13, w2, ids, weights), torch.float32, scale=2)
 
 
@@ -229,7 +230,7 @@ def test_fused_moe_rejects_a_scattered_output():
     spec = ParallelSpec(tp_size=2, output=SCATTERED)
     groups = ParallelGroups(spec, 0, None, None, None)  # never reaches a collective
     with pytest.raises(ValueError, match="parallel.spec.output"):
-        FusedMoE(8, 2, 16, 10, parallel=groups)
+        FusedMoE(8, 2, 16, 10, placement=Placement(parallel=groups))
 
 
 def test_resolver_keeps_flashinfer_off_sharded_experts():

@@ -8,10 +8,10 @@ import torch
 
 import fake_flashinfer
 from conftest import assert_close
-from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, RoutingSpec, Scoring, SelectOn
+from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, Placement, RoutingSpec, Scoring,
+                        SelectOn)
 from moe_triton.backends.flashinfer import import_flashinfer, prepare_experts, up_gate
 from moe_triton.backends.quantization import QuantFormat
-from moe_triton.backends.catalog import ExpertBackend
 from moe_triton.platform import Platform
 
 SM100 = Platform("cuda", (10, 0), "0.7.2.post1")
@@ -27,14 +27,14 @@ def calls(monkeypatch):
 
 
 def make_layer(backend, *, platform=SM100, routing=RoutingSpec(2, renormalize=True), activation=SILU_AND_MUL,
-               I=96, H=128, E=8, correction_bias=False, context=None, seed=0):
-    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, activation=activation, correction_bias=correction_bias,
-                     backend=backend, context=context, platform=platform, dtype=torch.bfloat16)
+               I=96, H=128, E=8, context=ModelContext(), seed=0):
+    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, activation=activation,
+                     placement=Placement(backend, context, platform=platform), dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in (layer.gate_weight, layer.gate_up_proj, layer.down_proj):
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        if correction_bias:
+        if routing.correction_bias:
             layer.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.5)
     return layer
 
@@ -62,7 +62,7 @@ def test_layer_on_flashinfer_matches_torch(backend, kernel, multiple, activation
     layer = make_layer(backend, activation=activation, I=I)
     layer.prepare_weights()
     assert layer.down_proj.shape[2] == -(-I // multiple) * multiple  # padded per the resolved backend
-    assert layer.flashinfer_experts.intermediate_size == layer.down_proj.shape[2]
+    assert layer.runner.prepared.intermediate_size == layer.down_proj.shape[2]
     check_against_torch(layer, activation=activation, I=I)
     assert [name for name, _ in calls] == [kernel]
 
@@ -84,7 +84,7 @@ def test_fused_router_computes_our_routing(routing, method, calls):
 
 
 def test_routed_path_takes_our_biased_sigmoid_topk(calls):
-    minimax = dict(routing=RoutingSpec(2, Scoring.SIGMOID, renormalize=True), correction_bias=True)
+    minimax = dict(routing=RoutingSpec(2, Scoring.SIGMOID, renormalize=True, correction_bias=True))
     layer = make_layer(ROUTED, **minimax)
     layer.prepare_weights()
     check_against_torch(layer, **minimax)
@@ -99,8 +99,8 @@ def test_routed_path_takes_our_biased_sigmoid_topk(calls):
 def test_nvfp4_experts_use_the_fp4_entry_points(backend, kernel, activation, calls):
     layer = make_layer(backend, activation=activation, context=NVFP4)
     layer.prepare_weights()
-    assert layer.flashinfer_experts.quant is QuantFormat.NVFP4
-    assert set(layer.flashinfer_experts.weights) >= {"gemm1_weights_scale", "gemm2_weights_scale", "output2_scale_scalar"}
+    assert layer.runner.prepared.quant is QuantFormat.NVFP4
+    assert set(layer.runner.prepared.weights) >= {"gemm1_weights_scale", "gemm2_weights_scale", "output2_scale_scalar"}
     check_against_torch(layer, activation=activation)  # the checker computes on the bf16 originals
     assert [name for name, _ in calls] == [kernel]
 
@@ -114,8 +114,7 @@ def test_cutlass_runs_on_sm90(calls):
 
 def test_prepare_hands_flashinfer_up_then_gate():
     w13, w2 = torch.randn(4, 256, 128).bfloat16(), torch.randn(4, 128, 128).bfloat16()
-    experts = prepare_experts(ExpertBackend.FLASHINFER_TRTLLM, w13, w2, SILU_AND_MUL, QuantFormat.NONE,
-                              fake_flashinfer.modules())
+    experts = prepare_experts("TrtllmBf16Config", w13, w2, SILU_AND_MUL, QuantFormat.NONE, fake_flashinfer.modules())
     prepared = fake_flashinfer.PREPARED[id(experts.weights["gemm1_weights"])]
     assert torch.equal(prepared.w1, torch.cat([w13[:, 128:], w13[:, :128]], dim=1).float())
     assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (4, 128, 128)
@@ -124,10 +123,10 @@ def test_prepare_hands_flashinfer_up_then_gate():
 def test_prepare_rejects_what_flashinfer_cannot_take():
     fi = fake_flashinfer.modules()
     with pytest.raises(ValueError, match="bfloat16"):
-        prepare_experts(ExpertBackend.FLASHINFER_CUTLASS, torch.randn(2, 32, 16), torch.randn(2, 16, 16),
-                        SILU_AND_MUL, QuantFormat.NONE, fi)
+        prepare_experts("CutlassBf16Config", torch.randn(2, 32, 16), torch.randn(2, 16, 16), SILU_AND_MUL,
+                        QuantFormat.NONE, fi)
     with pytest.raises(ValueError, match="GELU_AND_MUL"):
-        prepare_experts(ExpertBackend.FLASHINFER_CUTLASS, torch.randn(2, 32, 16).bfloat16(),
+        prepare_experts("CutlassBf16Config", torch.randn(2, 32, 16).bfloat16(),
                         torch.randn(2, 16, 16).bfloat16(), Activation(ActivationKind.GELU_AND_MUL), QuantFormat.NONE, fi)
 
 
@@ -142,7 +141,8 @@ def test_empty_batch_and_wrong_dtype(calls):
     layer.prepare_weights()
     assert layer(torch.randn(0, 128).bfloat16()).shape == (0, 128)
     with pytest.raises(ValueError, match="bfloat16"):
-        layer.experts(torch.randn(3, 128), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2))
+        layer.runner.experts(torch.randn(3, 128), layer.expert_weights(), torch.zeros(3, 2, dtype=torch.int32),
+                             torch.ones(3, 2))
     assert calls == []
 
 

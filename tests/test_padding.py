@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import assert_close
-from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, fused_experts, fused_experts_torch, pad_experts
+from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, Placement, fused_experts, fused_experts_torch, pad_experts
 from moe_triton.backends import SPECS, ExpertBackend, padded_size
 from test_expand import random_ids
 
@@ -73,7 +73,7 @@ def test_padding_is_exact_on_triton(I, activation, poisoned_empty):
 
 
 def test_layer_on_triton_keeps_shared_weights():
-    layer = FusedMoE(4, 2, 16, 961, backend="triton", device="cpu")
+    layer = FusedMoE(4, 2, 16, 961, placement=Placement("triton"), device="cpu")
     w13, w2 = layer.gate_up_proj, layer.down_proj
     layer.prepare_weights()  # triton needs no multiple: nothing padded, nothing copied
     assert layer.gate_up_proj is w13 and layer.down_proj is w2

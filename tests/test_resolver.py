@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import moe_triton.platform as platforms
-from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, RoutingSpec, Scoring, resolve
+from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, Placement, RoutingSpec, Scoring,
+                        resolve)
 from moe_triton.backends import RULES, ExpertBackend, LayerTraits
 from moe_triton.backends.resolver import parse_backend
 from moe_triton.backends.rules import rule
@@ -107,7 +108,7 @@ def test_a_pin_that_cannot_run_keeps_the_default(architecture, quant):
 
 
 def test_layer_traits_also_keep_the_default():
-    fp16_layer = LayerTraits(128, torch.float16, ActivationKind.SILU_AND_MUL, RoutingSpec(2), False)
+    fp16_layer = LayerTraits(128, torch.float16, SILU_AND_MUL, RoutingSpec(2))
     resolution = resolve("auto", PLATFORMS["SM100"], ModelContext(COHERE2[0]), fp16_layer)
     assert resolution.backend is TRITON and "torch.float16" in resolution.reason
 
@@ -119,7 +120,7 @@ def test_layer_traits_also_keep_the_default():
     (CUTLASS, "SM90"), (CUTLASS, "SM120"), (TRITON, "SM90")])
 @pytest.mark.parametrize("architecture", [COHERE2[0], MINIMAX, None])
 def test_explicit_requests_are_never_rewritten(requested, platform_name, architecture):
-    resolution = resolve(requested.value, PLATFORMS[platform_name], ModelContext(architecture))
+    resolution = resolve(str(requested), PLATFORMS[platform_name], ModelContext(architecture))
     assert resolution.backend is requested and resolution.rule == "explicit request"
 
 
@@ -152,7 +153,7 @@ def test_unknown_backend_lists_the_choices():
 def test_layer_resolves_through_the_replaceable_platform_detection(monkeypatch):
     monkeypatch.setattr(platforms, "detect_platform", lambda device=None: PLATFORMS["SM100"])
     layer = FusedMoE(8, 2, 128, 96, routing=RoutingSpec(2, Scoring.SOFTMAX, renormalize=True),
-                     context=ModelContext(COHERE2[0]), dtype=torch.bfloat16)
+                     placement=Placement(context=ModelContext(COHERE2[0])), dtype=torch.bfloat16)
     assert layer.backend is FUSED and layer.resolution.rule == "cohere2_moe"
     assert "SM100" in str(layer.resolution)
 
@@ -161,12 +162,13 @@ def test_layer_resolves_through_the_replaceable_platform_detection(monkeypatch):
     (dict(dtype=torch.float16), "torch.float16"),
     (dict(hidden_size=100), "hidden size 100 is not a multiple of 128"),
     (dict(activation=Activation(ActivationKind.CLAMPED_SWIGLU)), "CLAMPED_SWIGLU"),
-    (dict(correction_bias=True, routing=RoutingSpec(2, Scoring.SIGMOID)), "flashinfer_trtllm_routed"),
+    (dict(routing=RoutingSpec(2, Scoring.SIGMOID, correction_bias=True)), "flashinfer_trtllm_routed"),
 ])
 def test_layer_rejects_an_impossible_request_at_construction(kwargs, reason):
     args = dict(hidden_size=128, dtype=torch.bfloat16, activation=SILU_AND_MUL) | kwargs
     with pytest.raises(ValueError, match="backend='flashinfer_trtllm' cannot run on SM100") as error:
-        FusedMoE(8, 2, args.pop("hidden_size"), 96, backend="flashinfer_trtllm", platform=PLATFORMS["SM100"], **args)
+        FusedMoE(8, 2, args.pop("hidden_size"), 96, placement=Placement("flashinfer_trtllm", platform=PLATFORMS["SM100"]),
+                 **args)
     assert reason in str(error.value)
 
 
@@ -174,7 +176,7 @@ def test_resolution_is_logged_once(caplog):
     context = ModelContext("LoggedOnceForTest")
     with caplog.at_level(logging.INFO, logger="moe_triton"):
         for _ in range(3):
-            FusedMoE(4, 2, 16, 8, backend="torch", context=context, platform=PLATFORMS["CPU"])
+            FusedMoE(4, 2, 16, 8, placement=Placement("torch", context, platform=PLATFORMS["CPU"]))
     assert len([r for r in caplog.records if "moe_triton experts backend" in r.getMessage()]) == 1
 
 
@@ -242,12 +244,12 @@ def test_on_this_gpu_auto_never_picks_trtllm_and_explicit_requests_fail_at_const
         pytest.skip("a Blackwell part: trtllm-gen is expected to resolve here")
     for architecture in (*COHERE2, MINIMAX, "Qwen3MoeForCausalLM"):
         for quant, _ in CONFIGS.values():
-            layer = FusedMoE(8, 2, 128, 96, context=ModelContext(architecture, quant), dtype=torch.bfloat16,
-                             device="cuda")
+            layer = FusedMoE(8, 2, 128, 96, placement=Placement(context=ModelContext(architecture, quant)),
+                             dtype=torch.bfloat16, device="cuda")
             assert layer.backend is TRITON, layer.resolution
     for backend in ("flashinfer_trtllm", "flashinfer_trtllm_routed"):
         with pytest.raises(ValueError, match=f"backend='{backend}' cannot run on SM{platform.sm}"):
-            FusedMoE(8, 2, 128, 96, backend=backend, dtype=torch.bfloat16, device="cuda")
+            FusedMoE(8, 2, 128, 96, placement=Placement(backend), dtype=torch.bfloat16, device="cuda")
     if platform.flashinfer is None:
         with pytest.raises(ValueError, match="FlashInfer is not installed"):
-            FusedMoE(8, 2, 128, 96, backend="flashinfer_cutlass", dtype=torch.bfloat16, device="cuda")
+            FusedMoE(8, 2, 128, 96, placement=Placement("flashinfer_cutlass"), dtype=torch.bfloat16, device="cuda")

@@ -26,12 +26,12 @@ def make_spec(kind, num_experts, top_k):
     if kind == "logits_sigmoid_renorm":
         return RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.LOGITS, renormalize=True)
     if kind == "sigmoid_biased":
-        return RoutingSpec(top_k, Scoring.SIGMOID, renormalize=True)
+        return RoutingSpec(top_k, Scoring.SIGMOID, renormalize=True, correction_bias=True)
     if kind == "grouped" and num_experts in GROUPS:
         n_group = GROUPS[num_experts]
         topk_group = max(n_group // 2, math.ceil(top_k / (num_experts // n_group)))
         return RoutingSpec(top_k, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=topk_group,
-                           routed_scaling_factor=2.5)
+                           routed_scaling_factor=2.5, correction_bias=True)
     return None
 
 
@@ -101,7 +101,7 @@ def test_route_low_precision_logits(dtype):
 
 def test_route_large_experts():
     # E = 512 (the largest we promise): an 8-token tile, several programs.
-    spec = RoutingSpec(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4)
+    spec = RoutingSpec(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, correction_bias=True)
     logits = torch.randn(20, 512, device=test_device())  # [T, E]
     bias = torch.randn(512, device=test_device()) * 0.1
     check_routing(*route(logits, spec, bias), *route_torch(logits, spec, bias), 512)
@@ -147,7 +147,7 @@ def test_route_nan_logits(spec):
 def _bad_cases():
     x = torch.randn(4, 8)
     spec = RoutingSpec(2)
-    grouped = RoutingSpec(2, Scoring.SIGMOID, n_group=2, topk_group=1)
+    grouped = RoutingSpec(2, Scoring.SIGMOID, n_group=2, topk_group=1, correction_bias=True)
     ids, weights = torch.empty(4, 2, dtype=torch.int32), torch.empty(4, 2)
     return {
         "logits_1d": (lambda: route(x[0], spec), "logits"),
@@ -164,8 +164,10 @@ def _bad_cases():
         "bias_shape": (lambda: route(x, grouped, torch.zeros(7)), "correction_bias"),
         "bias_int": (lambda: route(x, grouped, torch.zeros(8, dtype=torch.int32)), "correction_bias"),
         "bias_device": (lambda: route(x, grouped, torch.zeros(8, device="meta")), "correction_bias"),
-        "bias_with_logits": (lambda: route(x, RoutingSpec(2, select_on=SelectOn.LOGITS), torch.zeros(8)),
+        "bias_with_logits": (lambda: RoutingSpec(2, select_on=SelectOn.LOGITS, correction_bias=True),
                              "correction_bias"),
+        "bias_not_in_spec": (lambda: route(x, spec, torch.zeros(8)), "correction_bias"),
+        "bias_missing": (lambda: route(x, grouped), "correction_bias"),
         "out_not_pair": (lambda: route(x, spec, out=ids), "out"),
         "out_ids_shape": (lambda: route(x, spec, out=(ids[:3], weights)), "out"),
         "out_ids_dtype": (lambda: route(x, spec, out=(ids.long(), weights)), "out"),

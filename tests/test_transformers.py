@@ -126,8 +126,8 @@ def test_experts_implementation_uses_our_kernels(tmp_path, monkeypatch):
     import moe_triton.integrations.transformers as integration
 
     calls = []
-    real = integration.fused_experts
-    monkeypatch.setattr(integration, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = integration.run_experts
+    monkeypatch.setattr(integration, "run_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe(tmp_path), experts_implementation="moe_triton")
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))

@@ -2,8 +2,10 @@
 
 `unsupported_reason` is the only place that decides whether a backend can run a layer here; the
 resolver asks it about explicit requests (an answer means a ValueError at construction) and about
-a rule's pick (an answer means the default stays, with that reason). The padding a kernel needs
-is part of its spec (`intermediate_multiple`), read by the layer after loading.
+a rule's pick (an answer means the default stays, with that reason). A spec names its runner
+(backends/runners.py), which the layer builds once and calls; the padding a kernel needs is part
+of the spec (`intermediate_multiple`), applied by the runner after loading. A new backend is one
+runner class and one `BackendSpec` passed to `register_backend`.
 """
 from __future__ import annotations
 
@@ -14,18 +16,25 @@ from pathlib import Path
 
 import torch
 
-from ..activation import ActivationKind
+from ..activation import Activation, ActivationKind
 from ..platform import FLASHINFER_MIN_VERSION, Platform
-from ..routing import RoutingSpec, Scoring, SelectOn
+from ..routing import RoutingSpec
+from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
 from .quantization import QuantFormat, experts_quantization
+from .runners import TorchRunner, TritonRunner
 
 
-class ExpertBackend(enum.Enum):
+class ExpertBackend(str, enum.Enum):
+    """The built-in backends; a member equals its name string, so registered backends sit beside them."""
+
     TRITON = "triton"  # our pipeline (routing, expand, GEMMs, activation, finalize)
     TORCH = "torch"  # the float32 reference, cast back to the input dtype
     FLASHINFER_TRTLLM = "flashinfer_trtllm"  # trtllm-gen: routing from logits + experts, one fused path
     FLASHINFER_TRTLLM_ROUTED = "flashinfer_trtllm_routed"  # trtllm-gen on our precomputed top-k
     FLASHINFER_CUTLASS = "flashinfer_cutlass"  # FlashInfer's CUTLASS fused MoE on our top-k
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -52,18 +61,17 @@ class ModelContext:
 
 @dataclass(frozen=True)
 class LayerTraits:
-    """What the layer itself requires of a backend."""
+    """What the layer itself requires of a backend (and what its runner is built with)."""
 
     hidden_size: int  # the experts' H
     dtype: torch.dtype
-    activation: ActivationKind
+    activation: Activation
     routing: RoutingSpec
-    correction_bias: bool
 
 
 @dataclass(frozen=True)
 class BackendSpec:
-    backend: ExpertBackend
+    backend: str  # its name: an ExpertBackend member, or any string for a registered backend
     sms: frozenset[int] | None  # CUDA compute capabilities it runs on; None: any
     on_cpu: str | None  # "always", "interpreter" (Triton's CPU interpreter), or None: never
     flashinfer: bool  # needs FlashInfer installed
@@ -75,6 +83,7 @@ class BackendSpec:
     intermediate_multiple: int  # the per-partition I must be a multiple of this; padded after loading
     hidden_multiple: int  # H must be a multiple of this (H is never padded)
     fused_router: bool  # routes from the router logits inside the kernel
+    runner: type  # the ExpertsRunner subclass that runs it (backends/runners.py)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -87,28 +96,27 @@ _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloa
                    activations=frozenset({ActivationKind.SILU_AND_MUL, ActivationKind.RELU2}),
                    all_to_all=frozenset({None}))
 
-SPECS: Mapping[ExpertBackend, BackendSpec] = {spec.backend: spec for spec in (
-    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", **_OURS),
-    BackendSpec(ExpertBackend.TORCH, on_cpu="always", **_OURS),
+SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
+    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, **_OURS),
+    BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
-                intermediate_multiple=128, hidden_multiple=128, fused_router=True, **_FLASHINFER),
+                intermediate_multiple=128, hidden_multiple=128, fused_router=True, runner=TrtllmRunner,
+                **_FLASHINFER),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM_ROUTED, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
-                intermediate_multiple=128, hidden_multiple=128, fused_router=False, **_FLASHINFER),
+                intermediate_multiple=128, hidden_multiple=128, fused_router=False, runner=TrtllmRoutedRunner,
+                **_FLASHINFER),
     # SM90 and newer, as FlashInfer's CUTLASS MoE modules are built (sm90, sm100/110, sm103, sm120/121).
     BackendSpec(ExpertBackend.FLASHINFER_CUTLASS, frozenset({90, 100, 103, 110, 120, 121}),
                 expert_formats=frozenset({QuantFormat.NONE}), intermediate_multiple=16, hidden_multiple=16,
-                fused_router=False, **_FLASHINFER),
+                fused_router=False, runner=CutlassRunner, **_FLASHINFER),
 )}
 
 
-def fused_routing_method(routing: RoutingSpec, correction_bias: bool) -> str | None:
-    """The trtllm-gen RoutingMethodType name that computes exactly what `route` computes, or None."""
-    if correction_bias or routing.n_group > 1 or routing.routed_scaling_factor != 1.0:
-        return None  # biased / grouped selection: use flashinfer_trtllm_routed with our top-k
-    if routing.scoring is Scoring.SOFTMAX:
-        # top-k on logits then softmax over the k == softmax, top-k, renormalise: FlashInfer runs both as one
-        return "Renormalize" if routing.select_on is SelectOn.LOGITS or routing.renormalize else "Default"
-    return "SigmoidRenorm" if routing.renormalize else "Sigmoid"  # sigmoid is monotone: select on either
+def register_backend(spec: BackendSpec) -> None:
+    """Make `spec.backend` a backend name every layer and the resolver accept (`backend="name"`)."""
+    if spec.backend in SPECS:
+        raise ValueError(f"backend {spec.backend!r} is already registered")
+    SPECS[spec.backend] = spec
 
 
 def unsupported_reason(backend: ExpertBackend, platform: Platform, context: ModelContext,
@@ -168,11 +176,11 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
         return None
     if layer.dtype not in spec.dtypes:
         return f"weights are {layer.dtype}; it takes {', '.join(map(str, spec.dtypes))}"
-    if spec.activations is not None and layer.activation not in spec.activations:
-        return f"activation {layer.activation.name} is not one it implements ({sorted(a.name for a in spec.activations)})"
+    if spec.activations is not None and layer.activation.kind not in spec.activations:
+        return (f"activation {layer.activation.kind.name} is not one it implements "
+                f"({sorted(a.name for a in spec.activations)})")
     if layer.hidden_size % spec.hidden_multiple:
         return f"hidden size {layer.hidden_size} is not a multiple of {spec.hidden_multiple}"
-    if spec.fused_router and fused_routing_method(layer.routing, layer.correction_bias) is None:
-        return (f"its in-kernel router cannot compute {layer.routing} with correction_bias={layer.correction_bias}; "
-                "use flashinfer_trtllm_routed")
+    if spec.fused_router and fused_routing_method(layer.routing) is None:
+        return f"its in-kernel router cannot compute {layer.routing}; use flashinfer_trtllm_routed"
     return None

@@ -3,9 +3,9 @@
 Written against flashinfer-python 0.7.2.post1 (docs.flashinfer.ai; flashinfer/fused_moe/core.py,
 api.py, prepare.py of that release). The entry points, by backend:
 
-    flashinfer_trtllm         trtllm_bf16_moe / trtllm_fp4_block_scale_moe          routes from router logits
-    flashinfer_trtllm_routed  trtllm_bf16_routed_moe / trtllm_fp4_block_scale_routed_moe   takes our top-k
-    flashinfer_cutlass        cutlass_fused_moe (bf16)                                 takes our top-k
+    flashinfer_trtllm         TrtllmRunner        trtllm_bf16_moe / trtllm_fp4_block_scale_moe     routes from logits
+    flashinfer_trtllm_routed  TrtllmRoutedRunner  trtllm_bf16_routed_moe / ..._fp4_block_scale_routed_moe  our top-k
+    flashinfer_cutlass        CutlassRunner       cutlass_fused_moe (bf16)                          our top-k
 
 Where FlashInfer's conventions differ from ours:
 - GEMM1 rows are [up; gate] (TRT-LLM's "w3_w1"); our gate_up_proj is [gate; up]. `up_gate` swaps
@@ -36,9 +36,10 @@ from types import ModuleType
 import torch
 
 from ..activation import Activation, ActivationKind
-from ..routing import RoutingSpec
-from .catalog import ExpertBackend, fused_routing_method
-from .quantization import QuantFormat
+from ..routing import RoutingSpec, Scoring, SelectOn
+from ..weights import ExpertWeights
+from .quantization import QuantFormat, experts_quantization
+from .runners import ExpertsRunner
 
 _ACTIVATION_TYPE = {ActivationKind.SILU_AND_MUL: "Swiglu", ActivationKind.RELU2: "Relu2"}  # tllm_enums.ActivationType
 _ACTIVATION_CONFIG = {ActivationKind.SILU_AND_MUL: "SwiGLU", ActivationKind.RELU2: "ReLU2"}  # fused_moe's typed values
@@ -59,11 +60,20 @@ def import_flashinfer() -> FlashInferModules:
         raise ImportError(f"FlashInfer backends need FlashInfer: pip install 'moe-triton[flashinfer]' ({error})") from error
 
 
+def fused_routing_method(routing: RoutingSpec) -> str | None:
+    """The trtllm-gen RoutingMethodType name that computes exactly what `route` computes, or None."""
+    if routing.correction_bias or routing.n_group > 1 or routing.routed_scaling_factor != 1.0:
+        return None  # biased / grouped / scaled selection: use flashinfer_trtllm_routed with our top-k
+    if routing.scoring is Scoring.SOFTMAX:
+        # top-k on logits then softmax over the k == softmax, top-k, renormalise: FlashInfer runs both as one
+        return "Renormalize" if routing.select_on is SelectOn.LOGITS or routing.renormalize else "Default"
+    return "SigmoidRenorm" if routing.renormalize else "Sigmoid"  # sigmoid is monotone: select on either
+
+
 @dataclass(frozen=True)
 class FlashInferExperts:
     """The experts as FlashInfer takes them, prepared once after loading."""
 
-    backend: ExpertBackend
     quant: QuantFormat  # NONE (bf16) or NVFP4
     activation: ActivationKind
     num_experts: int  # E
@@ -80,9 +90,10 @@ def up_gate(w13: torch.Tensor, activation: Activation) -> torch.Tensor:
     return torch.cat([up, gate], dim=1)  # [E, 2I, H]
 
 
-def prepare_experts(backend: ExpertBackend, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
+def prepare_experts(config_name: str, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
                     quant: QuantFormat, fi: FlashInferModules) -> FlashInferExperts:
-    """FlashInfer's weight view of (w13 (E, 2I, H) [gate; up] or (E, I, H), w2 (E, H, I))."""
+    """FlashInfer's weight view of (w13 (E, 2I, H) [gate; up] or (E, I, H), w2 (E, H, I)), built by
+    `fi.fused_moe.<config_name>.prepare_weights`."""
     if activation.kind not in _ACTIVATION_TYPE:
         raise ValueError(f"activation {activation.kind.name} has no FlashInfer equivalent; "
                          f"use {sorted(k.name for k in _ACTIVATION_TYPE)}")
@@ -92,14 +103,75 @@ def prepare_experts(backend: ExpertBackend, w13: torch.Tensor, w2: torch.Tensor,
     E, H, I = w2.shape
     geometry = dict(num_local_experts=E, hidden_size=H, intermediate_size=I, device=w13.device,
                     activation=getattr(fi.fused_moe, _ACTIVATION_CONFIG[activation.kind])())
-    if backend is ExpertBackend.FLASHINFER_CUTLASS:
-        config = fi.fused_moe.CutlassBf16Config
-    elif quant is QuantFormat.NVFP4:
-        config = fi.fused_moe.TrtllmFp4Config  # NVFP4 x NVFP4 by default
-    else:
-        config = fi.fused_moe.TrtllmBf16Config
+    config = getattr(fi.fused_moe, config_name)
     weights = config.prepare_weights(up_gate(w13, activation), w2.contiguous(), **geometry)
-    return FlashInferExperts(backend, quant, activation.kind, E, H, I, dict(weights))
+    return FlashInferExperts(quant, activation.kind, E, H, I, dict(weights))
+
+
+class FlashInferRunner(ExpertsRunner):
+    """What the three FlashInfer paths share: FlashInfer imported and the weights' view built once, in prepare."""
+
+    prepared: FlashInferExperts | None = None
+    fi: FlashInferModules | None = None
+
+    def weights_config(self, quant: QuantFormat) -> str:
+        """The name of FlashInfer's *Config class whose prepare_weights builds this path's view."""
+        raise NotImplementedError
+
+    def prepare(self, weights: ExpertWeights) -> ExpertWeights:
+        weights = super().prepare(weights)  # padded to the spec's multiple first
+        self.fi = import_flashinfer()
+        quant = experts_quantization(self.context.quant_config).format
+        self.prepared = prepare_experts(self.weights_config(quant), weights.w13, weights.w2, self.activation, quant,
+                                        self.fi)
+        return weights
+
+    def check_input(self, hidden_states: torch.Tensor) -> None:
+        if self.prepared is None:
+            raise RuntimeError(f"backend {self.spec.backend} runs on prepared weights: call layer.prepare_weights() "
+                               "once after loading them")
+        if hidden_states.dtype != torch.bfloat16:
+            raise ValueError(f"x is {hidden_states.dtype}; FlashInfer backends take bfloat16 hidden states")
+
+
+class TrtllmRoutedRunner(FlashInferRunner):
+    """flashinfer_trtllm_routed: trtllm-gen on our top-k."""
+
+    def weights_config(self, quant):
+        return "TrtllmFp4Config" if quant is QuantFormat.NVFP4 else "TrtllmBf16Config"
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        self.check_input(hidden_states)
+        if hidden_states.shape[0] == 0:
+            return torch.empty_like(hidden_states)
+        return run_trtllm_routed(self.prepared, self.fi, hidden_states, topk_ids, topk_weights)
+
+
+class TrtllmRunner(TrtllmRoutedRunner):
+    """flashinfer_trtllm: routing and experts in one fused call, from the router logits."""
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: call the layer, "
+                         "or use flashinfer_trtllm_routed to run it on a given top-k")
+
+    def __call__(self, weights, hidden_states, router_logits, correction_bias=None):
+        self.check_input(hidden_states)
+        if hidden_states.shape[0] == 0:
+            return torch.empty_like(hidden_states)
+        return run_trtllm(self.prepared, self.fi, hidden_states, router_logits, self.routing)
+
+
+class CutlassRunner(FlashInferRunner):
+    """flashinfer_cutlass: FlashInfer's CUTLASS fused MoE on our top-k."""
+
+    def weights_config(self, quant):
+        return "CutlassBf16Config"
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        self.check_input(hidden_states)
+        if hidden_states.shape[0] == 0:
+            return torch.empty_like(hidden_states)
+        return run_cutlass(self.prepared, self.fi, hidden_states, topk_ids, topk_weights)
 
 
 def _trtllm_common(experts: FlashInferExperts, fi: FlashInferModules, top_k: int, routing_method: str) -> dict:
@@ -131,7 +203,7 @@ def _output(result) -> torch.Tensor:
 def run_trtllm(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
                router_logits: torch.Tensor, routing: RoutingSpec) -> torch.Tensor:
     """flashinfer_trtllm: hidden_states (T, H) bf16, router_logits (T, E) -> (T, H); routing inside the kernel."""
-    method = fused_routing_method(routing, correction_bias=False)
+    method = fused_routing_method(routing)
     kwargs = dict(routing_logits=router_logits.float(), routing_bias=None, norm_topk_prob=routing.renormalize,
                   **_trtllm_common(experts, fi, routing.top_k, method), **_trtllm_weights(experts, fi, hidden_states))
     kernel = fi.fused_moe.trtllm_fp4_block_scale_moe if experts.quant is QuantFormat.NVFP4 else fi.fused_moe.trtllm_bf16_moe

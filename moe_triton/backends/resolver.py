@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..platform import Platform
-from .catalog import ExpertBackend, LayerTraits, ModelContext, unsupported_reason
+from .catalog import SPECS, ExpertBackend, LayerTraits, ModelContext, unsupported_reason
 from .rules import rule_for
 
 AUTO = "auto"
@@ -23,25 +23,25 @@ DEFAULT = "default"
 
 @dataclass(frozen=True)
 class Resolution:
-    backend: ExpertBackend
+    backend: str  # a backend's name (an ExpertBackend member for the built-in ones)
     requested: str  # "auto" or a backend's value
     rule: str  # EXPLICIT, DEFAULT, or the name of the architecture rule that decided
     reason: str
     platform: Platform
 
     def __str__(self) -> str:
-        return f"{self.backend.value} (requested {self.requested}, {self.platform}, rule: {self.rule}): {self.reason}"
+        return f"{self.backend} (requested {self.requested}, {self.platform}, rule: {self.rule}): {self.reason}"
 
 
-def parse_backend(backend: ExpertBackend | str) -> ExpertBackend | str:
-    """AUTO or an ExpertBackend; anything else is a ValueError that lists the choices."""
-    if backend == AUTO or isinstance(backend, ExpertBackend):
-        return backend
-    try:
-        return ExpertBackend(backend)
-    except ValueError:
-        choices = ", ".join([AUTO] + [b.value for b in ExpertBackend])
-        raise ValueError(f"backend={backend!r} is not a backend; pass one of {choices}") from None
+def parse_backend(backend: str) -> str:
+    """AUTO or a registered backend's name (ExpertBackend members are names); anything else is a
+    ValueError that lists the choices."""
+    if backend == AUTO:
+        return AUTO
+    if isinstance(backend, str) and backend in SPECS:
+        return SPECS[backend].backend  # the ExpertBackend member for a built-in name
+    choices = ", ".join([AUTO, *map(str, SPECS)])
+    raise ValueError(f"backend={backend!r} is not a backend; pass one of {choices}")
 
 
 def default_backend(platform: Platform) -> tuple[ExpertBackend, str]:
@@ -52,16 +52,16 @@ def default_backend(platform: Platform) -> tuple[ExpertBackend, str]:
     return ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference"
 
 
-def resolve(requested: ExpertBackend | str, platform: Platform, context: ModelContext = ModelContext(),
+def resolve(requested: str, platform: Platform, context: ModelContext = ModelContext(),
             layer: LayerTraits | None = None) -> Resolution:
     """The backend for `requested` on `platform`; raises ValueError for an explicit request that cannot run."""
     requested = parse_backend(requested)
     if requested != AUTO:
         reason = unsupported_reason(requested, platform, context, layer)
         if reason:
-            raise ValueError(f"backend={requested.value!r} cannot run on {platform}: {reason}. "
+            raise ValueError(f"backend={str(requested)!r} cannot run on {platform}: {reason}. "
                              f"Choose another backend, or backend='auto'")
-        return Resolution(requested, requested.value, EXPLICIT, "requested explicitly, never rewritten", platform)
+        return Resolution(requested, str(requested), EXPLICIT, "requested explicitly, never rewritten", platform)
     default, why_default = default_backend(platform)
     rule = rule_for(context.architecture)
     if rule is None:
@@ -69,9 +69,9 @@ def resolve(requested: ExpertBackend | str, platform: Platform, context: ModelCo
                           platform)
     decision = rule.decide(platform, context)
     if decision.backend is None:
-        return Resolution(default, AUTO, rule.name, f"{decision.reason}; keeps {default.value}", platform)
+        return Resolution(default, AUTO, rule.name, f"{decision.reason}; keeps {default}", platform)
     blocked = unsupported_reason(decision.backend, platform, context, layer)
     if blocked:
-        return Resolution(default, AUTO, rule.name, f"would pick {decision.backend.value} ({decision.reason}), "
-                                                    f"but {blocked}; keeps {default.value}", platform)
+        return Resolution(default, AUTO, rule.name, f"would pick {decision.backend} ({decision.reason}), "
+                                                    f"but {blocked}; keeps {default}", platform)
     return Resolution(decision.backend, AUTO, rule.name, decision.reason, platform)

@@ -20,9 +20,11 @@ from torch import nn
 from .. import platform as platforms
 from ..activation import Activation, ActivationKind
 from ..backends.catalog import ModelContext
-from ..fused_moe import fused_experts
+from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
+from ..placement import Placement
 from ..routing import RoutingSpec, Scoring, SelectOn
+from ..weights import ExpertWeights
 
 # transformers activation classes (ACT2FN values) -> our activation kinds
 _ACTIVATION_BY_CLASS = {
@@ -67,9 +69,10 @@ def _expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """ExpertsInterface entry: (T, H), (T, K), (T, K) -> (T, H), on our Triton pipeline."""
-    w13, w2 = _expert_weights(experts)
-    x = hidden_states.to(w13.dtype)
-    return fused_experts(x, w13, w2, top_k_index, top_k_weights, activation=experts_activation(experts))
+    activation = experts_activation(experts)
+    weights = ExpertWeights(*_expert_weights(experts), gated=activation.gated)
+    x = hidden_states.to(weights.dtype)
+    return run_experts(x, weights, top_k_index, top_k_weights, activation=activation)
 
 
 def register_experts_implementation(name: str = "moe_triton") -> None:
@@ -110,15 +113,16 @@ def _cohere2_moe(block) -> dict:
 
 @_adapter("MiniMaxM2SparseMoeBlock")
 def _minimax_m2(block) -> dict:
-    return dict(routing=RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True),
+    return dict(routing=RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True, correction_bias=True),
                 correction_bias=block.e_score_correction_bias)
 
 
 @_adapter("MiniMaxM3VLSparseMoeBlock")
 def _minimax_m3(block) -> dict:
-    return dict(routing=RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True),
-                correction_bias=block.gate.e_score_correction_bias,
-                routed_scaling_factor=float(block.routed_scaling_factor), shared_experts=block.shared_experts)
+    # transformers scales the routed output; the same factor on the routing weights is the same sum
+    routing = RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True, correction_bias=True,
+                          routed_scaling_factor=float(block.routed_scaling_factor))
+    return dict(routing=routing, correction_bias=block.gate.e_score_correction_bias, shared_experts=block.shared_experts)
 
 
 @_adapter("NemotronHMoE")
@@ -126,10 +130,10 @@ def _nemotron_h(block) -> dict:
     gate = block.gate
     routing = RoutingSpec(gate.top_k, Scoring.SIGMOID, renormalize=bool(gate.norm_topk_prob),
                           n_group=gate.num_group, topk_group=gate.topk_group,
-                          routed_scaling_factor=float(gate.routed_scaling_factor))
-    return dict(routing=routing, correction_bias=gate.e_score_correction_bias, router_in_float32=True,
-                shared_experts=block.shared_experts, expert_input_proj=block.fc1_latent_proj,
-                expert_output_proj=block.fc2_latent_proj)
+                          routed_scaling_factor=float(gate.routed_scaling_factor), correction_bias=True,
+                          router_in_float32=True)
+    return dict(routing=routing, correction_bias=gate.e_score_correction_bias, shared_experts=block.shared_experts,
+                expert_input_proj=block.fc1_latent_proj, expert_output_proj=block.fc2_latent_proj)
 
 
 def from_transformers(block: nn.Module, backend: str = "auto", context: ModelContext | None = None) -> FusedMoE:
@@ -144,10 +148,9 @@ def from_transformers(block: nn.Module, backend: str = "auto", context: ModelCon
     w13, w2 = _expert_weights(block.experts)
     E, I, H = w2.shape[0], w2.shape[2], block.gate.weight.shape[1]
     # Built on the meta device (nothing allocated), resolved for the block's own device, then given its tensors.
+    placement = Placement(backend, context or ModelContext(), platform=platforms.detect_platform(w13.device))
     layer = FusedMoE(E, parts["routing"].top_k, H, I, activation=experts_activation(block.experts),
-                     correction_bias=bias is not None, expert_hidden_size=w2.shape[1], backend=backend,
-                     context=context, platform=platforms.detect_platform(w13.device), dtype=w13.dtype,
-                     device="meta", **parts)
+                     placement=placement, dtype=w13.dtype, device="meta", **parts)
     layer.gate_weight = block.gate.weight
     layer.gate_up_proj = w13 if isinstance(w13, nn.Parameter) else nn.Parameter(w13, w13.requires_grad)
     layer.down_proj = w2 if isinstance(w2, nn.Parameter) else nn.Parameter(w2, w2.requires_grad)

@@ -2,7 +2,7 @@
 
     [Router] (replicated, on every rank's own tokens)
       -> [Dispatch]  all_to_all.py  tokens to the EP ranks owning their experts (ALL_TO_ALL EP)
-      -> [Experts]   the local pipeline (fused_experts or any backend) on this rank's shard:
+      -> [Experts]   the local pipeline (run_experts or a backend's runner) on this rank's shard:
                      E/ep experts (EP), I/tp of each expert's intermediate columns (TP)   shard.py
       -> [Combine]   all_to_all.py  results back to their source rank, summed per token
       -> [Reduce]    groups.py      the one post-experts reduction spec.py decides: TP partial sums,
@@ -10,7 +10,7 @@
 
     spec.py     ParallelSpec (ep_size, tp_size, TokenDispatch, OutputLayout), post_experts_reduction
     groups.py   ParallelGroups / new_parallel_groups, reduce_partials
-    shard.py    shard_experts, localize_ids, compact_slots
+    shard.py    shard_experts, shard_state (cut on load), localize_ids, compact_slots
     all_to_all.py  dispatch, combine
     experts.py  parallel_experts (functional), ParallelExperts (module), torch_experts
 
@@ -20,7 +20,7 @@ Launch with torchrun; see docs/DISTRIBUTED.md.
 from .all_to_all import DispatchPlan, Dispatched, combine, dispatch
 from .experts import LocalExperts, ParallelExperts, parallel_experts, torch_experts
 from .groups import ParallelGroups, new_parallel_groups, reduce_partials, scattered_rows
-from .shard import compact_slots, local_sizes, localize_ids, shard_experts
+from .shard import compact_slots, local_sizes, localize_ids, shard_experts, shard_state
 from .spec import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
                    post_experts_reduction)
 
@@ -28,6 +28,6 @@ __all__ = [
     "DispatchPlan", "Dispatched", "combine", "dispatch",
     "LocalExperts", "ParallelExperts", "parallel_experts", "torch_experts",
     "ParallelGroups", "new_parallel_groups", "reduce_partials", "scattered_rows",
-    "compact_slots", "local_sizes", "localize_ids", "shard_experts",
+    "compact_slots", "local_sizes", "localize_ids", "shard_experts", "shard_state",
     "Collective", "OutputLayout", "ParallelSpec", "ReduceOver", "Reduction", "TokenDispatch", "post_experts_reduction",
 ]

@@ -10,46 +10,50 @@ shard's shapes), so nothing here depends on which backend computes the experts.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
 
 from ..activation import SILU_AND_MUL, Activation
-from ..fused_moe import fused_experts
+from ..fused_moe import run_experts
 from ..reference import fused_experts_torch
+from ..weights import ExpertWeights
 from .all_to_all import combine, dispatch
 from .groups import ParallelGroups, reduce_partials
 from .shard import compact_slots, local_sizes, localize_ids, shard_experts
 from .spec import post_experts_reduction
 
-# (hidden_states [T, H], w13, w2, topk_ids [T, K], topk_weights [T, K], *, activation) -> [T, H], in x's dtype
-LocalExperts = Callable[..., torch.Tensor]
+# (hidden_states [T, H], this rank's ExpertWeights, topk_ids [T, K] local, topk_weights [T, K]) -> [T, H] in x's dtype:
+# run_experts with its activation bound, or a backend runner's `experts`.
+LocalExperts = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def torch_experts(hidden_states, w13, w2, topk_ids, topk_weights, *, activation: Activation = SILU_AND_MUL):
-    """The float32 reference as a local pipeline: fused_experts' signature and output dtype."""
-    out = fused_experts_torch(hidden_states, w13, w2, topk_ids, topk_weights, activation=activation)  # [T, H] float32
+def torch_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *,
+                  activation: Activation = SILU_AND_MUL):
+    """The float32 reference as a local pipeline: run_experts' signature and output dtype."""
+    out = fused_experts_torch(hidden_states, weights.w13, weights.w2, topk_ids, topk_weights,
+                              activation=activation)  # [T, H] float32
     return out.to(hidden_states.dtype)
 
 
 def parallel_experts(
     hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    weights: ExpertWeights,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     groups: ParallelGroups,
     *,
-    activation: Activation = SILU_AND_MUL,
-    experts: LocalExperts = fused_experts,
+    experts: LocalExperts,
 ) -> torch.Tensor:
     """This rank's tokens (T, H) through the experts of all ranks: a fresh (T, H), or this rank's
     `scattered_rows` of it when the spec's output is SCATTERED and a reduction spans copies.
 
-    w13 (E/ep, 2I/tp, H) and w2 (E/ep, H, I/tp) are this rank's shard (`shard_experts`);
-    topk_ids (T, K) hold global ids, those outside [0, E) filtered. A collective over `groups`:
-    every rank calls it, with T = 0 where it has no tokens.
+    `weights` are this rank's shard (`shard_experts`): w13 (E/ep, 2I/tp, H), w2 (E/ep, H, I/tp);
+    topk_ids (T, K) hold global ids, those outside [0, E) filtered. `experts` runs the local
+    pipeline, e.g. `functools.partial(run_experts, activation=...)` or a runner's `experts`.
+    A collective over `groups`: every rank calls it, with T = 0 where it has no tokens.
     """
     if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"hidden_states must be (T, H) and topk_ids (T, K) with the same T, "
@@ -58,22 +62,22 @@ def parallel_experts(
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
     spec = groups.spec
-    num_local = w13.shape[0]
+    num_local = weights.num_experts
     if spec.all_to_all:
         sent = dispatch(hidden_states, topk_ids, topk_weights, num_local, groups.ep)
-        ids, weights = compact_slots(sent.topk_ids, sent.topk_weights, num_local)  # [Tr, min(K, E/ep)]
-        y = experts(sent.hidden_states, w13, w2, ids, weights, activation=activation)  # [Tr, H]
+        ids, slot_weights = compact_slots(sent.topk_ids, sent.topk_weights, num_local)  # [Tr, min(K, E/ep)]
+        y = experts(sent.hidden_states, weights, ids, slot_weights)  # [Tr, H]
         out = combine(y, sent.plan, groups.ep)  # [T, H], summed over EP
     else:
         ids = localize_ids(topk_ids, groups.ep_rank * num_local, num_local) if spec.ep_size > 1 else topk_ids  # [T, K]
-        ids, weights = compact_slots(ids, topk_weights, num_local)  # [T, min(K, E/ep)]
-        out = experts(hidden_states, w13, w2, ids, weights, activation=activation)  # [T, H], partial
+        ids, slot_weights = compact_slots(ids, topk_weights, num_local)  # [T, min(K, E/ep)]
+        out = experts(hidden_states, weights, ids, slot_weights)  # [T, H], partial
     return reduce_partials(out, post_experts_reduction(spec), groups)
 
 
 class ParallelExperts(nn.Module):
     """One rank's shard of a MoE layer's experts, as a module: forward(x, topk_ids, topk_weights)
-    has `FusedMoE.experts`' signature, so it can stand in for it.
+    runs `parallel_experts` on it with global ids.
 
     Parameters follow FusedMoE's names and layout at the shard's size: `gate_up_proj`
     (E/ep, 2I/tp, H) [gate slice; up slice], `down_proj` (E/ep, H, I/tp). Inference only: the
@@ -81,7 +85,7 @@ class ParallelExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups, *,
-                 activation: Activation = SILU_AND_MUL, experts: LocalExperts = fused_experts,
+                 activation: Activation = SILU_AND_MUL, experts: LocalExperts | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
         experts_per_rank, cols_per_rank = local_sizes(num_experts, intermediate_size, groups.spec)
@@ -94,11 +98,11 @@ class ParallelExperts(nn.Module):
         self.num_experts = num_experts
         self.groups = groups
         self.activation = activation
-        self.local_experts = experts
+        self.local_experts = experts or partial(run_experts, activation=activation)
 
     @classmethod
     def from_full(cls, w13: torch.Tensor, w2: torch.Tensor, groups: ParallelGroups, *,
-                  activation: Activation = SILU_AND_MUL, experts: LocalExperts = fused_experts,
+                  activation: Activation = SILU_AND_MUL, experts: LocalExperts | None = None,
                   device: torch.device | str | None = None) -> "ParallelExperts":
         """This rank's shard of full weights w13 (E, 2I, H), w2 (E, H, I) (e.g. a FusedMoE's)."""
         module = cls(w13.shape[0], w13.shape[2], w2.shape[2], groups, activation=activation, experts=experts,
@@ -109,5 +113,6 @@ class ParallelExperts(nn.Module):
         return module
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return parallel_experts(hidden_states, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.groups,
-                                activation=self.activation, experts=self.local_experts)
+        weights = ExpertWeights(self.gate_up_proj, self.down_proj, gated=self.activation.gated)
+        return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups,
+                                experts=self.local_experts)

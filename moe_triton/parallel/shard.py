@@ -71,3 +71,19 @@ def compact_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     filtered = (topk_ids < 0) | (topk_ids >= num_local)  # [T, K]
     order = filtered.to(torch.uint8).argsort(dim=1, stable=True)[:, :num_local]  # [T, E/ep]
     return topk_ids.gather(1, order), topk_weights.gather(1, order)  # [T, E/ep] each
+
+
+def shard_state(state: dict[str, torch.Tensor], names: tuple[str, str], local_shapes: tuple[torch.Size, torch.Size],
+                num_experts: int, spec: ParallelSpec, rank: int, activation: Activation) -> None:
+    """Replace full-size expert tensors `state[names[0]]` (E, 2I, H) and `state[names[1]]` (E, H, I)
+    by rank `rank`'s shard, in place; a state already holding shards (`local_shapes`), lacking the
+    names, or malformed (the caller's shape check names it) is left as it is."""
+    if not all(name in state for name in names):
+        return
+    w13, w2 = (state[name] for name in names)
+    if (w13.shape, w2.shape) == tuple(local_shapes):
+        return  # already this rank's shard
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != num_experts:
+        return
+    state[names[0]], state[names[1]] = shard_experts(w13, w2, spec, rank, activation=activation)
+

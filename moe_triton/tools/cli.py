@@ -99,7 +99,7 @@ def resolve_backend(args) -> int:
     print(f"platform:      {where}")
     print(f"all-to-all:    {context.all_to_all or 'none'}   LoRA: {'on' if context.lora else 'off'}")
     print(f"requested:     {resolution.requested}")
-    print(f"backend:       {resolution.backend.value}")
+    print(f"backend:       {resolution.backend}")
     print(f"rule:          {resolution.rule}")
     print(f"reason:        {resolution.reason}")
     print("(the layer also checks its own dtype, hidden size, activation and routing when it is built)")

@@ -14,6 +14,7 @@ import torch
 
 from ..activation import SILU_AND_MUL
 from ..layer import FusedMoE
+from ..placement import Placement
 from ..routing import RoutingSpec, Scoring
 
 # Max |a - b| / max |b| accepted, by the dtype the layers compute in.
@@ -74,7 +75,7 @@ def probe(layer_a: torch.nn.Module, layer_b: torch.nn.Module, hidden_states: tor
 
 def _name(layer: torch.nn.Module) -> str:
     backend = getattr(layer, "backend", None)
-    return getattr(backend, "value", type(layer).__name__)
+    return str(backend) if backend is not None else type(layer).__name__
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def build_case(case: ProbeCase, backend: str, dtype: torch.dtype, device: torch.
     g = torch.Generator().manual_seed(seed)
     E, H, I = case.num_experts, case.hidden_size, case.intermediate_size
     layer = FusedMoE(E, case.top_k, H, I, routing=RoutingSpec(case.top_k, Scoring.SOFTMAX, renormalize=True),
-                     activation=SILU_AND_MUL, backend=backend, dtype=dtype, device=device)
+                     activation=SILU_AND_MUL, placement=Placement(backend), dtype=dtype, device=device)
     with torch.no_grad():
         layer.gate_weight.copy_(torch.randn(E, H, generator=g) / H**0.5)
         layer.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g) / H**0.5)

@@ -1,0 +1,124 @@
+"""Backend runners: how one backend runs a layer's experts, built once from the layer's `Resolution`.
+
+    runner = build_runner(resolution, layer, placement)
+    weights = runner.prepare(weights)            # once, after loading: padding, a backend's own view
+    out = runner(weights, x, router_logits, bias)  # route (or let the kernel route), experts -> fresh [T, H]
+
+A runner owns everything that differs between backends: which routing computes the top-k, how
+the experts run, what their weights must look like. The layer holds one and calls it; adding a
+backend is one runner class and one catalog entry (`BackendSpec(runner=...)`).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..activation import Activation
+from ..fused_moe import run_experts
+from ..reference import fused_experts_torch
+from ..routing import RoutingSpec, route, route_torch
+from ..weights import ExpertWeights
+from .padding import pad_experts
+
+if TYPE_CHECKING:
+    from ..parallel import ParallelGroups
+    from ..placement import Placement
+    from .catalog import BackendSpec, LayerTraits, ModelContext
+    from .resolver import Resolution
+
+logger = logging.getLogger("moe_triton")
+
+
+class ExpertsRunner:
+    """Our routing kernel, then `experts`; a backend overrides what it does differently."""
+
+    graph_capturable = True  # the whole forward can be captured in a CUDA graph
+
+    def __init__(self, spec: BackendSpec, layer: LayerTraits, context: ModelContext):
+        self.spec, self.layer, self.context = spec, layer, context
+
+    @property
+    def activation(self) -> Activation:
+        return self.layer.activation
+
+    @property
+    def routing(self) -> RoutingSpec:
+        return self.layer.routing
+
+    def prepare(self, weights: ExpertWeights) -> ExpertWeights:
+        """The weights this backend runs on: I zero-padded to its multiple (the same tensors when aligned)."""
+        w13, w2 = pad_experts(weights.w13, weights.w2, self.spec.intermediate_multiple, weights.gated)
+        return weights if w2 is weights.w2 else ExpertWeights(w13, w2, weights.gated, weights.format)
+
+    def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
+        """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32."""
+        return route(router_logits, self.routing, correction_bias)
+
+    def experts(self, hidden_states: torch.Tensor, weights: ExpertWeights, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts on a given top-k: (T, H) -> a fresh (T, H) in hidden_states' dtype."""
+        raise NotImplementedError
+
+    def __call__(self, weights: ExpertWeights, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        topk_ids, topk_weights = self.route(router_logits, correction_bias)  # [T, K] each
+        return self.experts(hidden_states, weights, topk_ids, topk_weights)
+
+
+class TritonRunner(ExpertsRunner):
+    """Our pipeline, stage by stage (fused_moe.run_experts)."""
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=self.activation)
+
+
+class TorchRunner(ExpertsRunner):
+    """The float32 reference, routing included, cast back to the input dtype."""
+
+    def route(self, router_logits, correction_bias):
+        return route_torch(router_logits, self.routing, correction_bias)
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        out = fused_experts_torch(hidden_states, weights.w13, weights.w2, topk_ids, topk_weights,
+                                  activation=self.activation)  # [T, H] float32
+        return out.to(hidden_states.dtype)
+
+
+class ParallelRunner(ExpertsRunner):
+    """A backend's runner on this rank's shard, inside moe_triton.parallel's dispatch and reductions."""
+
+    def __init__(self, local: ExpertsRunner, groups: ParallelGroups):
+        super().__init__(local.spec, local.layer, local.context)
+        self.local, self.groups = local, groups
+        # all-to-all dispatch reads split sizes on the host: that mode cannot be captured
+        self.graph_capturable = local.graph_capturable and not groups.spec.all_to_all
+
+    def prepare(self, weights):
+        return self.local.prepare(weights)
+
+    def route(self, router_logits, correction_bias):
+        return self.local.route(router_logits, correction_bias)
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        from ..parallel import parallel_experts
+
+        return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups, experts=self.local.experts)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_resolution(resolution: Resolution) -> None:
+    # once per distinct resolution per process, not once per layer of a 60-layer model
+    logger.info("moe_triton experts backend: %s", resolution)
+
+
+def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placement) -> ExpertsRunner:
+    """The resolved backend's runner, inside the parallel dispatch when the placement shards the experts."""
+    from .catalog import SPECS
+
+    _log_resolution(resolution)
+    spec = SPECS[resolution.backend]
+    runner = spec.runner(spec, layer, placement.resolution_context())
+    return runner if placement.parallel is None else ParallelRunner(runner, placement.parallel)

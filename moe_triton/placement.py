@@ -1,0 +1,53 @@
+"""Where a MoE layer's experts run: the backend asked for, the model's context, the ranks they
+are spread over. One value per model, handed to every MoE layer it builds (`FusedMoE(placement=...)`,
+`load_model(..., placement=...)`), so no layer signature grows a parameter per concern.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from .activation import Activation
+from .backends.catalog import ModelContext
+from .platform import Platform
+
+if TYPE_CHECKING:
+    from .parallel import ParallelGroups
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: str = "auto"  # "auto" or a backend's name (moe_triton.backends.catalog)
+    context: ModelContext = field(default_factory=ModelContext)  # what the checkpoint tells backend choice
+    parallel: ParallelGroups | None = None  # experts sharded over ranks (moe_triton.parallel); None: one device
+    platform: Platform | None = None  # where the layer runs; None: detected from the weights' device
+
+    def __post_init__(self):
+        from .parallel import OutputLayout
+
+        if self.parallel is not None and self.parallel.spec.output is not OutputLayout.FULL:
+            raise ValueError(f"parallel.spec.output is {self.parallel.spec.output.value}; a MoE layer returns every "
+                             "token's full row (shared experts and the residual add to it): use OutputLayout.FULL, "
+                             "or moe_triton.parallel.parallel_experts directly for a scattered output")
+
+    def resolution_context(self) -> ModelContext:
+        """The context backend choice sees: the model's, plus whether moe_triton.parallel shards the experts."""
+        return replace(self.context, sharded_experts=True) if self.parallel is not None else self.context
+
+    def local_sizes(self, num_experts: int, intermediate_size: int) -> tuple[int, int]:
+        """(experts, intermediate size) one rank holds: all of them on one device."""
+        if self.parallel is None:
+            return num_experts, intermediate_size
+        from .parallel import local_sizes
+
+        return local_sizes(num_experts, intermediate_size, self.parallel.spec)
+
+    def cut_shard(self, state: dict[str, torch.Tensor], names: tuple[str, str], local_shapes: tuple, num_experts: int,
+                  activation: Activation) -> None:
+        """Full-size expert tensors in `state` (w13, w2 under `names`) -> this rank's shard, in place."""
+        if self.parallel is not None:
+            from .parallel import shard_state
+
+            shard_state(state, names, local_shapes, num_experts, self.parallel.spec, self.parallel.rank, activation)

@@ -1,0 +1,127 @@
+"""layer.py: FusedMoE holds its weights and calls its runner; routing, shared experts and backends
+each have one owner. The whole layer against the float32 reference, and a backend added from a test."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import assert_close
+from moe_triton import (SILU_AND_MUL, ExpertWeights, FusedMoE, Placement, RoutingSpec, Scoring, SharedCombination,
+                        fused_experts_torch, route_torch)
+from moe_triton.backends import SPECS, ExpertBackend, ExpertsRunner, register_backend
+from moe_triton.platform import Platform
+
+E, K, H, I = 8, 2, 32, 24
+
+
+def make_layer(backend="triton", *, routing=RoutingSpec(K, renormalize=True), shared=None, combination="sum", seed=0):
+    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, shared_experts=shared, shared_combination=combination,
+                     placement=Placement(backend))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        if layer.e_score_correction_bias is not None:
+            layer.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.3)
+    return layer
+
+
+def reference(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer computed by hand in float32: router, routing reference, experts reference, shared experts."""
+    logits = x.float() @ layer.gate_weight.float().T  # [T, E]
+    ids, weights = route_torch(logits, layer.routing, layer.e_score_correction_bias)  # [T, K]
+    out = fused_experts_torch(x, layer.gate_up_proj, layer.down_proj, ids, weights)  # [T, H]
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(x).float()
+        if layer.shared_combination is SharedCombination.AVERAGE:
+            out = out / 2
+    return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("combination", ["sum", "average", None])
+def test_layer_matches_its_parts(backend, combination):
+    shared = torch.nn.Linear(H, H) if combination else None
+    layer = make_layer(backend, shared=shared, combination=combination or "sum")
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))  # (..., H): leading dims kept
+    with torch.no_grad():
+        out = layer(x)
+        assert out.shape == x.shape
+        assert_close(out.reshape(-1, H), reference(layer, x.reshape(-1, H)), torch.float32, scale=2)
+        assert torch.equal(layer(x, overlap=True), out)  # serial without CUDA: the same sum
+
+
+def test_routed_scaling_is_applied_once_by_the_routing():
+    spec = RoutingSpec(K, Scoring.SIGMOID, renormalize=True, correction_bias=True)
+    plain, scaled = make_layer(routing=spec), make_layer(routing=replace(spec, routed_scaling_factor=2.5))
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert_close(scaled(x), 2.5 * plain(x), torch.float32)
+
+
+def test_prepare_weights_is_idempotent_and_shares_aligned_tensors():
+    layer = make_layer()
+    w13 = layer.gate_up_proj
+    layer.prepare_weights()
+    layer.prepare_weights()
+    assert layer.gate_up_proj is w13 and layer.expert_weights().w13 is w13
+
+
+# ---- adding a backend: one runner and one catalog entry, nothing in the layer -----------------
+
+class NegatedTorchRunner(ExpertsRunner):
+    """A toy backend: the reference experts, negated (so its output is told apart), on weights it
+    prepares itself: I padded to a multiple of 16 like a real kernel's alignment."""
+
+    prepared_count = 0
+
+    def prepare(self, weights: ExpertWeights) -> ExpertWeights:
+        NegatedTorchRunner.prepared_count += 1
+        return super().prepare(weights)  # pads to the spec's intermediate_multiple
+
+    def experts(self, hidden_states, weights, topk_ids, topk_weights):
+        out = fused_experts_torch(hidden_states, weights.w13, weights.w2, topk_ids, topk_weights,
+                                  activation=self.activation)
+        return (-out).to(hidden_states.dtype)
+
+
+@pytest.fixture
+def toy_backend():
+    toy = replace(SPECS[ExpertBackend.TORCH], backend="negated_torch", runner=NegatedTorchRunner,
+                  intermediate_multiple=16)
+    register_backend(toy)
+    yield toy
+    del SPECS[toy.backend]
+
+
+def test_a_backend_defined_here_runs_in_the_layer(toy_backend):
+    layer = make_layer("negated_torch")
+    assert layer.backend == "negated_torch" and layer.resolution.rule == "explicit request"
+    layer.prepare_weights()
+    assert NegatedTorchRunner.prepared_count == 1 and layer.down_proj.shape[2] == 32  # I = 24 padded to 32
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
+    expected = make_layer("torch")
+    with torch.no_grad():
+        assert_close(layer(x), -expected(x), torch.float32)
+    with pytest.raises(ValueError, match="already registered"):
+        register_backend(toy_backend)
+
+
+def test_a_registered_backend_is_checked_like_the_others(monkeypatch):
+    monkeypatch.setitem(SPECS, "gpu_only_toy", replace(SPECS[ExpertBackend.TORCH], backend="gpu_only_toy", on_cpu=None))
+    with pytest.raises(ValueError, match="backend='gpu_only_toy' cannot run on CPU.*needs a CUDA GPU"):
+        FusedMoE(E, K, H, I, placement=Placement("gpu_only_toy", platform=Platform("cpu")))
+
+
+def test_bad_construction_names_the_argument():
+    with pytest.raises(ValueError, match="top_k=3"):
+        FusedMoE(E, 3, H, I, routing=RoutingSpec(2))
+    with pytest.raises(ValueError, match="top_k=9"):
+        FusedMoE(E, 9, H, I)
+    with pytest.raises(ValueError, match="backend='cuda' is not a backend"):
+        FusedMoE(E, K, H, I, placement=Placement("cuda"))
+
+
+def test_the_runner_holds_the_layers_activation_and_routing():
+    layer = make_layer()
+    assert layer.runner.activation is SILU_AND_MUL and layer.runner.routing is layer.routing
