@@ -45,8 +45,8 @@ def test_float32_generation_through_graphs_matches_transformers(checkpoint):
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("cohere2_moe")])  # the overlapping family
 def test_overlap_on_and_off_give_the_same_tokens(family, tmp_path, monkeypatch):
+    import moe_triton.layer as layer
     import moe_triton.models.cohere2_moe as cohere
-    import moe_triton.models.layers as layers
 
     make, seed = FAMILIES[family]
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def test_overlap_on_and_off_give_the_same_tokens(family, tmp_path, monkeypatch):
     calls = []
     spy = lambda *a, **k: calls.append(k.get("role", "alt")) or run_branches(*a, **k)  # noqa: E731
     monkeypatch.setattr(cohere, "run_branches", spy)  # attention || MLP
-    monkeypatch.setattr(layers, "run_branches", spy)  # shared || routed
+    monkeypatch.setattr(layer, "run_branches", spy)  # shared || routed (FusedMoE.forward)
     tokens = {}
     for overlap in (False, True):
         model = load_model(path, dtype=torch.bfloat16, device="cuda")
