@@ -3,6 +3,7 @@
     router logits [T, E]
       -> routing      (routing.py)      top-k expert ids [T, K] int32, weights [T, K] float32
     hidden_states [T, H], ids, weights, ExpertWeights (weights.py)
+      (FP8 experts: quantize.py quantizes hidden_states once per token)
       -> expand       (expand.py)       (token, slot) pairs sorted by expert, block-padded
       -> expert GEMM  (expert_gemm.py)  gather rows + w13 [E, 2I, H] + activation epilogue
       -> activation   (activation.py)   silu/gelu-and-mul, relu^2, clamped swiglu (also standalone)
@@ -31,9 +32,10 @@ from .layer import FusedMoE, SharedCombination
 from .placement import Placement
 from .platform import Platform, detect_platform
 from .reference import fused_experts_torch
+from .quantize import quantize_fp8
 from .routing import (RoutingSpec, Scoring, SelectOn, biased_sigmoid_topk, grouped_topk, route, route_torch,
-                      softmax_topk, topk_sigmoid, topk_softmax)
-from .weights import ExpertWeights, WeightFormat
+                      router_logits, softmax_topk, topk_sigmoid, topk_softmax)
+from .weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 register_experts_implementation()
 
@@ -42,8 +44,9 @@ __all__ = [
     "GemmConfig", "MoEConfig", "choose_config",
     "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
     "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights", "WeightFormat",
+    "Fp8Scaling", "quantize_fp8",
     "ExpertBackend", "FusedMoE", "SharedCombination", "ModelContext", "Placement", "Resolution", "resolve",
     "pad_experts", "Platform", "detect_platform",
-    "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch",
+    "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch", "router_logits",
     "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk",
 ]

@@ -62,14 +62,16 @@ class MoEConfig:
         return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+def _block_m(num_pairs: int, num_experts: int, fp8: bool) -> int:
     # Rows per active expert: a tile taller than that is mostly padding. Past 32 rows the GEMMs
-    # turn compute-bound, where 128-row tiles beat 64-row ones at every size swept.
+    # turn compute-bound, where 128-row tiles beat 64-row ones at every size swept. Not for FP8:
+    # its step promotion adds a third float32 tile to the fused gate's two, and 128-row tiles spill
+    # (docs/sweep-fp8-prefill-2026-11-30.txt: 64-row tiles 1.6-3.5x faster from 32 rows per expert up).
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    for block_m in (16, 32):
+    for block_m in (16,) if fp8 else (16, 32):
         if rows_per_expert <= block_m:
             return block_m
-    return 128
+    return 64 if fp8 else 128
 
 
 def _gemm_config(block_m: int, c: int, fused_gate: bool) -> GemmConfig:
@@ -116,7 +118,8 @@ def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int,
                   device: torch.device, dtype: torch.dtype = torch.bfloat16, down_split: int | None = None) -> MoEConfig:
-    """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate.
+    """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate, weights in `dtype`
+    (float8_e4m3fn for FP8 experts).
 
     `down_split` fixes the second decode GEMM's C slices instead of deriving them from the tile
     count (tuning, benchmarks/sweep_configs.py); shared memory is fitted either way."""
@@ -126,10 +129,13 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     layout = LayoutKind.PER_PAIR if num_tokens == 1 or num_pairs**2 <= num_experts else LayoutKind.SORTED
     if device.type != "cuda":  # Triton interpreter: few large programs run fastest
         return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1), layout)
-    block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts)
     element_size = dtype.itemsize
+    block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8=element_size == 1)
     up = _for_element_size(_gemm_config(block_m, c=hidden_size, fused_gate=True), element_size)
     down = _for_element_size(_gemm_config(block_m, c=intermediate_size, fused_gate=False), element_size)
+    if element_size == 1:
+        up, down = _fp8_steps(up, down)
+        up = _fit_shared_memory(up, element_size, limit=_device_limits(device)[1], weight_tiles=2)
     if block_m <= 32:  # decode: few row blocks
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
         num_sms, shared_memory = _device_limits(device)
@@ -141,11 +147,22 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     return MoEConfig(up, down, layout)
 
 
-def _fit_shared_memory(config: GemmConfig, element_size: int, limit: int) -> GemmConfig:
+def _fp8_steps(up: GemmConfig, down: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
+    # FP8 scales come per C group: a step of the first GEMM is one 128-wide activation and
+    # weight-block group (every public block is 128 x 128), and the second GEMM's steps must
+    # match the groups the first GEMM's epilogue quantizes: one per block_n output columns.
+    up = replace(up, block_c=FP8_GROUP)
+    return up, replace(down, block_c=min(up.block_n, FP8_GROUP))
+
+
+FP8_GROUP = 128  # the widest C step an FP8 scale group spans
+
+
+def _fit_shared_memory(config: GemmConfig, element_size: int, limit: int, weight_tiles: int = 1) -> GemmConfig:
     """Fewer stages, then shorter C steps, until num_stages copies of every tile the C loop loads
-    fit in shared memory (Triton pipelines each load)."""
+    fit in shared memory (Triton pipelines each load); a fused gate loads two weight tiles."""
     def stage_bytes(c: GemmConfig) -> int:
-        return (c.block_m + c.block_n) * c.block_c * element_size
+        return (c.block_m + weight_tiles * c.block_n) * c.block_c * element_size
 
     while config.num_stages * stage_bytes(config) > limit * SHARED_MEMORY_USE:
         if config.num_stages > 2:

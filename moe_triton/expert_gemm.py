@@ -5,7 +5,7 @@
 `w` is in transformers' layout, (E, N, C): N output features, C the contraction width (the GEMM's
 reduction dimension; K is reserved for top-k). w13 = gate_up_proj (E, 2I, H) and w2 = down_proj
 (E, H, I). Strides are taken as given, so a transposed (E, C, N) view works too. Operands are
-bf16/fp16 (fp32 accepted for tests), accumulation is float32.
+bf16/fp16 (fp32 accepted for tests) or FP8 e4m3 with float32 scales; accumulation is float32.
 
 Optional fusions, all expressed as data:
 - gather (first GEMM): `a` is hidden_states (T, H) and row r reads token sorted_pair_ids[r] // K;
@@ -14,6 +14,12 @@ Optional fusions, all expressed as data:
   it accumulates the gate columns n and the up columns I + n side by side and writes
   act(gate) * up, shape (R, I): the [R, 2I] intermediate is never written. activation.py keeps
   the standalone kernel, and both call the same `_apply_activation`.
+- FP8 (`Fp8Scales`): e4m3 operands on the tensor cores. A scale that changes along C (a per-group
+  activation scale, a weight block scale) multiplies each C step's partial product, so BLOCK_C must
+  divide its group; a scale constant along C (per token, per output row) multiplies the finished
+  sum once. With `out_dtype=float8_e4m3fn` the epilogue also quantizes its activated tile per row
+  (one scale per row and BLOCK_N columns) and returns (out, out_scales): the second GEMM's input,
+  quantized without a pass of its own.
 - split-C, the usual split-K (second GEMM at decode): with `config.split_c = S > 1` the reduction
   over C is cut into S slices, one program each, so a handful of rows still spreads the weight
   stream over every SM. Each slice stores float32 partial sums, shape (S, R, N), which finalize
@@ -25,6 +31,9 @@ which nothing downstream reads.
 """
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +41,34 @@ import triton.language as tl
 from .activation import Activation, _apply_activation
 from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
+from .quantize import quantize_tile
+from .weights import FP8_DTYPE
+
+
+class ScaleAlongC(enum.Enum):
+    """Where a scale applies, by whether it changes along the contraction C."""
+
+    NONE = 0  # unscaled operand
+    PER_STEP = 1  # changes along C (a per-group activation scale, a weight block scale): each step's product
+    PER_SUM = 2  # constant along C (per token, per output row): the finished sum
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Scales:
+    """The float32 multipliers that dequantize one GEMM's FP8 operands."""
+
+    a: torch.Tensor  # [rows of a, G]: row r's scale for columns [g * a_group, (g + 1) * a_group)
+    a_group: int  # columns of a per scale (>= C: one scale per row)
+    w: torch.Tensor  # [E, N_w / block_n, C / block_c] per block, or [E, N_w] per output row
+    w_block: tuple[int, int] | None  # (block_n, block_c), or None for per-row weight scales
+    w_up_offset: int = 0  # w's scale rows before the up half's (gated: the gate's rows)
+
+    def a_along_c(self, c: int) -> ScaleAlongC:
+        return ScaleAlongC.PER_SUM if self.a_group >= c else ScaleAlongC.PER_STEP
+
+    @property
+    def w_along_c(self) -> ScaleAlongC:
+        return ScaleAlongC.PER_SUM if self.w_block is None else ScaleAlongC.PER_STEP
 
 
 @triton.jit
@@ -42,17 +79,38 @@ def _dot(a, w, acc, IEEE_FP32: tl.constexpr):
 
 
 @triton.jit
+def _step(a, w, acc, a_step_scale, w_step_scale, FP8: tl.constexpr, STEP_SCALED: tl.constexpr,
+          IEEE_FP32: tl.constexpr):
+    """acc + a @ w for one C step. FP8 products start a fresh tensor-core sum each step and are added
+    in float32: Hopper accumulates FP8 products in fewer bits than float32 (Triton keeps that by
+    default on SM90), which over C = 2048 drifted 1.4% from float32 on the H200; a per-step
+    promotion (DeepSeek-V3's, every 128 values) keeps the drift to one step's worth."""
+    if FP8:
+        part = tl.dot(a, w)
+        if STEP_SCALED:  # a scale that changes with the step applies to this step's product
+            part = part * (a_step_scale[:, None] * w_step_scale[None, :])
+        return acc + part
+    return _dot(a, w, acc, IEEE_FP32)
+
+
+@triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, w_desc, out_ptr,
     sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr, topk_ids_ptr,
-    N, C, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert,
+    a_scale_ptr, w_scale_ptr, out_scale_ptr,
+    N, C, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
+    stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view, else pointers
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
     ACT_KIND: tl.constexpr,  # -1: no epilogue; else the activation applied before the store
     SPLIT_C: tl.constexpr,  # programs along C (grid axis 1); > 1 stores float32 partials per slice
+    A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,  # ScaleAlongC of a's and w's FP8 scales
+    A_GROUP: tl.constexpr,  # columns of a per a-scale (PER_STEP: a multiple of BLOCK_C)
+    W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE PER_STEP)
+    OUT_FP8: tl.constexpr,  # quantize the output tile per row, one scale per (row, BLOCK_N columns)
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -92,34 +150,63 @@ def _expert_gemm_kernel(
     a_tile = a_ptr + a_rows[:, None] * stride_a_m + (c_start + offs_c)[None, :] * stride_a_c
     w_tile = (w_ptr + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n
               + (c_start + offs_c)[:, None] * stride_w_c)
+    a_scale_row = a_scale_ptr + a_rows * stride_as_m  # [BLOCK_M]
+    w_scale_rows = w_scale_ptr + expert * stride_ws_e + (offs_n // W_BLOCK_N) * stride_ws_n  # [BLOCK_N]
+    n_ok = offs_n < N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    a_step_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    w_step_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    w_up_step_scale = w_step_scale
     # Descriptor tiles may run past this expert's N rows into the next expert (or into the up
     # half): those columns are garbage and are masked at the store. C tails are zero-filled.
     w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)
     for step in range(first_step, last_step):
         c_left = C - step * BLOCK_C
         a = tl.load(a_tile, mask=is_real[:, None] & (offs_c[None, :] < c_left), other=0.0)
-        w_mask = (offs_c[:, None] < c_left) & (offs_n[None, :] < N)
+        w_mask = (offs_c[:, None] < c_left) & n_ok[None, :]
+        if A_SCALE == 1:
+            a_step_scale = tl.load(a_scale_row + (step * BLOCK_C // A_GROUP) * stride_as_g, mask=is_real, other=0.0)
+        if W_SCALE == 1:
+            w_scales = w_scale_rows + (step * BLOCK_C // W_BLOCK_C) * stride_ws_c
+            w_step_scale = tl.load(w_scales, mask=n_ok, other=0.0)
+            if FUSED_GATE:
+                w_up_step_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok, other=0.0)
         if W_DESC:
             w = w_desc.load([w_row, step * BLOCK_C]).T
         else:
             w = tl.load(w_tile, mask=w_mask, other=0.0)
-        acc = _dot(a, w, acc, IEEE_FP32)
+        acc = _step(a, w, acc, a_step_scale, w_step_scale, A_SCALE + W_SCALE > 0, (A_SCALE == 1) | (W_SCALE == 1),
+                    IEEE_FP32)
         if FUSED_GATE:
             if W_DESC:
                 w_up = w_desc.load([w_row + N, step * BLOCK_C]).T
             else:
                 w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
-            acc_up = _dot(a, w_up, acc_up, IEEE_FP32)
+            acc_up = _step(a, w_up, acc_up, a_step_scale, w_up_step_scale, A_SCALE + W_SCALE > 0,
+                           (A_SCALE == 1) | (W_SCALE == 1), IEEE_FP32)
         a_tile += BLOCK_C * stride_a_c
         w_tile += BLOCK_C * stride_w_c
 
+    if A_SCALE == 2:  # constant along C: scale the sums once
+        a_sum_scale = tl.load(a_scale_row, mask=is_real, other=0.0)[:, None]
+        acc *= a_sum_scale
+        acc_up *= a_sum_scale
+    if W_SCALE == 2:
+        acc *= tl.load(w_scale_rows, mask=n_ok, other=0.0)[None, :]
+        if FUSED_GATE:
+            acc_up *= tl.load(w_scale_rows + w_scale_up_offset * stride_ws_n, mask=n_ok, other=0.0)[None, :]
     if ACT_KIND >= 0:
         acc = _apply_activation(acc, acc_up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
     out = out_ptr + tl.program_id(1) * stride_out_split + rows[:, None].to(tl.int64) * stride_out_m + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_real[:, None] & (offs_n[None, :] < N))
+    out_mask = is_real[:, None] & n_ok[None, :]
+    if OUT_FP8:  # columns past N (a descriptor tile's overrun) must not enter the row's max
+        scale = tl.maximum(tl.max(tl.where(n_ok[None, :], tl.abs(acc), 0.0), axis=1), 1e-12) / 448.0  # [BLOCK_M]
+        tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os_m + pid_n, scale, mask=is_real)
+        tl.store(out, quantize_tile(acc, scale[:, None]), mask=out_mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
@@ -132,6 +219,18 @@ def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [config.block_n, config.block_c])
 
 
+def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
+    # The kernel reads one a-scale and one weight-block scale per C step.
+    if a.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
+        raise ValueError(f"FP8 scales were given but a is {a.dtype} and w is {w.dtype}; both must be {FP8_DTYPE}")
+    C = w.shape[2]
+    if scales.a_along_c(C) is ScaleAlongC.PER_STEP and scales.a_group % config.block_c:
+        raise ValueError(f"a's scale groups of {scales.a_group} columns must be a multiple of block_c="
+                         f"{config.block_c}")
+    if scales.w_block is not None and scales.w_block[1] % config.block_c:
+        raise ValueError(f"weight blocks {scales.w_block} must span a multiple of block_c={config.block_c} columns")
+
+
 def expert_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -140,34 +239,46 @@ def expert_gemm(
     *,
     gather: bool,
     activation: Activation | None = None,
+    scales: Fp8Scales | None = None,
+    out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+):
     """Grouped GEMM in the row space of `layout`: shape (R, N), or (R, N / 2) with a gated activation.
 
     `a` is hidden_states, shape (T, C), when `gather`, else rows in layout order, shape (R, C).
-    `w` has shape (E, N, C). Shapes are validated by the caller (fused_moe.run_experts).
+    `w` has shape (E, N, C). Shapes are validated by the caller (fused_moe.run_experts). FP8
+    operands come with their `scales`; `out_dtype` (default: a's dtype, or bf16 for FP8 operands)
+    set to float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)).
 
     Split-C (`config.split_c` = S > 1) returns float32 partial sums, shape (S, R, N), for finalize
     to sum; it takes no activation (the first GEMM is never split).
     """
     if config.block_m != layout.block_m:
         raise ValueError(f"config.block_m={config.block_m} must equal the layout's block_m={layout.block_m}")
-    if config.split_c > 1 and activation is not None:
-        raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation needs the whole "
-                         "sum: split only the second GEMM")
+    if config.split_c > 1 and (activation is not None or out_dtype == FP8_DTYPE):
+        raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation or an FP8 output "
+                         "needs the whole sum: split only the second GEMM")
+    if scales is not None:
+        _check_scales(scales, a, w, config)
     E, N, C = w.shape
     split_c = config.split_c
     gated = activation is not None and activation.gated
     n_out = N // 2 if gated else N
-    if split_c > 1:
-        shape, dtype = (split_c, layout.max_rows, N), torch.float32
-    else:
-        shape, dtype = (layout.max_rows, n_out), a.dtype
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=a.device)  # [S, R, N] or [R, N_out]
+    out_dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
     num_m_blocks = layout.max_rows // layout.block_m
+    out_scales = None
+    if split_c > 1:
+        shape, out_dtype = (split_c, layout.max_rows, N), torch.float32
+    else:
+        shape = (layout.max_rows, n_out)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=a.device)  # [S, R, N] or [R, N_out]
+    if out_dtype == FP8_DTYPE:
+        out_scales = torch.empty(layout.max_rows, triton.cdiv(n_out, config.block_n), dtype=torch.float32,
+                                 device=a.device)  # [R, N_out / BLOCK_N]
+    result = (out, out_scales) if out_scales is not None else out
     if num_m_blocks == 0 or n_out == 0:
-        return out
+        return result
     grid = (num_m_blocks * triton.cdiv(n_out, config.block_n), split_c)
     per_pair = layout.kind is LayoutKind.PER_PAIR
     w_desc = _weight_descriptor(w, config) or w
@@ -175,21 +286,34 @@ def expert_gemm(
     # sorted buffers otherwise, so the unused pointers may alias whatever tensor is at hand.
     sorted_pair_ids, block_expert, num_rows = ((layout.topk_ids,) * 3 if per_pair
                                                else (layout.sorted_pair_ids, layout.block_expert, layout.num_rows))
+    a_scale, w_scale = (scales.a, scales.w) if scales is not None else (out, out)  # unread without FP8
+    w_scale_3d = w_scale if w_scale.dim() == 3 else w_scale[:, :, None]  # per-row scales: one "block" column
     _expert_gemm_kernel[grid](
         a, w, w_desc, out,
         sorted_pair_ids, block_expert, num_rows, layout.topk_ids,
+        a_scale, w_scale, out_scales if out_scales is not None else out,
         n_out, C, E, layout.num_pairs, num_m_blocks, n_out * w.stride(1), N,
+        scales.w_up_offset if scales is not None else 0,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(-2),
         out.stride(0) if split_c > 1 else 0,
+        a_scale.stride(0), a_scale.stride(-1) if a_scale.dim() > 1 else 0,
+        w_scale_3d.stride(0), w_scale_3d.stride(1), w_scale_3d.stride(2),
+        out_scales.stride(0) if out_scales is not None else 0,
         W_DESC=w_desc is not w, PER_PAIR=per_pair, GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, ACT_KIND=activation.kind.value if activation is not None else -1, SPLIT_C=split_c,
+        A_SCALE=scales.a_along_c(C).value if scales is not None else 0,
+        W_SCALE=scales.w_along_c.value if scales is not None else 0,
+        A_GROUP=scales.a_group if scales is not None else 1,
+        W_BLOCK_N=scales.w_block[0] if scales is not None and scales.w_block else 1,
+        W_BLOCK_C=scales.w_block[1] if scales is not None and scales.w_block else 1,
+        OUT_FP8=out_scales is not None,
         ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
         ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,
         IEEE_FP32=w.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_C=config.block_c, GROUP_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out
+    return result
 
 
 def expert_gemm_torch(a: torch.Tensor, w: torch.Tensor, row_tokens: torch.Tensor, row_experts: torch.Tensor):

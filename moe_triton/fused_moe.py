@@ -2,8 +2,9 @@
 `fused_experts(x, w13, w2, ids, weights)` (the module, `FusedMoE`, lives in layer.py).
 
     hidden_states [T, H], topk_ids [T, K], topk_weights [T, K]
+      (FP8 weights: quantize.py quantizes hidden_states once per token: [T, H] e4m3 + scales)
       -> expand      (expand.py)       pairs sorted by expert, block-padded (or one pair per tile at decode)
-      -> expert GEMM (expert_gemm.py)  gather + w13 + activation epilogue   [R, I]
+      -> expert GEMM (expert_gemm.py)  gather + w13 + activation epilogue   [R, I]  (FP8: e4m3 + scales)
       -> expert GEMM (expert_gemm.py)  w2                                   [R, H]  (decode: [S, R, H] float32
                                                                                      split-C partials)
       -> finalize    (finalize.py)     weighted un-permute into a fresh     [T, H]
@@ -16,11 +17,12 @@ import torch
 
 from .activation import SILU_AND_MUL, Activation, activate
 from .config import MoEConfig, choose_config
-from .expand import LayoutKind, expand, per_pair_layout
-from .expert_gemm import expert_gemm
+from .expand import ExpertLayout, LayoutKind, expand, per_pair_layout
+from .expert_gemm import Fp8Scales, expert_gemm
 from .finalize import finalize
 from .platform import triton_can_run_on
-from .weights import FLOAT_DTYPES, ExpertWeights
+from .quantize import quantize_fp8
+from .weights import FLOAT_DTYPES, FP8_DTYPE, ExpertWeights
 
 
 def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_weights) -> tuple[int, int]:
@@ -32,7 +34,10 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
         raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not supported; use one of {FLOAT_DTYPES}")
     T, H = hidden_states.shape
     device, dtype = hidden_states.device, hidden_states.dtype
-    if weights.dtype != dtype or weights.device != device:
+    if weights.format.fp8 is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"hidden_states is {dtype}; FP8 experts take bfloat16 or float16 activations (their "
+                         "output dtype): cast hidden_states")
+    if (weights.format.fp8 is None and weights.dtype != dtype) or weights.device != device:
         raise ValueError(f"the expert weights are {weights.dtype} on {weights.device} but hidden_states is {dtype} "
                          f"on {device}; cast/move the weights (w13, w2) to match")
     if weights.hidden_size != H:
@@ -82,11 +87,16 @@ def run_experts(
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
-    config = config or choose_config(T, K, E, H, I, hidden_states.device, hidden_states.dtype)
+    config = config or choose_config(T, K, E, H, I, hidden_states.device, weights.dtype)
+    if weights.format.fp8 is not None:
+        _check_fp8_config(weights, config, fuse_activation)
     if config.layout is LayoutKind.PER_PAIR:
         layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
     else:
         layout = expand(topk_ids, E, config.block_m)
+    if weights.format.fp8 is not None:
+        y = _fp8_gemms(hidden_states, weights, layout, config, activation)  # [R, H] or [S, R, H] float32
+        return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]
     if fuse_activation:
         h = expert_gemm(hidden_states, weights.w13, layout, config.up, gather=True, activation=activation)  # [R, I]
     else:
@@ -94,6 +104,35 @@ def run_experts(
         h = activate(gate_up, activation)  # [R, I]
     y = expert_gemm(h, weights.w2, layout, config.down, gather=False)  # [R, H], or [S, R, H] float32 partials
     return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]
+
+
+def _check_fp8_config(weights: ExpertWeights, config: MoEConfig, fuse_activation: bool) -> None:
+    # Each C step reads one activation scale and one weight-block scale (expert_gemm.py).
+    if not fuse_activation:
+        raise ValueError("fuse_activation=False is for unquantized experts: FP8 quantizes the intermediate in the "
+                         "first GEMM's activation epilogue")
+    block_c = weights.format.block[1] if weights.format.block is not None else None
+    for name, step, group in (("up", config.up.block_c, block_c), ("down", config.down.block_c, config.up.block_n),
+                              ("down", config.down.block_c, block_c)):
+        if group is not None and group % step:
+            raise ValueError(f"config.{name}.block_c={step} must divide the FP8 scale group of {group} columns it "
+                             "steps through (weight blocks, activation groups, the first GEMM's block_n)")
+
+
+def _fp8_gemms(hidden_states: torch.Tensor, weights: ExpertWeights, layout: ExpertLayout, config: MoEConfig,
+               activation: Activation) -> torch.Tensor:
+    """The two GEMMs on FP8 operands: the input quantized once per token (per block_c group for
+    block scales, per row otherwise, or with the static scale), the intermediate in the first
+    GEMM's epilogue, one scale per row and up.block_n columns."""
+    block = weights.format.block
+    group = block[1] if block is not None else None
+    x, x_scales = quantize_fp8(hidden_states, group, weights.input_scale)  # [T, H] e4m3, [T, G]
+    up = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block, weights.w13_scale_up_offset)
+    h, h_scales = expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation, scales=up,
+                              out_dtype=FP8_DTYPE)  # [R, I] e4m3, [R, I / up.block_n]
+    down = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, block)
+    return expert_gemm(h, weights.w2, layout, config.down, gather=False, scales=down,
+                       out_dtype=hidden_states.dtype)  # [R, H], or [S, R, H] float32 partials
 
 
 def fused_experts(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import platform as platforms
@@ -23,8 +22,12 @@ from .backends.resolver import resolve
 from .backends.runners import build_runner
 from .graphs import run_branches
 from .placement import Placement
-from .routing import RoutingSpec
-from .weights import ExpertWeights
+from .routing import RoutingSpec, router_logits
+from .weights import NATIVE, ExpertWeights, WeightFormat
+
+# FusedMoE's expert tensors (transformers' names) and the ExpertWeights fields they fill
+_EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
+                   "down_proj_scale": "w2_scale", "input_scale": "input_scale"}
 
 
 class SharedCombination(enum.Enum):
@@ -33,32 +36,34 @@ class SharedCombination(enum.Enum):
 
 
 class FusedMoE(nn.Module):
-    """Call `prepare_weights()` once after loading weights: the runner pads I to its backend's
-    multiple and builds any view of its own (triton and torch run without it too)."""
+    """Call `prepare_weights()` once after loading weights (the runner pads, or builds its own view).
+    A quantized `weight_format` keeps its scales beside the weights (`gate_up_proj_scale`, ...)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  routing: RoutingSpec | None = None, activation: Activation = SILU_AND_MUL,
                  shared_experts: nn.Module | None = None, shared_combination: SharedCombination = SharedCombination.SUM,
                  expert_input_proj: nn.Module | None = None, expert_output_proj: nn.Module | None = None,
-                 placement: Placement = Placement(), dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 weight_format: WeightFormat = NATIVE, placement: Placement = Placement(),
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
         self.routing = routing or RoutingSpec(top_k)
         if self.routing.top_k != top_k or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} (routing.top_k={self.routing.top_k}) must match and lie in [1, {num_experts}]")
-        self.activation, self.placement = activation, placement
+        self.activation, self.placement, self.weight_format = activation, placement, weight_format
         self.shared_experts, self.shared_combination = shared_experts, SharedCombination(shared_combination)
         self.expert_input_proj, self.expert_output_proj = expert_input_proj, expert_output_proj
         expert_in = getattr(expert_input_proj, "out_features", hidden_size)  # NemotronH's latent projection narrows it
         local_experts, local_intermediate = placement.local_sizes(num_experts, intermediate_size)
-        factory = dict(dtype=dtype, device=device)
-        w13_rows = 2 * local_intermediate if activation.gated else local_intermediate
-        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **factory))  # the full router
-        self.gate_up_proj = nn.Parameter(torch.empty(local_experts, w13_rows, expert_in, **factory))
-        self.down_proj = nn.Parameter(torch.empty(local_experts, expert_in, local_intermediate, **factory))
+        dtype = dtype or torch.get_default_dtype()
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))  # the router
+        experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate, activation.gated, weight_format,
+                                      dtype, device)
+        for name, field in _EXPERT_TENSORS.items():
+            tensor = getattr(experts, field)
+            self.register_parameter(name, nn.Parameter(tensor) if tensor is not None else None)
         bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if self.routing.correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
-        traits = LayerTraits(expert_in, self.gate_up_proj.dtype, activation, self.routing)
+        traits = LayerTraits(expert_in, dtype, activation, self.routing, weight_format)
         platform = placement.platform or platforms.detect_platform(self.gate_up_proj.device)
         self.resolution = resolve(placement.backend, platform, placement.resolution_context(), traits)
         self.runner = build_runner(self.resolution, traits, placement)
@@ -71,17 +76,18 @@ class FusedMoE(nn.Module):
 
     def expert_weights(self) -> ExpertWeights:
         """The prepared weights, or the parameters as they are before prepare_weights()."""
-        return self._prepared or ExpertWeights(self.gate_up_proj, self.down_proj, gated=self.activation.gated)
+        tensors = {field: getattr(self, name) for name, field in _EXPERT_TENSORS.items()}
+        return self._prepared or ExpertWeights(gated=self.activation.gated, format=self.weight_format, **tensors)
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
         """After loading: the runner's weights (padded, or its own view); idempotent."""
-        prepared = self.runner.prepare(ExpertWeights(self.gate_up_proj, self.down_proj, gated=self.activation.gated))
-        if prepared.w2 is not self.down_proj:  # padded: the layer now holds (no longer shares) the padded copies
-            self.gate_up_proj = nn.Parameter(prepared.w13, requires_grad=False)
-            self.down_proj = nn.Parameter(prepared.w2, requires_grad=False)
-            prepared = ExpertWeights(self.gate_up_proj, self.down_proj, prepared.gated, prepared.format)
-        self._prepared = prepared
+        self._prepared = None
+        prepared = self.runner.prepare(self.expert_weights())
+        for name, field in _EXPERT_TENSORS.items():  # padded: the layer now holds (no longer shares) the copies
+            if getattr(prepared, field) is not getattr(self, name):
+                setattr(self, name, nn.Parameter(getattr(prepared, field), requires_grad=False))
+        self._prepared = self.expert_weights()
 
     def take_shard(self, state_dict: dict, prefix: str = "", *hook_args) -> None:
         """Full-size expert tensors in a state dict -> this rank's shard, in place (a load_state_dict hook)."""
@@ -89,16 +95,11 @@ class FusedMoE(nn.Module):
                                  (self.gate_up_proj.shape, self.down_proj.shape), self.gate_weight.shape[0],
                                  self.activation)
 
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, H) -> logits (T, E)."""
-        if self.routing.router_in_float32:
-            return F.linear(x.float(), self.gate_weight.float())
-        return F.linear(x.to(self.gate_weight.dtype), self.gate_weight)
-
     def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H)."""
         h = self.expert_input_proj(x) if self.expert_input_proj is not None else x
-        h = self.runner(self.expert_weights(), h, self.router_logits(x), self.e_score_correction_bias)
+        logits = router_logits(x, self.gate_weight, self.routing)  # [T, E]
+        h = self.runner(self.expert_weights(), h, logits, self.e_score_correction_bias)
         return self.expert_output_proj(h) if self.expert_output_proj is not None else h
 
     def forward(self, hidden_states: torch.Tensor, overlap: bool = False) -> torch.Tensor:

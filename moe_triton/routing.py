@@ -162,6 +162,14 @@ def _route_kernel(
     tl.store(topk_weights_ptr + out_offsets, topk_weights, mask=row_ok & k_ok)
 
 
+def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
+    """The router GEMM: hidden_states (T, H) @ gate_weight (E, H).T -> logits (T, E), in float32 when
+    the spec asks (NemotronH), else in the router's dtype."""
+    if spec.router_in_float32:
+        return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
+    return torch.nn.functional.linear(hidden_states.to(gate_weight.dtype), gate_weight)
+
+
 def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: RouteConfig | None = None):
     """Route logits of shape (T, E) to (topk_ids (T, K) int32, topk_weights (T, K) float32).
 

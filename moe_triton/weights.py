@@ -5,21 +5,101 @@
 
 Every backend and `run_experts` take an `ExpertWeights`; the functional `fused_experts(x, w13, w2,
 ...)` builds one per call. Strides are taken as given, so transformers' transposed storage is a
-view, never a copy. A weight format is a value of `WeightFormat` plus the scales it needs, so a
-new format adds a value and its kernels, not parameters threaded through every signature.
+view, never a copy. A weight format is a `WeightFormat` value plus the scales it needs, so a new
+format is a new value and its kernels, not parameters threaded through every signature.
+
+FP8 formats (`torch.float8_e4m3fn` weights, float32 scales that *multiply* to dequantize, as
+DeepSeek's `weight_scale_inv`, compressed-tensors' and ModelOpt's `weight_scale` all do):
+
+    BLOCK    w13_scale [E, 2 * ceil(I / bn), ceil(H / bc)]: the gate grid, then the up grid
+             w2_scale  [E, ceil(H / bn), ceil(I / bc)]; partial blocks at the edges
+             activations: dynamic, per token per bc-wide group
+    CHANNEL  w13_scale [E, 2I] (a scale per output row), w2_scale [E, H]; activations: dynamic per token
+    TENSOR   one scale per expert and projection, stored per row like CHANNEL (gate and up keep their
+             own scales exactly: `per_tensor_rows`); activations: dynamic per token, or static with
+             one `input_scale` (the largest of a checkpoint's per-expert input scales)
+
+The second GEMM's input is always quantized dynamically per token per tile-wide group, in the first
+GEMM's epilogue (expert_gemm.py): finer than per token, and no pass of its own.
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
-class WeightFormat(enum.Enum):
-    NATIVE = "native"  # bf16 / fp16 / fp32 weights, no scales
+class Fp8Scaling(enum.Enum):
+    BLOCK = "block"  # DeepSeek-V3 / transformers FineGrainedFP8: a scale per (block_n x block_c) weight block
+    CHANNEL = "channel"  # compressed-tensors strategy "channel": a scale per output row
+    TENSOR = "tensor"  # ModelOpt FP8, compressed-tensors strategy "tensor": a scale per expert and projection
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the experts' weights are stored; the default is unquantized (the activations' dtype)."""
+
+    fp8: Fp8Scaling | None = None  # None: bf16 / fp16 / fp32 weights, no scales
+    block: tuple[int, int] | None = None  # (block_n, block_c): BLOCK's weight block, rows x contraction
+    static_input: bool = False  # TENSOR: activations quantized with one static input scale
+
+    def __post_init__(self):
+        if (self.block is not None) != (self.fp8 is Fp8Scaling.BLOCK):
+            raise ValueError(f"WeightFormat.block is the BLOCK format's (block_n, block_c) and only its; got {self}")
+        if self.block is not None:
+            block_n, block_c = self.block
+            if block_n < 1 or block_c < 16 or block_c & (block_c - 1):
+                raise ValueError(f"WeightFormat.block=({block_n}, {block_c}): block_n must be >= 1 and block_c a "
+                                 "power of two >= 16 (every public checkpoint uses 128 x 128)")
+        if self.static_input and self.fp8 is not Fp8Scaling.TENSOR:
+            raise ValueError("WeightFormat.static_input is for per-tensor FP8 (fp8=Fp8Scaling.TENSOR) only")
+
+    @classmethod
+    def fp8_block(cls, block_n: int = 128, block_c: int = 128) -> "WeightFormat":
+        return cls(Fp8Scaling.BLOCK, (block_n, block_c))
+
+    @classmethod
+    def fp8_channel(cls) -> "WeightFormat":
+        return cls(Fp8Scaling.CHANNEL)
+
+    @classmethod
+    def fp8_tensor(cls, static_input: bool = False) -> "WeightFormat":
+        return cls(Fp8Scaling.TENSOR, static_input=static_input)
+
+    def __str__(self) -> str:
+        if self.fp8 is None:
+            return "unquantized"
+        if self.block is not None:
+            return f"fp8 e4m3, {self.block[0]}x{self.block[1]} block scales, dynamic per-token-group activations"
+        inputs = "static" if self.static_input else "dynamic per-token"
+        return f"fp8 e4m3, per-{self.fp8.value} scales, {inputs} activations"
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The weights' dtype when the activations are `dtype`."""
+        return dtype if self.fp8 is None else FP8_DTYPE
+
+    @property
+    def input_scale_shape(self) -> tuple[int, ...] | None:
+        """The static activation scale's shape, or None when activations are quantized dynamically (or not)."""
+        return (1,) if self.static_input else None
+
+    def scale_shape(self, experts: int, rows: int, cols: int, halves: int = 1) -> tuple[int, ...] | None:
+        """The scale tensor of an (E, rows, cols) weight made of `halves` stacked blocks of rows (2 for
+        [gate; up]), or None for unquantized weights."""
+        if self.fp8 is None:
+            return None
+        if self.block is None:
+            return (experts, rows)
+        block_n, block_c = self.block
+        return (experts, halves * -(-(rows // halves) // block_n), -(-cols // block_c))
+
+
+NATIVE = WeightFormat()
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,7 +109,10 @@ class ExpertWeights:
     w13: torch.Tensor  # [E, 2I, H] gated ([gate; up]), [E, I, H] non-gated
     w2: torch.Tensor  # [E, H, I]
     gated: bool = True  # w13 holds gate and up rows (every activation but relu^2)
-    format: WeightFormat = WeightFormat.NATIVE
+    format: WeightFormat = NATIVE
+    w13_scale: torch.Tensor | None = None  # FP8: see the module docstring
+    w2_scale: torch.Tensor | None = None
+    input_scale: torch.Tensor | None = None  # FP8 static activations: a float32 scalar
 
     def __post_init__(self):
         for name, w in (("w13", self.w13), ("w2", self.w2)):
@@ -46,9 +129,40 @@ class ExpertWeights:
         if tuple(self.w2.shape) != (E, self.hidden_size, I):
             raise ValueError(f"w2 must have shape (E, H, I) = {(E, self.hidden_size, I)} to match w13 "
                              f"{tuple(self.w13.shape)}, got {tuple(self.w2.shape)}")
+        if self.format.fp8 is None:
+            self._check_native()
+        else:
+            self._check_fp8()
+
+    def _check_native(self):
         if self.w13.dtype not in FLOAT_DTYPES or self.w2.dtype != self.w13.dtype:
-            raise ValueError(f"native expert weights must share one of {FLOAT_DTYPES}, got w13 {self.w13.dtype} "
-                             f"and w2 {self.w2.dtype}")
+            raise ValueError(f"unquantized expert weights must share one of {FLOAT_DTYPES}, got w13 {self.w13.dtype} "
+                             f"and w2 {self.w2.dtype} (FP8 weights need format=WeightFormat.fp8_...)")
+        if any(t is not None for t in (self.w13_scale, self.w2_scale, self.input_scale)):
+            raise ValueError("scales were given for unquantized weights; pass format=WeightFormat.fp8_... with them")
+
+    def _check_fp8(self):
+        for name, w in (("w13", self.w13), ("w2", self.w2)):
+            if w.dtype != FP8_DTYPE:
+                raise ValueError(f"{name} is {w.dtype}; {self.format} weights are {FP8_DTYPE} (mixed formats "
+                                 "between w13 and w2 are not supported)")
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        halves = 2 if self.gated else 1
+        for name, scale, shape in (("w13_scale", self.w13_scale, self.format.scale_shape(E, halves * I, H, halves)),
+                                   ("w2_scale", self.w2_scale, self.format.scale_shape(E, H, I))):
+            if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
+                raise ValueError(f"{name} must be a float32 tensor of shape {shape} for {self.format} experts "
+                                 f"(E={E}, H={H}, I={I}), got {_describe(scale)}")
+            if scale.device != self.device:
+                raise ValueError(f"{name} is on {scale.device}, the weights on {self.device}")
+        if self.format.static_input:
+            if (not isinstance(self.input_scale, torch.Tensor) or self.input_scale.numel() != 1
+                    or self.input_scale.dtype != torch.float32 or self.input_scale.device != self.device):
+                raise ValueError(f"input_scale must be a one-element float32 tensor on {self.device} for static "
+                                 f"activations, got {_describe(self.input_scale)}")
+        elif self.input_scale is not None:
+            raise ValueError("input_scale was given but the format quantizes activations dynamically; use "
+                             "WeightFormat.fp8_tensor(static_input=True)")
 
     @property
     def num_experts(self) -> int:
@@ -70,6 +184,102 @@ class ExpertWeights:
     @property
     def device(self) -> torch.device:
         return self.w13.device
+
+    @property
+    def w13_scale_up_offset(self) -> int:
+        """Rows of w13_scale before the up half's: the gate's block rows (BLOCK) or its I rows."""
+        if not self.gated:
+            return 0
+        return self.w13_scale.shape[1] // 2
+
+    @classmethod
+    def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool, fmt: WeightFormat,
+              dtype: torch.dtype, device=None) -> "ExpertWeights":
+        """Uninitialised weights of these sizes in `fmt` (the activations in `dtype`), scales set to 1."""
+        halves = 2 if gated else 1
+        E, H, I = num_experts, hidden_size, intermediate_size
+        storage = dict(dtype=fmt.storage_dtype(dtype), device=device)
+        scales = (fmt.scale_shape(E, halves * I, H, halves), fmt.scale_shape(E, H, I), fmt.input_scale_shape)
+        return cls(torch.empty(E, halves * I, H, **storage), torch.empty(E, H, I, **storage), gated, fmt,
+                   *(torch.ones(shape, dtype=torch.float32, device=device) if shape else None for shape in scales))
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in float32, the scales applied: what the FP8 weights stand for."""
+        if self.format.fp8 is None:
+            return self.w13.float(), self.w2.float()
+        halves = 2 if self.gated else 1
+        return (_dequantize(self.w13, self.w13_scale, self.format, halves),
+                _dequantize(self.w2, self.w2_scale, self.format, 1))
+
+    def to_format(self, fmt: WeightFormat) -> "ExpertWeights":
+        """These (unquantized) weights quantized to the FP8 format `fmt`, on their device (torch ops,
+        round to nearest even; each scale is its block's / row's / tensor's max |w| over 448)."""
+        if self.format.fp8 is not None or fmt.fp8 is None:
+            raise ValueError(f"to_format quantizes unquantized weights to an FP8 format; got {self.format} -> {fmt}")
+        if fmt.static_input:
+            raise ValueError("a static input scale comes from calibration, not from the weights: quantize with "
+                             "WeightFormat.fp8_tensor() and pass input_scale to ExpertWeights yourself")
+        halves = 2 if self.gated else 1
+        # an expert at a time: DeepSeek-V3's experts are 45 GB in float32
+        w13, s13 = zip(*(_quantize(w.float(), fmt, halves) for w in self.w13.split(1)))
+        w2, s2 = zip(*(_quantize(w.float(), fmt, 1) for w in self.w2.split(1)))
+        return ExpertWeights(torch.cat(w13), torch.cat(w2), self.gated, fmt, torch.cat(s13), torch.cat(s2))
+
+    def expert(self, index: int) -> "ExpertWeights":
+        """Expert `index` alone (E = 1), scales included: a view, for references that go expert by expert."""
+        one = slice(index, index + 1)
+        return ExpertWeights(self.w13[one], self.w2[one], self.gated, self.format,
+                             *(s[one] if s is not None else None for s in (self.w13_scale, self.w2_scale)),
+                             self.input_scale)
+
+
+def per_tensor_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """Per-tensor scales -> the per-row form ExpertWeights stores: [E] -> [E, rows], or [E, 2] (gate,
+    up) -> [E, rows] with the first rows / 2 rows on the gate's scale. Exact: each row keeps its own."""
+    if scale.dim() == 1:
+        return scale[:, None].expand(-1, rows).contiguous()
+    if scale.dim() == 2 and scale.shape[1] == 2 and rows % 2 == 0:
+        return scale.repeat_interleave(rows // 2, dim=1).contiguous()
+    raise ValueError(f"per-tensor scales must be [E] or [E, 2] (gate, up), got {tuple(scale.shape)}")
+
+
+def _row_blocks(scale: torch.Tensor, fmt: WeightFormat, halves: int, rows: int, cols: int) -> torch.Tensor:
+    """A scale per weight element, [E, rows, cols], from any format's scale tensor."""
+    if fmt.block is None:
+        return scale[:, :, None].expand(-1, rows, cols)
+    block_n, block_c = fmt.block
+    per_half = []
+    for part in scale.chunk(halves, dim=1):  # the gate grid, then the up grid
+        part = part.repeat_interleave(block_n, dim=1)[:, : rows // halves]
+        per_half.append(part.repeat_interleave(block_c, dim=2)[:, :, :cols])
+    return torch.cat(per_half, dim=1)
+
+
+def _dequantize(w: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, halves: int) -> torch.Tensor:
+    E, rows, cols = w.shape
+    return w.float() * _row_blocks(scale.float(), fmt, halves, rows, cols)
+
+
+def _quantize(w: torch.Tensor, fmt: WeightFormat, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, rows, cols] float32 -> (e4m3 weights, float32 scales in `fmt`'s shape)."""
+    E, rows, cols = w.shape
+    if fmt.block is not None:
+        block_n, block_c = fmt.block
+        grids = []
+        for part in w.chunk(halves, dim=1):
+            n = part.shape[1]
+            padded = torch.nn.functional.pad(part.abs(), (0, -cols % block_c, 0, -n % block_n))
+            blocks = padded.unflatten(1, (-1, block_n)).unflatten(3, (-1, block_c))  # [E, Nb, bn, Cb, bc]
+            grids.append(blocks.amax(dim=(2, 4)))  # [E, Nb, Cb]
+        amax = torch.cat(grids, dim=1)
+    elif fmt.fp8 is Fp8Scaling.CHANNEL:
+        amax = w.abs().amax(dim=2)  # [E, rows]
+    else:  # TENSOR: one amax per expert and half (gate, up), stored per row
+        amax = per_tensor_rows(torch.stack([p.abs().amax(dim=(1, 2)) for p in w.chunk(halves, dim=1)], dim=1)
+                               if halves == 2 else w.abs().amax(dim=(1, 2)), rows)
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    q = (w / _row_blocks(scale, fmt, halves, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.float()
 
 
 def _describe(t) -> str:

@@ -19,6 +19,7 @@ import torch
 from ..activation import Activation, ActivationKind
 from ..platform import FLASHINFER_MIN_VERSION, Platform
 from ..routing import RoutingSpec
+from ..weights import NATIVE, Fp8Scaling, WeightFormat
 from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
 from .quantization import QuantFormat, experts_quantization
 from .runners import TorchRunner, TritonRunner
@@ -64,9 +65,10 @@ class LayerTraits:
     """What the layer itself requires of a backend (and what its runner is built with)."""
 
     hidden_size: int  # the experts' H
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations' dtype (the weights' too, unless `format` quantizes them)
     activation: Activation
     routing: RoutingSpec
+    format: WeightFormat = NATIVE  # how the expert weights are stored
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class BackendSpec:
     hidden_multiple: int  # H must be a multiple of this (H is never padded)
     fused_router: bool  # routes from the router logits inside the kernel
     runner: type  # the ExpertsRunner subclass that runs it (backends/runners.py)
+    weight_formats: frozenset[Fp8Scaling | None] = frozenset({None})  # WeightFormat.fp8 values it runs (None: unquantized)
+    fp8_min_sm: int | None = None  # FP8 weights need this compute capability (FP8 tensor cores); None: any
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -91,13 +95,14 @@ _TRTLLM_SMS = frozenset({100, 103})  # trtllm-gen cubins are built for Blackwell
 _BF16_OR_NVFP4 = frozenset({QuantFormat.NONE, QuantFormat.NVFP4})
 # Ours take (topk_ids, topk_weights) after any dispatch, so every all-to-all and LoRA outside the layer fit.
 _OURS = dict(sms=None, flashinfer=False, expert_formats=None, all_to_all=None, lora=True, dtypes=_FLOATS,
-             activations=None, intermediate_multiple=1, hidden_multiple=1, fused_router=False)
+             activations=None, intermediate_multiple=1, hidden_multiple=1, fused_router=False,
+             weight_formats=frozenset({None, *Fp8Scaling}))
 _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloat16,),
                    activations=frozenset({ActivationKind.SILU_AND_MUL, ActivationKind.RELU2}),
                    all_to_all=frozenset({None}))
 
 SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
-    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, **_OURS),
+    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89, **_OURS),
     BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
                 intermediate_multiple=128, hidden_multiple=128, fused_router=True, runner=TrtllmRunner,
@@ -176,6 +181,14 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
         return None
     if layer.dtype not in spec.dtypes:
         return f"weights are {layer.dtype}; it takes {', '.join(map(str, spec.dtypes))}"
+    if layer.format.fp8 not in spec.weight_formats:
+        return f"it does not run {layer.format} experts"
+    if layer.format.fp8 is not None:
+        if layer.dtype == torch.float32:
+            return "FP8 experts take bfloat16 or float16 activations, not float32"
+        if spec.fp8_min_sm is not None and platform.sm is not None and platform.sm < spec.fp8_min_sm:
+            return (f"FP8 experts need FP8 tensor cores (SM{spec.fp8_min_sm} or newer); dequantize them to "
+                    "bfloat16 (ExpertWeights.dequantized()) for an unquantized layer, or use backend='torch'")
     if spec.activations is not None and layer.activation.kind not in spec.activations:
         return (f"activation {layer.activation.kind.name} is not one it implements "
                 f"({sorted(a.name for a in spec.activations)})")

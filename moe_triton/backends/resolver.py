@@ -44,12 +44,29 @@ def parse_backend(backend: str) -> str:
     raise ValueError(f"backend={backend!r} is not a backend; pass one of {choices}")
 
 
-def default_backend(platform: Platform) -> tuple[ExpertBackend, str]:
+def default_candidates(platform: Platform, layer: LayerTraits | None = None) -> list[tuple[ExpertBackend, str]]:
+    """The defaults for this platform and layer, best first, each with why."""
     if platform.device_type == "cuda":
-        return ExpertBackend.TRITON, "no rule pins another backend: the Triton pipeline on a CUDA GPU"
+        return [(ExpertBackend.TRITON, "no rule pins another backend: the Triton pipeline on a CUDA GPU")]
+    if layer is not None and layer.format.fp8 is not None:
+        return [(ExpertBackend.TORCH, f"CPU with {layer.format} experts: the float32 torch reference, dequantized")]
+    torch_reference = (ExpertBackend.TORCH, "CPU: the torch reference")
     if platform.interpreter:
-        return ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"
-    return ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference"
+        return [(ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"),
+                torch_reference]
+    return [(ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference")]
+
+
+def default_backend(platform: Platform, context: ModelContext = ModelContext(),
+                    layer: LayerTraits | None = None) -> tuple[ExpertBackend, str]:
+    """The first default candidate that can run the layer; a ValueError naming every reason when none can."""
+    reasons = []
+    for backend, why in default_candidates(platform, layer):
+        blocked = unsupported_reason(backend, platform, context, layer)
+        if blocked is None:
+            return backend, why + (f" ({'; '.join(reasons)})" if reasons else "")
+        reasons.append(f"{backend} cannot: {blocked}")
+    raise ValueError(f"no backend can run this layer on {platform}: {'; '.join(reasons)}")
 
 
 def resolve(requested: str, platform: Platform, context: ModelContext = ModelContext(),
@@ -62,7 +79,7 @@ def resolve(requested: str, platform: Platform, context: ModelContext = ModelCon
             raise ValueError(f"backend={str(requested)!r} cannot run on {platform}: {reason}. "
                              f"Choose another backend, or backend='auto'")
         return Resolution(requested, str(requested), EXPLICIT, "requested explicitly, never rewritten", platform)
-    default, why_default = default_backend(platform)
+    default, why_default = default_backend(platform, context, layer)
     rule = rule_for(context.architecture)
     if rule is None:
         return Resolution(default, AUTO, DEFAULT, f"no rule for {context.architecture or 'this model'}; {why_default}",

@@ -21,7 +21,7 @@ from ..fused_moe import run_experts
 from ..reference import fused_experts_torch
 from ..routing import RoutingSpec, route, route_torch
 from ..weights import ExpertWeights
-from .padding import pad_experts
+from .padding import pad_expert_weights
 
 if TYPE_CHECKING:
     from ..parallel import ParallelGroups
@@ -49,9 +49,8 @@ class ExpertsRunner:
         return self.layer.routing
 
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
-        """The weights this backend runs on: I zero-padded to its multiple (the same tensors when aligned)."""
-        w13, w2 = pad_experts(weights.w13, weights.w2, self.spec.intermediate_multiple, weights.gated)
-        return weights if w2 is weights.w2 else ExpertWeights(w13, w2, weights.gated, weights.format)
+        """The weights this backend runs on: I zero-padded to its multiple (the same object when aligned)."""
+        return pad_expert_weights(weights, self.spec.intermediate_multiple)
 
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
         """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32."""
@@ -76,13 +75,14 @@ class TritonRunner(ExpertsRunner):
 
 
 class TorchRunner(ExpertsRunner):
-    """The float32 reference, routing included, cast back to the input dtype."""
+    """The float32 reference, routing included, cast back to the input dtype; FP8 weights are
+    dequantized (activations are not quantized: this is what the FP8 weights stand for)."""
 
     def route(self, router_logits, correction_bias):
         return route_torch(router_logits, self.routing, correction_bias)
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        out = fused_experts_torch(hidden_states, weights.w13, weights.w2, topk_ids, topk_weights,
+        out = fused_experts_torch(hidden_states, *weights.dequantized(), topk_ids, topk_weights,
                                   activation=self.activation)  # [T, H] float32
         return out.to(hidden_states.dtype)
 
@@ -121,4 +121,9 @@ def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placemen
     _log_resolution(resolution)
     spec = SPECS[resolution.backend]
     runner = spec.runner(spec, layer, placement.resolution_context())
-    return runner if placement.parallel is None else ParallelRunner(runner, placement.parallel)
+    if placement.parallel is None:
+        return runner
+    if layer.format.fp8 is not None:
+        raise ValueError(f"{layer.format} experts cannot be sharded by moe_triton.parallel yet (their scales are not "
+                         "cut with the weights); place them on one device")
+    return ParallelRunner(runner, placement.parallel)

@@ -19,6 +19,7 @@ from ..graphs import capture_graph
 class Ceilings:
     bandwidth: float  # bytes/s, read + written, of a large device-to-device copy
     matmul_flops: float  # FLOP/s of a large bf16 matmul on random data
+    fp8_matmul_flops: float = float("nan")  # FLOP/s of a large FP8 torch._scaled_mm (bf16 out), where measured
 
 
 @dataclass(frozen=True)
@@ -34,27 +35,29 @@ QWEN3_30B_A3B = LayerShape("Qwen3-30B-A3B", 128, 8, 2048, 768)
 MIXTRAL_8X7B = LayerShape("Mixtral-8x7B", 8, 2, 4096, 14336)
 DEEPSEEK_V3 = LayerShape("DeepSeek-V3", 256, 8, 7168, 2048)
 E64_K4 = LayerShape("E64-K4", 64, 4, 4096, 1536)
+GRID_SHAPES = {shape.name: shape for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)}
 
 
-def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: int = 2) -> int:
-    """Fewest bytes the layer must move: the distinct experts' weights once, activations in and out."""
+def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: int = 2, scale_bytes: int = 0) -> int:
+    """Fewest bytes the layer must move: the distinct experts' weights once (`dtype_bytes` each, plus
+    `scale_bytes` of scales per expert), bf16 activations in and out."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
     ids = topk_ids[(topk_ids >= 0) & (topk_ids < E)]
     experts_hit = int(torch.unique(ids).numel())
     T = topk_ids.shape[0]
-    return experts_hit * 3 * H * I * dtype_bytes + 2 * T * H * dtype_bytes
+    return experts_hit * (3 * H * I * dtype_bytes + scale_bytes) + 2 * T * H * 2
 
 
 def layer_flops(shape: LayerShape, num_tokens: int) -> int:
     return 2 * num_tokens * shape.top_k * 3 * shape.hidden_size * shape.intermediate_size
 
 
-def floor_seconds(bytes_moved: int, flops: int, ceilings: Ceilings) -> float:
-    return max(bytes_moved / ceilings.bandwidth, flops / ceilings.matmul_flops)
+def floor_seconds(bytes_moved: int, flops: int, ceilings: Ceilings, fp8: bool = False) -> float:
+    return max(bytes_moved / ceilings.bandwidth, flops / (ceilings.fp8_matmul_flops if fp8 else ceilings.matmul_flops))
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
-    """B and F on this GPU now (a 1 GiB copy; an 8192^3 bf16 matmul on random data)."""
+    """B, F and F8 on this GPU now (a 1 GiB copy; 8192^3 bf16 and FP8 matmuls on random data)."""
     from triton.testing import do_bench
 
     src = torch.randn(256 * 2**20, device=device)  # 1 GiB
@@ -63,7 +66,12 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return Ceilings(bandwidth=2 * src.numel() * 4 / (copy_ms * 1e-3), matmul_flops=2 * 8192**3 / (mm_ms * 1e-3))
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).T  # _scaled_mm wants b column-major
+    one = torch.ones((), device=device)
+    fp8_ms = do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), warmup=50, rep=300,
+                      return_mode="median")
+    flops = 2 * 8192**3
+    return Ceilings(2 * src.numel() * 4 / (copy_ms * 1e-3), flops / (mm_ms * 1e-3), flops / (fp8_ms * 1e-3))
 
 
 def time_graph_replays(graph: torch.cuda.CUDAGraph, num_variants: int, replays: int = 50) -> float:

@@ -1,0 +1,114 @@
+"""FP8 activation quantization: rows of x -> e4m3 values and float32 scales, once per token.
+
+    x [T, C] -> q [T, C] float8_e4m3fn, scales [T, G]      G = ceil(C / group); group = C: one per row
+
+scale = max |x| over the group / 448 (dequantize: q * scale), or a given static scale. The layer's
+input is quantized here, once per token (T rows, not T*K: the first GEMM gathers the rows it
+needs); the second GEMM's input is quantized in the first GEMM's epilogue (expert_gemm.py) with
+the same `round_to_fp8`.
+
+Rounding is done on float32 values before the cast, ties to even: Triton's interpreter casts
+float32 -> e4m3 wrongly when rounding carries into the exponent (124.3 became 64, not 128) and
+flushes subnormals, while the cast of a value already on the e4m3 grid is exact everywhere.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .weights import FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def round_to_fp8(x):
+    """float32 x (already within +-448) rounded to the nearest e4m3 value, ties to even, still float32."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below 2^-6 e4m3 is subnormal: a fixed 2^-9 step
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer, ties to even
+    return ((x / step + magic) - magic) * step
+
+
+@triton.jit
+def quantize_tile(x, scale):
+    """x / scale on the e4m3 grid, as float8e4nv."""
+    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+    return round_to_fp8(q).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, scale_ptr, static_scale_ptr,
+    C, stride_x_t, stride_q_t, stride_s_t,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+):
+    # One program per (row, group): the amax over the group's columns, then its values scaled.
+    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * GROUP
+    x_row = x_ptr + row * stride_x_t
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(first, first + GROUP, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=(cols < C) & (cols < first + GROUP), other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+        tl.store(scale_ptr + row * stride_s_t + tl.program_id(1), scale)
+    for start in range(first, first + GROUP, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = (cols < C) & (cols < first + GROUP)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_q_t + cols, quantize_tile(x, scale), mask=mask)
+
+
+def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):
+    """x (T, C) -> (q (T, C) float8_e4m3fn, scales (T, ceil(C / group)) float32).
+
+    `group` columns share a scale (None: the whole row); `static_scale`, a one-element float32
+    tensor, replaces the computed scales (then returned as a (T, 1) stride-0 view of it)."""
+    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
+        raise ValueError(f"x must be a 2-D float tensor (T, C) with unit last stride, got {tuple(x.shape)} {x.dtype}")
+    T, C = x.shape
+    group = C if group is None else group
+    if group < 1:
+        raise ValueError(f"group must be >= 1 columns, got {group}")
+    q = torch.empty(T, C, dtype=FP8_DTYPE, device=x.device)  # [T, C]
+    num_groups = triton.cdiv(C, group) if C else 0
+    if static_scale is not None:
+        scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one scale for every row
+    else:
+        scales = torch.empty(T, num_groups, dtype=torch.float32, device=x.device)  # [T, G]
+    if T == 0 or C == 0:
+        return q, scales
+    block = min(1024, triton.next_power_of_2(group))
+    _quantize_kernel[(T, num_groups)](
+        x, q, scales, static_scale if static_scale is not None else scales,
+        C, x.stride(0), q.stride(0), scales.stride(0),
+        GROUP=group, BLOCK=block, STATIC=static_scale is not None,
+    )
+    return q, scales
+
+
+def quantize_fp8_torch(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):
+    """Reference: the same quantization with torch ops (torch's cast rounds to nearest even)."""
+    T, C = x.shape
+    group = C if group is None else group
+    x = x.float()
+    if static_scale is not None:
+        scales = static_scale.float().reshape(1, 1).expand(T, 1)
+        per_column = scales.expand(T, C)
+    else:
+        padded = torch.nn.functional.pad(x.abs(), (0, -C % group))  # [T, G * group]
+        scales = padded.view(T, -(-C // group), group).amax(dim=2).clamp(min=1e-12) / FP8_MAX  # [T, G]
+        per_column = scales.repeat_interleave(group, dim=1)[:, :C]
+    return (x / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """q (T, C) e4m3 with scales (T, G) -> float32 (T, C)."""
+    C = q.shape[1]
+    group = C if group is None else group
+    return q.float() * scales.float().repeat_interleave(group, dim=1)[:, :C]
