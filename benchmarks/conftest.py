@@ -73,7 +73,7 @@ def _fraction_summary(rows: list[dict]) -> list[str]:
         fractions = [float(row[column]) for row in rows]
         geomean = math.exp(sum(math.log(f) for f in fractions) / len(fractions))
         lowest = min(rows, key=lambda row: float(row[column]))
-        where = ", ".join(f"{k}={lowest[k]}" for k in list(lowest)[:2])
+        where = ", ".join(f"{k}={lowest[k]}" for k in ("shape", "format", "M") if k in lowest)
         lines.append(f"{column} over {len(fractions)} rows: geometric mean {geomean:.3f}, "
                      f"minimum {float(lowest[column]):.2f} ({where})")
     return ["", *lines] if lines else []
@@ -88,7 +88,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if CEILINGS:
         c = CEILINGS[0]
         lines.append(f"ceilings: B = {c.bandwidth / 1e12:.2f} TB/s (copy, read + write), "
-                     f"F = {c.matmul_flops / 1e12:.0f} TFLOP/s (bf16 matmul)")
+                     f"F = {c.matmul_flops / 1e12:.0f} TFLOP/s (bf16 matmul), "
+                     f"F8 = {c.fp8_matmul_flops / 1e12:.0f} TFLOP/s (FP8 torch._scaled_mm)")
     for table, rows in TABLES.items():
         lines += ["", f"### {table}", ""] + _markdown(rows) + _fraction_summary(rows)
     text = "\n".join(lines)
