@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     # which imports this module to unpickle its entry point.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import assert_close  # noqa: E402
+from helpers import assert_close  # noqa: E402
 from moe_triton import (SILU_AND_MUL, Activation, FusedMoE, Placement, RoutingSpec, fused_experts_torch,  # noqa: E402
                         route, run_experts)
 from moe_triton.parallel import (Collective, ParallelExperts, ParallelSpec, new_parallel_groups,  # noqa: E402

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_close
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
+from helpers import assert_close
 from moe_triton import Activation, ActivationKind, ExpertWeights, FusedMoE, Placement, fused_experts, fused_experts_torch
 from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
                                  compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,

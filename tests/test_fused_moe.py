@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close, random_ids
 from moe_triton import Activation, ActivationKind, GemmConfig, LayoutKind, MoEConfig, fused_experts, fused_experts_torch
-from test_expand import random_ids
 
 
 def make_layer(T, E, K, H, I, dtype, seed, activation=Activation(), filtered=0.0):

@@ -8,7 +8,7 @@ we allow 1e-2 in norm (METHOD: bf16 lands between 1e-3 and 1e-2).
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close, relative_error
 from moe_triton import (SILU_AND_MUL, activate, activation_torch, expand, expand_torch, finalize, finalize_torch, fused_experts,
                         fused_experts_torch)
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
@@ -16,10 +16,6 @@ from moe_triton.routing import RoutingSpec, route, route_torch
 
 pytestmark = pytest.mark.gpu
 TOKENS = [1, 8, 64, 512, 4096]
-
-
-def relative_error(actual, expected):
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()
 
 
 @pytest.fixture(scope="module", params=[QWEN3_30B_A3B, MIXTRAL_8X7B], ids=lambda s: s.name)

@@ -7,55 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import assert_close
+from helpers import FAMILIES, assert_close, prompt, randomize_
 from moe_triton.models import load_model
-
-
-def randomize_(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        scale = 1.0 if "embed" in name or "lm_head" in name else 0.15
-        p.data = torch.randn(p.shape, generator=g) * scale
-    for name, b in model.named_buffers():
-        if "correction_bias" in name:
-            b.copy_(torch.rand(b.shape, generator=g) * 0.1)
-    return model
-
-
-def tiny_qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
-    return Qwen3MoeForCausalLM(config)
-
-
-def tiny_cohere2_moe(strategy="average"):
-    from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
-
-    config = Cohere2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
-                              num_experts_per_tok=2, num_shared_experts=1, sliding_window=4,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                           "sliding_attention"],
-                              shared_expert_combination_strategy=strategy, logit_scale=0.5)
-    return Cohere2MoeForCausalLM(config)
-
-
-def tiny_minimax_m2():
-    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
-
-    config = MiniMaxM2Config(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=8,
-                             num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                     "partial_rotary_factor": 0.5})
-    return MiniMaxM2ForCausalLM(config)
-
-
-# family -> (tiny model, weight seed); seeds chosen so greedy generation is not a 2-token loop
-FAMILIES = {"qwen3_moe": (tiny_qwen3_moe, 1), "cohere2_moe": (tiny_cohere2_moe, 5),
-            "cohere2_moe-sum": (lambda: tiny_cohere2_moe("sum"), 5), "minimax_m2": (tiny_minimax_m2, 1)}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -66,10 +19,6 @@ def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(path)  # the Hub layout: per-expert tensors
     return reference, path
-
-
-def prompt(batch=2, length=7, vocab=97):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
 
 
 def test_logits_match_transformers(checkpoint):

@@ -5,17 +5,14 @@ import copy
 import pytest
 import torch
 
+from helpers import FAMILIES, prompt, randomize_, relative_error
 from moe_triton import fused_experts
 from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
-from test_models import FAMILIES, checkpoint, prompt, randomize_  # noqa: F401 (checkpoint: a fixture)
+from test_models import checkpoint  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.gpu
-
-
-def relative_error(actual, expected):
-    return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def test_bf16_logits_match_transformers(checkpoint):

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close, random_ids
 from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, Placement, fused_experts, fused_experts_torch, pad_experts
 from moe_triton.backends import SPECS, ExpertBackend, padded_size
-from test_expand import random_ids
 
 RELU2 = Activation(ActivationKind.RELU2)
 # I = 961 is NemotronH FP8's moe_intermediate_size 7688 at tensor-parallel 8.
