@@ -70,6 +70,13 @@ def random_ids(T, K, E, seed, filtered=0.0):
     return ids
 
 
+def random_expert_weights(g: torch.Generator, E, H, I, gated=True, dtype=torch.float32):
+    """w13 (E, 2I or I, H) and w2 (E, H, I), drawn in that order from `g`, scaled to keep outputs O(1)."""
+    w13 = torch.randn(E, 2 * I if gated else I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
 # ---- tiny transformers models --------------------------------------------------------------------
 
 def randomize_(model, seed):

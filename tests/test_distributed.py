@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
-from helpers import assert_close
+from helpers import assert_close, random_expert_weights
 from moe_triton import Activation, ActivationKind, ExpertWeights, FusedMoE, Placement, fused_experts, fused_experts_torch
 from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
                                  compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,
@@ -92,8 +92,7 @@ def test_scattered_rows_cover_every_row_once(num_tokens, size):
 def _layer(E, K, H, I, activation, T=9, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    w13 = torch.randn(E, 2 * I if activation.gated else I, H, generator=g) / H**0.5
-    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    w13, w2 = random_expert_weights(g, E, H, I, activation.gated)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     return x, w13, w2, ids, torch.rand(T, K, generator=g)
 

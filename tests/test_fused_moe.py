@@ -2,15 +2,14 @@
 import pytest
 import torch
 
-from helpers import assert_close, random_ids
+from helpers import assert_close, random_expert_weights, random_ids
 from moe_triton import Activation, ActivationKind, GemmConfig, LayoutKind, MoEConfig, fused_experts, fused_experts_torch
 
 
 def make_layer(T, E, K, H, I, dtype, seed, activation=Activation(), filtered=0.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).to(dtype)
-    w13 = (torch.randn(E, 2 * I if activation.gated else I, H, generator=g) / H**0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    w13, w2 = random_expert_weights(g, E, H, I, activation.gated, dtype)
     ids = random_ids(T, K, E, seed, filtered).int()
     weights = torch.rand(T, K, generator=g)
     return x, w13, w2, ids, weights
