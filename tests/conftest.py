@@ -1,8 +1,9 @@
 """What pytest needs here: the interpreter switch, the GPU skip, and the shared fixtures.
 
 CPU runs execute every Triton kernel under the interpreter (TRITON_INTERPRET=1, set here before
-triton is imported). GPU tests are marked `gpu` and skipped where CUDA is absent; run them on the
-H200 with `pytest -m gpu`. Helpers the tests share live in tests/helpers.py, not here.
+triton is imported). A test that needs CUDA carries `@pytest.mark.gpu` and lives in the test file of
+the module it tests, beside that module's CPU tests; it is skipped here where CUDA is absent. Run
+them on the H200 with `pytest -m gpu`. Helpers the tests share live in tests/helpers.py, not here.
 """
 import os
 

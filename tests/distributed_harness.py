@@ -1,7 +1,7 @@
 """Multi-process harness of the distributed tests: a pool of spawned ranks that run cases in turn.
 
-test_distributed.py runs it on gloo (CPU, kernels under the Triton interpreter) and
-test_distributed_gpu.py on NCCL (one GPU per rank). Ranks are spawned once per world size and run
+test_distributed.py runs it on gloo (CPU, kernels under the Triton interpreter) and, in its
+tests marked gpu, on NCCL (one GPU per rank). Ranks are spawned once per world size and run
 every case sent to them, so process start-up and process-group setup are paid once, not per case.
 
 A case builds full weights and every rank's tokens from seeds, routes the tokens on each rank (so
