@@ -1,7 +1,7 @@
 """Multi-process harness of the distributed tests: a pool of spawned ranks that run cases in turn.
 
-test_distributed.py runs it on gloo (CPU, kernels under the Triton interpreter) and
-test_distributed_gpu.py on NCCL (one GPU per rank). Ranks are spawned once per world size and run
+test_distributed.py runs it on gloo (CPU, kernels under the Triton interpreter) and, in its
+tests marked gpu, on NCCL (one GPU per rank). Ranks are spawned once per world size and run
 every case sent to them, so process start-up and process-group setup are paid once, not per case.
 
 A case builds full weights and every rank's tokens from seeds, routes the tokens on each rank (so
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     # which imports this module to unpickle its entry point.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from conftest import assert_close  # noqa: E402
+from helpers import assert_close  # noqa: E402
 from moe_triton import (SILU_AND_MUL, Activation, FusedMoE, Placement, RoutingSpec, fused_experts_torch,  # noqa: E402
                         route, run_experts)
 from moe_triton.parallel import (Collective, ParallelExperts, ParallelSpec, new_parallel_groups,  # noqa: E402
@@ -168,7 +168,8 @@ def run_model_case(case: Case, groups, device: torch.device) -> None:
 
 def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype is torch.bfloat16 or (out.is_cuda and dtype is torch.float16):
-        # Real sizes in half precision: relative error in norm, as test_gpu.py (in float64: 1e38 squared fits)
+        # Real sizes in half precision: relative error in norm, as test_fused_moe.py's GPU tests
+        # (in float64: 1e38 squared fits)
         assert out.shape == ref.shape and torch.isfinite(out).all()
         err = (out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-300)
         assert err.item() < 1e-2, f"{dtype} relative error {err.item():.2e}"

@@ -1,9 +1,11 @@
 """Checkers standing in for FlashInfer's MoE entry points, as flashinfer-python 0.7.2.post1 publishes them.
 
-Each kernel stand-in is a Python function with the published signature (so a misspelled, missing or
-extra keyword fails the call), validates shapes, dtypes, layouts and enum values as the docs state,
-checks that the weights passed are the very view FlashInfer's `prepare_weights` returned, and then
-computes the documented semantics in float32:
+SIGNATURES is the table of published parameter lists. `@stand_in(name)` makes each entry point from
+it alike: the call is bound against that signature (so a misspelled, missing or extra keyword fails
+exactly as a real call would), kernel calls are logged in CALLS, and the bound arguments go to the
+decorated function, which holds only that entry's own checks (shapes, dtypes, layouts and enum values
+as the docs state; that the weights are the very view `prepare_weights` returned) and its float32
+semantics:
 - GEMM1 rows are [up; gate]: "Let GEMM1 output be split as X1 (linear/up half) and X2 (gate half)",
   SwiGLU = X2 * sigmoid(X2) * X1 (trtllm_bf16_moe docs; cutlass: `w3, w1 = chunk(w31)` in
   FlashInfer's own test reference).
@@ -18,6 +20,7 @@ flashinfer.tllm_enums; `modules()` returns them for functions that take them as 
 from __future__ import annotations
 
 import enum
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -28,45 +31,14 @@ import torch.nn.functional as F
 from moe_triton.backends.flashinfer import FlashInferModules
 
 
-# ---- flashinfer.tllm_enums (values of 0.7.2.post1) -----------------------------------------------
+# ---- flashinfer.tllm_enums (0.7.2.post1: each member's value is its position, from 0) --------------
 
-class RoutingMethodType(enum.IntEnum):
-    Default = 0
-    Renormalize = 1
-    DeepSeekV3 = 2
-    Llama4 = 3
-    RenormalizeNaive = 4
-    TopK = 5
-    SigmoidRenorm = 6
-    MiniMax2 = 7
-    Sigmoid = 8
-    TopKSigmoid = 9
-    Unspecified = 10
-
-
-class ActivationType(enum.IntEnum):
-    Gelu = 0
-    Relu = 1
-    Silu = 2
-    Swiglu = 3
-    Geglu = 4
-    SwigluBias = 5
-    Relu2 = 6
-    SwigluStep = 7
-    GegluTanh = 8
-    Identity = 9
-
-
-class WeightLayout(enum.IntEnum):
-    MajorK = 0
-    MajorMn = 1
-    BlockMajorK = 2
-
-
-class SfLayout(enum.IntEnum):
-    layout_128x4 = 0
-    layout_8x4 = 1
-    layout_linear = 2
+RoutingMethodType = enum.IntEnum("RoutingMethodType", "Default Renormalize DeepSeekV3 Llama4 RenormalizeNaive TopK "
+                                 "SigmoidRenorm MiniMax2 Sigmoid TopKSigmoid Unspecified", start=0)
+ActivationType = enum.IntEnum("ActivationType", "Gelu Relu Silu Swiglu Geglu SwigluBias Relu2 SwigluStep GegluTanh "
+                              "Identity", start=0)
+WeightLayout = enum.IntEnum("WeightLayout", "MajorK MajorMn BlockMajorK", start=0)
+SfLayout = enum.IntEnum("SfLayout", "layout_128x4 layout_8x4 layout_linear", start=0)
 
 
 # ---- typed activation values (flashinfer.fused_moe.SwiGLU / ReLU2) -------------------------------
@@ -79,6 +51,90 @@ class SwiGLU:
 @dataclass(frozen=True)
 class ReLU2:
     is_gated = False
+
+
+# ---- the published signatures -------------------------------------------------------------------
+# In order: a string names required parameters, a dict gives defaulted ones, "*" makes the rest keyword-only.
+
+_PREPARE_WEIGHTS = ("w1_bf16 w2_bf16", "*", "num_local_experts hidden_size intermediate_size")
+_EXPERT_COUNTS = "num_experts top_k n_group topk_group intermediate_size local_expert_offset local_num_experts"
+_FP4_COMMON = (  # what both fp4 kernels take after their first two parameters
+    "hidden_states hidden_states_scale gemm1_weights gemm1_weights_scale gemm1_bias gemm1_alpha gemm1_beta "
+    "gemm1_clamp_limit gemm2_weights gemm2_weights_scale gemm2_bias output1_scale_scalar output1_scale_gate_scalar "
+    "output2_scale_scalar", _EXPERT_COUNTS, "routed_scaling_factor",
+    dict(routing_method_type=0, do_finalize=True, enable_pdl=None, activation_type=ActivationType.Swiglu.value,
+         per_token_scale=None, output=None, tune_max_num_tokens=8192))
+
+SIGNATURES = {
+    "TrtllmBf16Config.prepare_weights": (*_PREPARE_WEIGHTS, dict(activation=None, device=None, permute_cache=None)),
+    "CutlassBf16Config.prepare_weights": (*_PREPARE_WEIGHTS, dict(activation=None, device=None)),
+    "TrtllmFp4Config.prepare_weights": ("w1_bf16 w2_bf16", "*", dict(quant=None),
+                                        "num_local_experts hidden_size intermediate_size",
+                                        dict(activation=None, device=None, permute_cache=None)),
+    "TrtllmFp4Config.prepare_activations": ("hidden_states_bf16", "*", dict(quant=None)),
+    "trtllm_bf16_moe": (
+        "routing_logits routing_bias hidden_states gemm1_weights gemm2_weights", _EXPERT_COUNTS,
+        dict(routed_scaling_factor=None, routing_method_type=0, use_shuffled_weight=True,
+             weight_layout=WeightLayout.BlockMajorK, do_finalize=True, enable_pdl=True, tune_max_num_tokens=8192,
+             activation_type=ActivationType.Swiglu.value, norm_topk_prob=True, routing_replay_out=None,
+             gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None, output=None)),
+    "trtllm_bf16_routed_moe": (
+        "topk_ids hidden_states gemm1_weights gemm2_weights", _EXPERT_COUNTS,
+        dict(routed_scaling_factor=None, routing_method_type=0, use_shuffled_weight=True,
+             weight_layout=WeightLayout.BlockMajorK, do_finalize=True, enable_pdl=True, gemm1_lora_delta=None,
+             tune_max_num_tokens=8192, activation_type=ActivationType.Swiglu.value, routing_replay_out=None,
+             gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None, output=None)),
+    "trtllm_fp4_block_scale_moe": (
+        "routing_logits routing_bias", *_FP4_COMMON,
+        dict(norm_topk_prob=True, routing_replay_out=None, num_fused_shared_experts=None, valid_hidden_size=None,
+             valid_intermediate_size=None, hidden_states_scale_layout=None)),
+    "trtllm_fp4_block_scale_routed_moe": (
+        "topk_ids routing_bias", *_FP4_COMMON,
+        dict(gemm1_lora_delta=None, valid_hidden_size=None, valid_intermediate_size=None,
+             num_fused_shared_experts=None, hidden_states_scale_layout=None)),
+    "cutlass_fused_moe": (
+        "input token_selected_experts token_final_scales fc1_expert_weights fc2_expert_weights output_dtype "
+        "quant_scales",
+        dict(fc1_expert_biases=None, fc2_expert_biases=None, input_sf=None, swiglu_alpha=None, swiglu_beta=None,
+             swiglu_limit=None, tp_size=1, tp_rank=0, ep_size=1, ep_rank=0, cluster_size=1, cluster_rank=0,
+             output=None, enable_alltoall=False, use_deepseek_fp8_block_scale=False, use_w4_group_scaling=False,
+             use_mxfp8_act_scaling=False, min_latency_mode=False, use_packed_weights=False,
+             use_wfp4afp8_humming=False, tune_max_num_tokens=8192, enable_pdl=None,
+             activation_type=ActivationType.Swiglu, swizzled_input_sf=True, use_fused_finalize=True,
+             profile_ids=None, workspace_buffer=None),
+        "*", dict(clamped_relu2_limit=None, situ_beta=None, situ_linear_beta=None, backend="cutlass")),
+}
+
+CALLS: list[tuple[str, dict]] = []  # kernel calls: (name, every argument bound, defaults included)
+
+
+def _signature(params: tuple) -> inspect.Signature:
+    kind, parameters = inspect.Parameter.POSITIONAL_OR_KEYWORD, []
+    for item in params:
+        if item == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        defaults = item if isinstance(item, dict) else dict.fromkeys(item.split(), inspect.Parameter.empty)
+        parameters += [inspect.Parameter(name, kind, default=default) for name, default in defaults.items()]
+    return inspect.Signature(parameters)
+
+
+def stand_in(name: str, record: bool = True):
+    """`@stand_in(name)`: entry point `name`, taking its published signature; the decorated semantics gets
+    the bound arguments, defaults applied, as attributes of one namespace."""
+    signature = _signature(SIGNATURES[name])
+
+    def decorate(semantics):
+        def entry_point(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)  # a wrong argument list raises TypeError, as a real call does
+            bound.apply_defaults()
+            if record:
+                CALLS.append((name, dict(bound.arguments)))
+            return semantics(types.SimpleNamespace(**bound.arguments))
+
+        entry_point.__name__, entry_point.__qualname__, entry_point.__signature__ = semantics.__name__, name, signature
+        return entry_point
+    return decorate
 
 
 # ---- prepared views: what prepare_weights returned, to check the kernels get exactly that ---------
@@ -94,7 +150,6 @@ class Prepared:
 
 PREPARED: dict[int, Prepared] = {}  # id(first weight tensor of the view) -> what it holds
 ACTIVATIONS: dict[int, torch.Tensor] = {}  # id(NVFP4 hidden states) -> the bf16 originals
-CALLS: list[tuple[str, dict]] = []
 
 
 def _check(condition: bool, message: str):
@@ -102,14 +157,16 @@ def _check(condition: bool, message: str):
         raise AssertionError(f"FlashInfer contract: {message}")
 
 
-def _check_geometry(kind, w1, w2, num_local_experts, hidden_size, intermediate_size, activation, device):
+def _check_geometry(kind: str, args) -> int:
+    w1, w2, activation = args.w1_bf16, args.w2_bf16, args.activation
+    E, H, I = args.num_local_experts, args.hidden_size, args.intermediate_size
     _check(w1.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16, f"{kind} expects bf16 weights")
     _check(isinstance(activation, (SwiGLU, ReLU2)), f"activation must be a typed value, got {activation!r}")
-    rows = intermediate_size * (2 if activation.is_gated else 1)
-    _check(tuple(w1.shape) == (num_local_experts, rows, hidden_size), f"w1 {tuple(w1.shape)} != {(num_local_experts, rows, hidden_size)}")
-    _check(tuple(w2.shape) == (num_local_experts, hidden_size, intermediate_size), f"w2 {tuple(w2.shape)}")
+    rows = I * (2 if activation.is_gated else 1)
+    _check(tuple(w1.shape) == (E, rows, H), f"w1 {tuple(w1.shape)} != {(E, rows, H)}")
+    _check(tuple(w2.shape) == (E, H, I), f"w2 {tuple(w2.shape)}")
     _check(w1.is_contiguous() and w2.is_contiguous(), "weights must be contiguous")
-    _check(torch.device(device) == w1.device, "device must be the weights' device")
+    _check(torch.device(args.device) == w1.device, "device must be the weights' device")
     return rows
 
 
@@ -120,61 +177,61 @@ def _block_major_k(w: torch.Tensor) -> torch.Tensor:
     return w.view(E, M, K // 64, 64).permute(0, 2, 1, 3).contiguous()  # [E, K/64, M, 64]
 
 
-def _register(view: dict, kind: str, w1, w2, gated: bool) -> dict:
-    PREPARED[id(next(iter(view.values())))] = Prepared(kind, w1.float(), w2.float(), gated, view)
+def _register(view: dict, kind: str, args) -> dict:
+    gated = args.activation.is_gated
+    PREPARED[id(next(iter(view.values())))] = Prepared(kind, args.w1_bf16.float(), args.w2_bf16.float(), gated, view)
     return view
 
 
-class TrtllmBf16Config:
-    @staticmethod
-    def prepare_weights(w1_bf16, w2_bf16, *, num_local_experts, hidden_size, intermediate_size, activation=None,
-                        device=None, permute_cache=None):
-        _check_geometry("TrtllmBf16Config", w1_bf16, w2_bf16, num_local_experts, hidden_size, intermediate_size,
-                        activation, device)
-        view = {"gemm1_weights": _block_major_k(w1_bf16), "gemm2_weights": _block_major_k(w2_bf16)}
-        return _register(view, "trtllm_bf16", w1_bf16, w2_bf16, activation.is_gated)
+@stand_in("TrtllmBf16Config.prepare_weights", record=False)
+def _prepare_trtllm_bf16(args):
+    _check_geometry("TrtllmBf16Config", args)
+    view = {"gemm1_weights": _block_major_k(args.w1_bf16), "gemm2_weights": _block_major_k(args.w2_bf16)}
+    return _register(view, "trtllm_bf16", args)
 
 
-class CutlassBf16Config:
-    @staticmethod
-    def prepare_weights(w1_bf16, w2_bf16, *, num_local_experts, hidden_size, intermediate_size, activation=None,
-                        device=None):
-        _check_geometry("CutlassBf16Config", w1_bf16, w2_bf16, num_local_experts, hidden_size, intermediate_size,
-                        activation, device)
-        _check(intermediate_size % 16 == 0, f"CUTLASS MoE needs I % 16 == 0, got {intermediate_size}")
-        view = {"fc1_expert_weights": w1_bf16.contiguous(), "fc2_expert_weights": w2_bf16.contiguous()}
-        return _register(view, "cutlass_bf16", w1_bf16, w2_bf16, activation.is_gated)
+@stand_in("CutlassBf16Config.prepare_weights", record=False)
+def _prepare_cutlass_bf16(args):
+    _check_geometry("CutlassBf16Config", args)
+    _check(args.intermediate_size % 16 == 0, f"CUTLASS MoE needs I % 16 == 0, got {args.intermediate_size}")
+    view = {"fc1_expert_weights": args.w1_bf16.contiguous(), "fc2_expert_weights": args.w2_bf16.contiguous()}
+    return _register(view, "cutlass_bf16", args)
 
 
-class TrtllmFp4Config:
-    @staticmethod
-    def prepare_weights(w1_bf16, w2_bf16, *, quant=None, num_local_experts, hidden_size, intermediate_size,
-                        activation=None, device=None, permute_cache=None):
-        rows = _check_geometry("TrtllmFp4Config", w1_bf16, w2_bf16, num_local_experts, hidden_size,
-                               intermediate_size, activation, device)
-        _check(quant is None, "NVFP4 x NVFP4 is the default pair")
-        _check(hidden_size % 16 == 0 and intermediate_size % 16 == 0, "NVFP4 needs H, I divisible by 16")
-        _check(rows % 128 == 0, f"GEMM1 rows {rows} not divisible by 128")
-        E, H, I = num_local_experts, hidden_size, intermediate_size
-        ones = torch.ones(E, dtype=torch.float32)
-        view = {
-            "gemm1_weights": torch.zeros(E, rows, H // 2, dtype=torch.uint8),
-            "gemm1_weights_scale": torch.zeros(E, rows, H // 16, dtype=torch.float8_e4m3fn),
-            "gemm2_weights": torch.zeros(E, H, I // 2, dtype=torch.uint8),
-            "gemm2_weights_scale": torch.zeros(E, H, I // 16, dtype=torch.float8_e4m3fn),
-            "output1_scale_scalar": ones, "output1_scale_gate_scalar": ones, "output2_scale_scalar": ones,
-        }
-        if activation.is_gated:
-            view["gemm1_alpha"] = ones
-        return _register(view, "trtllm_fp4", w1_bf16, w2_bf16, activation.is_gated)
+@stand_in("TrtllmFp4Config.prepare_weights", record=False)
+def _prepare_trtllm_fp4(args):
+    rows = _check_geometry("TrtllmFp4Config", args)
+    E, H, I = args.num_local_experts, args.hidden_size, args.intermediate_size
+    _check(args.quant is None, "NVFP4 x NVFP4 is the default pair")
+    _check(H % 16 == 0 and I % 16 == 0, "NVFP4 needs H, I divisible by 16")
+    _check(rows % 128 == 0, f"GEMM1 rows {rows} not divisible by 128")
+    ones = torch.ones(E, dtype=torch.float32)
+    view = {
+        "gemm1_weights": torch.zeros(E, rows, H // 2, dtype=torch.uint8),
+        "gemm1_weights_scale": torch.zeros(E, rows, H // 16, dtype=torch.float8_e4m3fn),
+        "gemm2_weights": torch.zeros(E, H, I // 2, dtype=torch.uint8),
+        "gemm2_weights_scale": torch.zeros(E, H, I // 16, dtype=torch.float8_e4m3fn),
+        "output1_scale_scalar": ones, "output1_scale_gate_scalar": ones, "output2_scale_scalar": ones,
+    }
+    if args.activation.is_gated:
+        view["gemm1_alpha"] = ones
+    return _register(view, "trtllm_fp4", args)
 
-    @staticmethod
-    def prepare_activations(hidden_states_bf16, *, quant=None):
-        _check(hidden_states_bf16.dim() == 2 and hidden_states_bf16.dtype == torch.bfloat16, "activations: 2-D bf16")
-        T, H = hidden_states_bf16.shape
-        q = torch.zeros(T, H // 2, dtype=torch.uint8)
-        ACTIVATIONS[id(q)] = hidden_states_bf16.float()
-        return q, torch.zeros(T, H // 16, dtype=torch.float8_e4m3fn)
+
+@stand_in("TrtllmFp4Config.prepare_activations", record=False)
+def _prepare_fp4_activations(args):
+    x = args.hidden_states_bf16
+    _check(x.dim() == 2 and x.dtype == torch.bfloat16, "activations: 2-D bf16")
+    T, H = x.shape
+    q = torch.zeros(T, H // 2, dtype=torch.uint8)
+    ACTIVATIONS[id(q)] = x.float()
+    return q, torch.zeros(T, H // 16, dtype=torch.float8_e4m3fn)
+
+
+TrtllmBf16Config = types.SimpleNamespace(prepare_weights=_prepare_trtllm_bf16)
+CutlassBf16Config = types.SimpleNamespace(prepare_weights=_prepare_cutlass_bf16)
+TrtllmFp4Config = types.SimpleNamespace(prepare_weights=_prepare_trtllm_fp4,
+                                        prepare_activations=_prepare_fp4_activations)
 
 
 # ---- the documented semantics --------------------------------------------------------------------
@@ -213,30 +270,43 @@ def _experts(x: torch.Tensor, prepared: Prepared, activation_type, ids, weights)
     return out
 
 
-def _prepared(kind: str, **tensors: torch.Tensor) -> Prepared:
-    prepared = PREPARED.get(id(next(iter(tensors.values()))))
+def _prepared(kind: str, args, *names: str) -> Prepared:
+    """What prepare_weights recorded for the view these arguments come from; each must be that very tensor."""
+    prepared = PREPARED.get(id(getattr(args, names[0])))
     _check(prepared is not None and prepared.kind == kind, f"weights are not the {kind} view prepare_weights returned")
-    for name, tensor in tensors.items():
-        _check(tensor is prepared.view[name], f"{name} is not the prepared tensor of that name")
+    for name in names:
+        _check(getattr(args, name) is prepared.view[name], f"{name} is not the prepared tensor of that name")
     return prepared
 
 
-def _check_trtllm_common(prepared, num_experts, top_k, n_group, topk_group, intermediate_size, local_expert_offset,
-                         local_num_experts, routed_scaling_factor, routing_method_type, do_finalize):
+def _trtllm_routing(args, prepared: Prepared, num_tokens: int):
+    """(ids, weights): routed from the logits as routing_method_type names, or the routed calls' top-k as given."""
     E, I = prepared.w2.shape[0], prepared.w2.shape[2]
-    _check(num_experts == E and local_num_experts == E and local_expert_offset == 0, "expert counts / offset")
-    _check(intermediate_size == I, f"intermediate_size {intermediate_size} != prepared I {I}")
-    _check(1 <= top_k <= E, f"top_k {top_k}")
-    _check(n_group is None and topk_group is None, "grouping only with DeepSeekV3")
-    _check(routed_scaling_factor is None, "no routed scaling for these methods")
-    _check(do_finalize is True, "do_finalize=True returns the output")
-    return RoutingMethodType(routing_method_type)
+    _check(args.num_experts == E and args.local_num_experts == E and args.local_expert_offset == 0,
+           "expert counts / offset")
+    _check(args.intermediate_size == I, f"intermediate_size {args.intermediate_size} != prepared I {I}")
+    _check(1 <= args.top_k <= E, f"top_k {args.top_k}")
+    _check(args.n_group is None and args.topk_group is None, "grouping only with DeepSeekV3")
+    _check(args.routed_scaling_factor is None, "no routed scaling for these methods")
+    _check(args.do_finalize is True, "do_finalize=True returns the output")
+    method = RoutingMethodType(args.routing_method_type)
+    if "topk_ids" in vars(args):  # trtllm_*_routed_moe
+        _check(method is RoutingMethodType.TopK, f"precomputed routing is used as given (TopK), got {method!r}")
+        return _check_routed_ids(args.topk_ids, num_tokens, args.top_k, args.num_experts)
+    _check(args.routing_logits.dtype in (torch.float32, torch.bfloat16), "routing_logits f32/bf16")
+    _check(tuple(args.routing_logits.shape) == (num_tokens, args.num_experts), "routing_logits (T, E)")
+    _check(args.routing_bias is None, "no routing bias for these methods")
+    return _route(args.routing_logits, args.top_k, method, args.norm_topk_prob)
 
 
-def _check_bf16_layout(hidden_states, use_shuffled_weight, weight_layout, prepared):
-    _check(hidden_states.dtype == torch.bfloat16 and hidden_states.dim() == 2, "hidden_states (T, H) bf16")
-    _check(hidden_states.shape[1] == prepared.w2.shape[1], "hidden size")
-    _check(use_shuffled_weight is True and weight_layout == WeightLayout.BlockMajorK, "BlockMajorK, shuffled")
+def _check_bf16(args) -> Prepared:
+    """The bf16 operands both bf16 kernels take; returns what was prepared."""
+    prepared = _prepared("trtllm_bf16", args, "gemm1_weights", "gemm2_weights")
+    x = args.hidden_states
+    _check(x.dtype == torch.bfloat16 and x.dim() == 2, "hidden_states (T, H) bf16")
+    _check(x.shape[1] == prepared.w2.shape[1], "hidden size")
+    _check(args.use_shuffled_weight is True and args.weight_layout == WeightLayout.BlockMajorK, "BlockMajorK, shuffled")
+    return prepared
 
 
 def _check_routed_ids(topk_ids, num_tokens, top_k, num_experts):
@@ -249,140 +319,82 @@ def _check_routed_ids(topk_ids, num_tokens, top_k, num_experts):
     return ids, weights
 
 
-def trtllm_bf16_moe(routing_logits, routing_bias, hidden_states, gemm1_weights, gemm2_weights, num_experts, top_k,
-                    n_group, topk_group, intermediate_size, local_expert_offset, local_num_experts,
-                    routed_scaling_factor=None, routing_method_type=0, use_shuffled_weight=True,
-                    weight_layout=WeightLayout.BlockMajorK, do_finalize=True, enable_pdl=True,
-                    tune_max_num_tokens=8192, activation_type=ActivationType.Swiglu.value, norm_topk_prob=True,
-                    routing_replay_out=None, gemm1_alpha=None, gemm1_beta=None, gemm1_clamp_limit=None, output=None):
-    CALLS.append(("trtllm_bf16_moe", dict(locals())))
-    prepared = _prepared("trtllm_bf16", gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
-    method = _check_trtllm_common(prepared, num_experts, top_k, n_group, topk_group, intermediate_size,
-                                  local_expert_offset, local_num_experts, routed_scaling_factor, routing_method_type,
-                                  do_finalize)
-    _check_bf16_layout(hidden_states, use_shuffled_weight, weight_layout, prepared)
-    _check(routing_logits.dtype in (torch.float32, torch.bfloat16), "routing_logits f32/bf16")
-    _check(tuple(routing_logits.shape) == (hidden_states.shape[0], num_experts), "routing_logits (T, E)")
-    _check(routing_bias is None, "no routing bias for these methods")
-    ids, weights = _route(routing_logits, top_k, method, norm_topk_prob)
-    return _experts(hidden_states, prepared, ActivationType(activation_type), ids, weights).to(torch.bfloat16)
-
-
-def trtllm_bf16_routed_moe(topk_ids, hidden_states, gemm1_weights, gemm2_weights, num_experts, top_k, n_group,
-                           topk_group, intermediate_size, local_expert_offset, local_num_experts,
-                           routed_scaling_factor=None, routing_method_type=0, use_shuffled_weight=True,
-                           weight_layout=WeightLayout.BlockMajorK, do_finalize=True, enable_pdl=True,
-                           gemm1_lora_delta=None, tune_max_num_tokens=8192,
-                           activation_type=ActivationType.Swiglu.value, routing_replay_out=None, gemm1_alpha=None,
-                           gemm1_beta=None, gemm1_clamp_limit=None, output=None):
-    CALLS.append(("trtllm_bf16_routed_moe", dict(locals())))
-    prepared = _prepared("trtllm_bf16", gemm1_weights=gemm1_weights, gemm2_weights=gemm2_weights)
-    method = _check_trtllm_common(prepared, num_experts, top_k, n_group, topk_group, intermediate_size,
-                                  local_expert_offset, local_num_experts, routed_scaling_factor, routing_method_type,
-                                  do_finalize)
-    _check(method is RoutingMethodType.TopK, f"precomputed routing is used as given (TopK), got {method!r}")
-    _check_bf16_layout(hidden_states, use_shuffled_weight, weight_layout, prepared)
-    _check(gemm1_lora_delta is None, "no LoRA delta")
-    ids, weights = _check_routed_ids(topk_ids, hidden_states.shape[0], top_k, num_experts)
-    return _experts(hidden_states, prepared, ActivationType(activation_type), ids, weights).to(torch.bfloat16)
-
-
-def _check_fp4(hidden_states, hidden_states_scale, hidden_states_scale_layout, gemm1_weights, gemm1_weights_scale,
-               gemm1_bias, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, gemm2_weights, gemm2_weights_scale, gemm2_bias,
-               output1_scale_scalar, output1_scale_gate_scalar, output2_scale_scalar):
-    prepared = _prepared("trtllm_fp4", gemm1_weights=gemm1_weights, gemm1_weights_scale=gemm1_weights_scale,
-                         gemm2_weights=gemm2_weights, gemm2_weights_scale=gemm2_weights_scale,
-                         output1_scale_scalar=output1_scale_scalar, output2_scale_scalar=output2_scale_scalar)
+def _check_fp4(args) -> tuple[Prepared, torch.Tensor]:
+    """The NVFP4 operands both fp4 kernels take; returns what was prepared and the bf16 activations."""
+    prepared = _prepared("trtllm_fp4", args, "gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
+                         "gemm2_weights_scale", "output1_scale_scalar", "output2_scale_scalar")
     E, H, I = prepared.w2.shape
     rows = prepared.w1.shape[1]
-    x = ACTIVATIONS.get(id(hidden_states))
+    x = ACTIVATIONS.get(id(args.hidden_states))
     _check(x is not None, "hidden_states are the NVFP4 activations prepare_activations returned")
-    T = x.shape[0]
-    _check(hidden_states.dtype == torch.uint8 and tuple(hidden_states.shape) == (T, H // 2), "packed fp4 hidden states")
-    _check(hidden_states_scale.dtype == torch.float8_e4m3fn and tuple(hidden_states_scale.shape) == (T, H // 16),
+    T, scale = x.shape[0], args.hidden_states_scale
+    _check(args.hidden_states.dtype == torch.uint8 and tuple(args.hidden_states.shape) == (T, H // 2),
+           "packed fp4 hidden states")
+    _check(scale.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (T, H // 16),
            "hidden_states_scale (T, H/16) e4m3")
-    _check(hidden_states_scale_layout == SfLayout.layout_linear, "prepare_activations writes the linear layout")
-    _check(tuple(gemm1_weights.shape) == (E, rows, H // 2) and gemm1_weights_scale.dtype == torch.float8_e4m3fn,
+    _check(args.hidden_states_scale_layout == SfLayout.layout_linear, "prepare_activations writes the linear layout")
+    w1, w1_scale = args.gemm1_weights, args.gemm1_weights_scale
+    w2, w2_scale = args.gemm2_weights, args.gemm2_weights_scale
+    _check(tuple(w1.shape) == (E, rows, H // 2) and w1_scale.dtype == torch.float8_e4m3fn,
            "gemm1 fp4 weights and e4m3 scales")
-    _check(tuple(gemm2_weights.shape) == (E, H, I // 2) and tuple(gemm2_weights_scale.shape) == (E, H, I // 16),
-           "gemm2 fp4 weights and scales")
-    for scalar in (output1_scale_scalar, output1_scale_gate_scalar, output2_scale_scalar):
+    _check(tuple(w2.shape) == (E, H, I // 2) and tuple(w2_scale.shape) == (E, H, I // 16), "gemm2 fp4 weights and scales")
+    for scalar in (args.output1_scale_scalar, args.output1_scale_gate_scalar, args.output2_scale_scalar):
         _check(scalar.dtype == torch.float32 and tuple(scalar.shape) == (E,), "per-expert float32 output scales")
-    _check((gemm1_alpha is not None) == prepared.gated, "gemm1_alpha exactly for gated NVFP4")
-    _check(gemm1_bias is None and gemm2_bias is None and gemm1_beta is None and gemm1_clamp_limit is None,
-           "no biases, no SwiGLU beta / clamp")
+    _check((args.gemm1_alpha is not None) == prepared.gated, "gemm1_alpha exactly for gated NVFP4")
+    _check(args.gemm1_bias is None and args.gemm2_bias is None and args.gemm1_beta is None
+           and args.gemm1_clamp_limit is None, "no biases, no SwiGLU beta / clamp")
     return prepared, x
 
 
-def trtllm_fp4_block_scale_moe(routing_logits, routing_bias, hidden_states, hidden_states_scale, gemm1_weights,
-                               gemm1_weights_scale, gemm1_bias, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
-                               gemm2_weights, gemm2_weights_scale, gemm2_bias, output1_scale_scalar,
-                               output1_scale_gate_scalar, output2_scale_scalar, num_experts, top_k, n_group,
-                               topk_group, intermediate_size, local_expert_offset, local_num_experts,
-                               routed_scaling_factor, routing_method_type=0, do_finalize=True, enable_pdl=None,
-                               activation_type=ActivationType.Swiglu.value, per_token_scale=None, output=None,
-                               tune_max_num_tokens=8192, norm_topk_prob=True, routing_replay_out=None,
-                               num_fused_shared_experts=None, valid_hidden_size=None, valid_intermediate_size=None,
-                               hidden_states_scale_layout=None):
-    CALLS.append(("trtllm_fp4_block_scale_moe", dict(locals())))
-    prepared, x = _check_fp4(hidden_states, hidden_states_scale, hidden_states_scale_layout, gemm1_weights,
-                             gemm1_weights_scale, gemm1_bias, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, gemm2_weights,
-                             gemm2_weights_scale, gemm2_bias, output1_scale_scalar, output1_scale_gate_scalar,
-                             output2_scale_scalar)
-    method = _check_trtllm_common(prepared, num_experts, top_k, n_group, topk_group, intermediate_size,
-                                  local_expert_offset, local_num_experts, routed_scaling_factor, routing_method_type,
-                                  do_finalize)
-    _check(routing_bias is None and tuple(routing_logits.shape) == (x.shape[0], num_experts), "routing_logits (T, E)")
-    ids, weights = _route(routing_logits, top_k, method, norm_topk_prob)
-    return [_experts(x, prepared, ActivationType(activation_type), ids, weights).to(torch.bfloat16)]
+# ---- the kernels ---------------------------------------------------------------------------------
+
+@stand_in("trtllm_bf16_moe")
+def trtllm_bf16_moe(args):
+    prepared = _check_bf16(args)
+    ids, weights = _trtllm_routing(args, prepared, len(args.hidden_states))
+    return _experts(args.hidden_states, prepared, ActivationType(args.activation_type), ids, weights).to(torch.bfloat16)
 
 
-def trtllm_fp4_block_scale_routed_moe(topk_ids, routing_bias, hidden_states, hidden_states_scale, gemm1_weights,
-                                      gemm1_weights_scale, gemm1_bias, gemm1_alpha, gemm1_beta, gemm1_clamp_limit,
-                                      gemm2_weights, gemm2_weights_scale, gemm2_bias, output1_scale_scalar,
-                                      output1_scale_gate_scalar, output2_scale_scalar, num_experts, top_k, n_group,
-                                      topk_group, intermediate_size, local_expert_offset, local_num_experts,
-                                      routed_scaling_factor, routing_method_type=0, do_finalize=True, enable_pdl=None,
-                                      activation_type=ActivationType.Swiglu.value, per_token_scale=None, output=None,
-                                      tune_max_num_tokens=8192, gemm1_lora_delta=None, valid_hidden_size=None,
-                                      valid_intermediate_size=None, num_fused_shared_experts=None,
-                                      hidden_states_scale_layout=None):
-    CALLS.append(("trtllm_fp4_block_scale_routed_moe", dict(locals())))
-    prepared, x = _check_fp4(hidden_states, hidden_states_scale, hidden_states_scale_layout, gemm1_weights,
-                             gemm1_weights_scale, gemm1_bias, gemm1_alpha, gemm1_beta, gemm1_clamp_limit, gemm2_weights,
-                             gemm2_weights_scale, gemm2_bias, output1_scale_scalar, output1_scale_gate_scalar,
-                             output2_scale_scalar)
-    method = _check_trtllm_common(prepared, num_experts, top_k, n_group, topk_group, intermediate_size,
-                                  local_expert_offset, local_num_experts, routed_scaling_factor, routing_method_type,
-                                  do_finalize)
-    _check(method is RoutingMethodType.TopK and routing_bias is None, "precomputed routing used as given")
-    ids, weights = _check_routed_ids(topk_ids, x.shape[0], top_k, num_experts)
-    return [_experts(x, prepared, ActivationType(activation_type), ids, weights).to(torch.bfloat16)]
+@stand_in("trtllm_bf16_routed_moe")
+def trtllm_bf16_routed_moe(args):
+    prepared = _check_bf16(args)
+    _check(args.gemm1_lora_delta is None, "no LoRA delta")
+    ids, weights = _trtllm_routing(args, prepared, len(args.hidden_states))
+    return _experts(args.hidden_states, prepared, ActivationType(args.activation_type), ids, weights).to(torch.bfloat16)
 
 
-def cutlass_fused_moe(input, token_selected_experts, token_final_scales, fc1_expert_weights, fc2_expert_weights,
-                      output_dtype, quant_scales, fc1_expert_biases=None, fc2_expert_biases=None, input_sf=None,
-                      swiglu_alpha=None, swiglu_beta=None, swiglu_limit=None, tp_size=1, tp_rank=0, ep_size=1,
-                      ep_rank=0, cluster_size=1, cluster_rank=0, output=None, enable_alltoall=False,
-                      use_deepseek_fp8_block_scale=False, use_w4_group_scaling=False, use_mxfp8_act_scaling=False,
-                      min_latency_mode=False, use_packed_weights=False, use_wfp4afp8_humming=False,
-                      tune_max_num_tokens=8192, enable_pdl=None, activation_type=ActivationType.Swiglu,
-                      swizzled_input_sf=True, use_fused_finalize=True, profile_ids=None, workspace_buffer=None, *,
-                      clamped_relu2_limit=None, situ_beta=None, situ_linear_beta=None, backend="cutlass"):
-    CALLS.append(("cutlass_fused_moe", dict(locals())))
-    prepared = _prepared("cutlass_bf16", fc1_expert_weights=fc1_expert_weights, fc2_expert_weights=fc2_expert_weights)
+@stand_in("trtllm_fp4_block_scale_moe")
+def trtllm_fp4_block_scale_moe(args):
+    prepared, x = _check_fp4(args)
+    ids, weights = _trtllm_routing(args, prepared, len(x))
+    return [_experts(x, prepared, ActivationType(args.activation_type), ids, weights).to(torch.bfloat16)]
+
+
+@stand_in("trtllm_fp4_block_scale_routed_moe")
+def trtllm_fp4_block_scale_routed_moe(args):
+    prepared, x = _check_fp4(args)
+    _check(args.routing_bias is None, "precomputed routing used as given")
+    ids, weights = _trtllm_routing(args, prepared, len(x))
+    return [_experts(x, prepared, ActivationType(args.activation_type), ids, weights).to(torch.bfloat16)]
+
+
+@stand_in("cutlass_fused_moe")
+def cutlass_fused_moe(args):
+    prepared = _prepared("cutlass_bf16", args, "fc1_expert_weights", "fc2_expert_weights")
     E, H, I = prepared.w2.shape
-    _check(input.dim() == 2 and input.shape[1] == H and input.dtype == torch.bfloat16, "input (T, H) bf16")
-    _check(tuple(fc2_expert_weights.shape) == (E, H, I), "fc2 (E, H, I)")
-    _check(output_dtype == input.dtype, "output_dtype")
-    _check(quant_scales == [] or quant_scales is None, "no quant scales for bf16")
-    _check(isinstance(activation_type, ActivationType), "activation_type is an ActivationType")
-    _check(fc1_expert_biases is None and fc2_expert_biases is None and swiglu_alpha is None, "no biases / swiglu params")
-    _check(not enable_alltoall and (tp_size, ep_size) == (1, 1), "no all-to-all, no parallelism")
-    _check(token_final_scales.dtype == torch.float32, "token_final_scales float32")
-    ids, weights = _check_routed_ids((token_selected_experts, token_final_scales), input.shape[0],
-                                     token_selected_experts.shape[1], E)
-    return _experts(input, prepared, activation_type, ids, weights).to(output_dtype)
+    x = args.input
+    _check(x.dim() == 2 and x.shape[1] == H and x.dtype == torch.bfloat16, "input (T, H) bf16")
+    _check(tuple(args.fc2_expert_weights.shape) == (E, H, I), "fc2 (E, H, I)")
+    _check(args.output_dtype == x.dtype, "output_dtype")
+    _check(args.quant_scales == [] or args.quant_scales is None, "no quant scales for bf16")
+    _check(isinstance(args.activation_type, ActivationType), "activation_type is an ActivationType")
+    _check(args.fc1_expert_biases is None and args.fc2_expert_biases is None and args.swiglu_alpha is None,
+           "no biases / swiglu params")
+    _check(not args.enable_alltoall and (args.tp_size, args.ep_size) == (1, 1), "no all-to-all, no parallelism")
+    _check(args.token_final_scales.dtype == torch.float32, "token_final_scales float32")
+    ids, weights = _check_routed_ids((args.token_selected_experts, args.token_final_scales), x.shape[0],
+                                     args.token_selected_experts.shape[1], E)
+    return _experts(x, prepared, args.activation_type, ids, weights).to(args.output_dtype)
 
 
 # ---- the modules --------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close
 from moe_triton.activation import Activation, ActivationKind, activate, activation_torch
 
 KINDS = [

@@ -1,5 +1,6 @@
 """moe_triton.parallel on CPU: the reduction table, sharding in one process, and spawned gloo ranks
-(world sizes 2 and 4) whose outputs must equal the single-process reference on the full weights.
+(world sizes 2 and 4) whose outputs must equal the single-process reference on the full weights;
+on GPUs (pytest -m gpu), the same checks over NCCL, one GPU per rank.
 
 The spawned ranks run the Triton kernels under the interpreter at tiny sizes; a few cases use the
 torch reference as the local experts (`backend="torch"`), so both local paths are covered.
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_close
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
+from helpers import assert_close, random_expert_weights
 from moe_triton import Activation, ActivationKind, ExpertWeights, FusedMoE, Placement, fused_experts, fused_experts_torch
 from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
                                  compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,
@@ -92,8 +93,7 @@ def test_scattered_rows_cover_every_row_once(num_tokens, size):
 def _layer(E, K, H, I, activation, T=9, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g)
-    w13 = torch.randn(E, 2 * I if activation.gated else I, H, generator=g) / H**0.5
-    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    w13, w2 = random_expert_weights(g, E, H, I, activation.gated)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     return x, w13, w2, ids, torch.rand(T, K, generator=g)
 
@@ -270,3 +270,68 @@ def test_docs_example_runs_under_torchrun(tmp_path):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           str(script)], env=env, capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+# ---- NCCL, one GPU per rank (pytest -m gpu) ------------------------------------------------------
+# The gloo checks above at real-ish sizes in bf16 on the compiled Triton kernels: TP, EP by
+# all-to-all and replicated, zero-token ranks, uneven counts, top-k above E/ep, reduce-scatter, and
+# outputs near the bf16 maximum that overflow if double-counted. Two GPUs (the `nvidia-h200-x2`
+# kind) cover world size 2; EP x TP needs four and is skipped on two. Spawned ranks keep NVLink
+# multicast off (distributed_harness.SUBPROCESS_ENV).
+NCCL_SHAPE = dict(dtype=torch.bfloat16, num_experts=16, top_k=4, hidden=1024, intermediate=768)
+NCCL_HUGE = dict(NCCL_SHAPE, huge=True)
+
+NCCL_CASES = {
+    2: [
+        Case(ParallelSpec(tp_size=2), (64,), **NCCL_SHAPE),
+        Case(ParallelSpec(tp_size=2, output=SCATTERED), (65,), **NCCL_SHAPE),
+        Case(ParallelSpec(tp_size=2), (0,), **NCCL_SHAPE),
+        Case(ParallelSpec(tp_size=2), (8,), **NCCL_HUGE),
+        Case(ParallelSpec(ep_size=2), (37, 0), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (0, 0), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (512, 3), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (4096, 1500), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (64, 64), filtered=True, **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (1, 5), **dict(NCCL_SHAPE, num_experts=8, top_k=8)),  # K > E/ep
+        Case(ParallelSpec(ep_size=2), (128, 77), **dict(NCCL_SHAPE, dtype=torch.float16)),
+        Case(ParallelSpec(ep_size=2), (8, 8), **NCCL_HUGE),
+        Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (64,), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2, dispatch=REPLICATED, output=SCATTERED), (33,), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (8,), **NCCL_HUGE),
+        Case(ParallelSpec(tp_size=2), (64,), module="fused_moe", **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (300, 0), module="fused_moe", **NCCL_SHAPE),
+    ],
+    4: [
+        Case(ParallelSpec(tp_size=4), (32,), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=4), (64, 0, 300, 5), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2, tp_size=2), (256, 0), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2, tp_size=2, dispatch=REPLICATED), (64,), **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2, tp_size=2), (8, 8), **NCCL_HUGE),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def nccl_pools(tmp_path_factory):
+    """Spawned only when a gpu test asks for them."""
+    with rank_pools(tmp_path_factory, "nccl") as get:
+        yield get
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world_size,case", [
+    pytest.param(w, c, marks=pytest.mark.skipif(torch.cuda.device_count() < w, reason=f"needs {w} GPUs"))
+    for w, cases in NCCL_CASES.items() for c in cases
+], ids=lambda v: str(v) if isinstance(v, Case) else f"ws{v}")
+def test_parallel_experts_match_the_reference_nccl(nccl_pools, world_size, case):
+    nccl_pools(world_size).run(case)
+
+
+# A whole model with parallel=, float32 (greedy tokens must match exactly): TP decodes through CUDA
+# graphs with the NCCL all-reduce captured; all-to-all EP decodes eagerly (host-side split sizes).
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("spec", [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)],
+                         ids=lambda s: f"ep{s.ep_size}xtp{s.tp_size}")
+def test_sharded_model_matches_the_whole_checkpoint_nccl(nccl_pools, qwen3_checkpoint, spec):
+    tokens = (7, 4) if spec.all_to_all else (6,)
+    nccl_pools(2).run(Case(spec, tokens, dtype=torch.float32, module="model", checkpoint=qwen3_checkpoint))

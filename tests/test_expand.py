@@ -2,17 +2,8 @@
 import pytest
 import torch
 
+from helpers import random_ids
 from moe_triton.expand import expand, expand_torch, max_rows
-
-
-def random_ids(T, K, E, seed, filtered=0.0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.long)
-    if filtered:
-        drop = torch.rand(ids.shape, generator=g) < filtered
-        sentinel = torch.where(torch.rand(ids.shape, generator=g) < 0.5, -1, E)  # -1 and E both filter
-        ids = torch.where(drop, sentinel, ids)
-    return ids
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -2,12 +2,11 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close, random_ids
 from moe_triton.activation import Activation, ActivationKind, activation_torch
 from moe_triton.config import GemmConfig
 from moe_triton.expand import expand
 from moe_triton.expert_gemm import expert_gemm, expert_gemm_torch
-from test_expand import random_ids
 
 
 def rows_in_use(layout):

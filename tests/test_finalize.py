@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close, random_ids
 from moe_triton.expand import expand
 from moe_triton.finalize import finalize, finalize_torch
-from test_expand import random_ids
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import fake_flashinfer
-from conftest import assert_close
+from helpers import assert_close
 from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, Placement, RoutingSpec, Scoring,
                         SelectOn)
 from moe_triton.backends.flashinfer import import_flashinfer, prepare_experts, up_gate

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close
 from moe_triton.graphs import (DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, bucket_for, capture_mode,
                                default_batch_sizes, get_stream, is_capture_mode, overlap_enabled, run_branches)
 

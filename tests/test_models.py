@@ -1,5 +1,8 @@
 """models/: each family's logits and greedy tokens equal transformers' for the same tiny random
-checkpoint (written by save_pretrained, loaded back by our loader), in float32 on the CPU."""
+checkpoint (written by save_pretrained, loaded back by our loader), in float32 on the CPU; on the GPU,
+parity in bf16 and float32, generation through CUDA graphs, overlap on vs off, and a race-forcing
+test that proves the inplace-free contract matters."""
+import copy
 import json
 import re
 
@@ -7,55 +10,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import assert_close
+from helpers import FAMILIES, assert_close, prompt, randomize_, relative_error
+from moe_triton import fused_experts
+from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
-
-
-def randomize_(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        scale = 1.0 if "embed" in name or "lm_head" in name else 0.15
-        p.data = torch.randn(p.shape, generator=g) * scale
-    for name, b in model.named_buffers():
-        if "correction_bias" in name:
-            b.copy_(torch.rand(b.shape, generator=g) * 0.1)
-    return model
-
-
-def tiny_qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
-    return Qwen3MoeForCausalLM(config)
-
-
-def tiny_cohere2_moe(strategy="average"):
-    from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
-
-    config = Cohere2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
-                              num_experts_per_tok=2, num_shared_experts=1, sliding_window=4,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                           "sliding_attention"],
-                              shared_expert_combination_strategy=strategy, logit_scale=0.5)
-    return Cohere2MoeForCausalLM(config)
-
-
-def tiny_minimax_m2():
-    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
-
-    config = MiniMaxM2Config(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=8,
-                             num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                     "partial_rotary_factor": 0.5})
-    return MiniMaxM2ForCausalLM(config)
-
-
-# family -> (tiny model, weight seed); seeds chosen so greedy generation is not a 2-token loop
-FAMILIES = {"qwen3_moe": (tiny_qwen3_moe, 1), "cohere2_moe": (tiny_cohere2_moe, 5),
-            "cohere2_moe-sum": (lambda: tiny_cohere2_moe("sum"), 5), "minimax_m2": (tiny_minimax_m2, 1)}
+from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -66,10 +25,6 @@ def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     reference.save_pretrained(path)  # the Hub layout: per-expert tensors
     return reference, path
-
-
-def prompt(batch=2, length=7, vocab=97):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
 
 
 def test_logits_match_transformers(checkpoint):
@@ -201,3 +156,86 @@ def test_moe_block_matches_transformers(name, layout):
     x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert_close(ours(x), reference(x), torch.float32, scale=5)
+
+
+# ---- on the GPU (pytest -m gpu) ------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_bf16_logits_match_transformers(checkpoint):
+    # bf16 rounds every activation to 8 mantissa bits; through a few layers the logits drift by a
+    # few 1e-3 relative: 3e-2 in norm leaves room without hiding a wrong kernel (those give O(1)).
+    reference, path = checkpoint
+    reference = copy.deepcopy(reference).to("cuda", torch.bfloat16)
+    ours = load_model(path, dtype=torch.bfloat16, device="cuda")
+    ours.use_graphs = False
+    ids = prompt().cuda()
+    ours.setup(2, 32)
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert relative_error(ours.prefill(ids), expected) < 3e-2
+
+
+@pytest.mark.gpu
+def test_float32_generation_through_graphs_matches_transformers(checkpoint):
+    reference, path = checkpoint
+    reference = copy.deepcopy(reference).to("cuda")
+    ours = load_model(path, dtype=torch.float32, device="cuda")
+    ids = prompt().cuda()
+    expected = reference.generate(ids, max_new_tokens=16, do_sample=False)
+    actual = ours.generate(ids, max_new_tokens=16)
+    assert ours.graphs is not None and ours.graphs.stats.num_graphs > 0  # decode ran through graphs
+    assert torch.equal(actual, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("cohere2_moe")])  # the overlapping family
+def test_overlap_on_and_off_give_the_same_tokens(family, tmp_path, monkeypatch):
+    import moe_triton.layer as layer
+    import moe_triton.models.cohere2_moe as cohere
+
+    make, seed = FAMILIES[family]
+    torch.manual_seed(0)
+    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
+    path = tmp_path
+
+    calls = []
+    spy = lambda *a, **k: calls.append(k.get("role", "alt")) or run_branches(*a, **k)  # noqa: E731
+    monkeypatch.setattr(cohere, "run_branches", spy)  # attention || MLP
+    monkeypatch.setattr(layer, "run_branches", spy)  # shared || routed (FusedMoE.forward)
+    tokens = {}
+    for overlap in (False, True):
+        model = load_model(path, dtype=torch.bfloat16, device="cuda")
+        model.use_overlap = overlap
+        calls.clear()
+        tokens[overlap] = model.generate(prompt().cuda(), max_new_tokens=16)
+        assert bool(calls) == overlap  # the overlapped path was captured only when asked for
+    assert {"alt", "alt_mlp"} <= set(calls)
+    assert torch.equal(tokens[True], tokens[False])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace-output", "fresh-output"])
+def test_race_inplace_output_corrupts_the_other_branch(inplace):
+    """Branch A (alternate stream) is held back, then reads x; branch B writes its expert output.
+    Written into x, B's output corrupts A's input; as a fresh tensor it cannot."""
+    shape = QWEN3_30B_A3B
+    w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
+    inputs = random_inputs(shape, 64, torch.bfloat16, "cuda", num_variants=1)
+    x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+    expected_side = (x.float() * 2).clone()
+
+    def held_back_reader():
+        torch.cuda._sleep(50_000_000)  # ~tens of ms on the side stream before reading x
+        return x.float() * 2
+
+    def writer():
+        return fused_experts(x, w13, w2, ids, weights, out=x if inplace else None)
+
+    fused_experts(x, w13, w2, ids, weights)  # compile first: a JIT pause would let the reader finish before the write
+    torch.cuda.synchronize()
+    _, side = run_branches(writer, held_back_reader, role="alt")
+    torch.cuda.synchronize()
+    if inplace:
+        assert not torch.equal(side, expected_side), "the in-place write did not race: the test cannot fail"
+    else:
+        assert torch.equal(side, expected_side)

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from conftest import assert_close
+from helpers import assert_close, random_expert_weights, random_ids
 from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, Placement, fused_experts, fused_experts_torch, pad_experts
 from moe_triton.backends import SPECS, ExpertBackend, padded_size
-from test_expand import random_ids
 
 RELU2 = Activation(ActivationKind.RELU2)
 # I = 961 is NemotronH FP8's moe_intermediate_size 7688 at tensor-parallel 8.
@@ -15,9 +14,7 @@ ACTIVATIONS = pytest.mark.parametrize("activation", [SILU_AND_MUL, RELU2], ids=[
 
 
 def experts(E, H, I, activation, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(E, 2 * I if activation.gated else I, H, generator=g) / H**0.5
-    return w13.to(dtype), (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    return random_expert_weights(torch.Generator().manual_seed(seed), E, H, I, activation.gated, dtype)
 
 
 def test_the_backend_owns_its_multiple():

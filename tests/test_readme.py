@@ -24,10 +24,9 @@ def test_readme_drop_in_snippets_run_and_match_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from conftest import assert_close
-    from test_transformers import tiny_qwen3_moe
+    from helpers import all_sparse_qwen3_moe_checkpoint, assert_close
 
-    path = tiny_qwen3_moe(tmp_path)
+    path = all_sparse_qwen3_moe_checkpoint(tmp_path)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")(ids).logits

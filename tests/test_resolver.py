@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import moe_triton.platform as platforms
+from helpers import QUANT_CONFIGS
 from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, Placement, RoutingSpec, Scoring,
                         resolve)
 from moe_triton.backends import RULES, ExpertBackend, LayerTraits
@@ -18,7 +19,6 @@ from moe_triton.backends.resolver import parse_backend
 from moe_triton.backends.rules import rule
 from moe_triton.tools.cli import main
 from moe_triton.platform import Platform
-from test_quantization import CONFIGS
 
 FI = "0.7.2.post1"
 PLATFORMS = {
@@ -54,17 +54,17 @@ def test_default_triton_on_gpu_torch_on_cpu_triton_under_the_interpreter():
 @pytest.mark.parametrize("platform_name", list(PLATFORMS))
 def test_other_architectures_keep_the_default(platform_name, quant):
     """No global fallback: a rule for one family changes no other model's default."""
-    resolution = auto(platform_name, "Qwen3MoeForCausalLM", CONFIGS[quant][0])
+    resolution = auto(platform_name, "Qwen3MoeForCausalLM", QUANT_CONFIGS[quant][0])
     assert resolution.backend is default_on(platform_name) and resolution.rule == "default"
 
 
 # ---- Cohere2-MoE -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("architecture", COHERE2)
-@pytest.mark.parametrize("quant", list(CONFIGS))
+@pytest.mark.parametrize("quant", list(QUANT_CONFIGS))
 @pytest.mark.parametrize("platform_name", list(PLATFORMS))
 def test_cohere2_moe(platform_name, quant, architecture):
-    config, experts_format = CONFIGS[quant]
+    config, experts_format = QUANT_CONFIGS[quant]
     resolution = auto(platform_name, architecture, config)
     pinned = platform_name in BLACKWELL and experts_format.value in ("unquantized", "NVFP4")
     assert resolution.backend is (FUSED if pinned else default_on(platform_name)), resolution.reason
@@ -72,32 +72,32 @@ def test_cohere2_moe(platform_name, quant, architecture):
 
 
 def test_cohere2_reasons_say_why():
-    assert "FP8" in auto("SM100", COHERE2[0], CONFIGS["modelopt-fp8"][0]).reason
-    assert "rejects" in auto("SM100", COHERE2[0], CONFIGS["ct-mixed-nvfp4-attention-fp8-experts"][0]).reason
-    assert "fail closed" in auto("SM100", COHERE2[0], CONFIGS["unreadable-separate-file"][0]).reason
+    assert "FP8" in auto("SM100", COHERE2[0], QUANT_CONFIGS["modelopt-fp8"][0]).reason
+    assert "rejects" in auto("SM100", COHERE2[0], QUANT_CONFIGS["ct-mixed-nvfp4-attention-fp8-experts"][0]).reason
+    assert "fail closed" in auto("SM100", COHERE2[0], QUANT_CONFIGS["unreadable-separate-file"][0]).reason
     assert "SM100/SM103 only, not SM90" in auto("SM90", COHERE2[0]).reason
 
 
 # ---- MiniMax-M2 --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("quant", list(CONFIGS))
+@pytest.mark.parametrize("quant", list(QUANT_CONFIGS))
 @pytest.mark.parametrize("platform_name", list(PLATFORMS))
 def test_minimax_m2(platform_name, quant):
-    resolution = auto(platform_name, MINIMAX, CONFIGS[quant][0])
+    resolution = auto(platform_name, MINIMAX, QUANT_CONFIGS[quant][0])
     pinned = platform_name in BLACKWELL and quant.startswith("modelopt-nvfp4")
     assert resolution.backend is (ROUTED if pinned else default_on(platform_name)), resolution.reason
     assert resolution.rule == "minimax_m2"
 
 
 def test_minimax_m2_all_to_all_without_a_routed_registration_is_not_pinned():
-    resolution = auto("SM100", MINIMAX, CONFIGS["modelopt-nvfp4"][0], all_to_all="deepep")
+    resolution = auto("SM100", MINIMAX, QUANT_CONFIGS["modelopt-nvfp4"][0], all_to_all="deepep")
     assert resolution.backend is TRITON
     assert "'deepep' has no fused registration" in resolution.reason and "flashinfer_trtllm_routed" in resolution.reason
 
 
 @pytest.mark.parametrize("architecture,quant", [(COHERE2[0], "none"), (MINIMAX, "modelopt-nvfp4")])
 def test_a_pin_that_cannot_run_keeps_the_default(architecture, quant):
-    config = CONFIGS[quant][0]
+    config = QUANT_CONFIGS[quant][0]
     assert "LoRA" in auto("SM100", architecture, config, lora=True).reason
     assert auto("SM100", architecture, config, lora=True).backend is TRITON
     assert auto("SM103", architecture, config, all_to_all="deepep").backend is TRITON
@@ -130,9 +130,9 @@ def test_explicit_requests_are_never_rewritten(requested, platform_name, archite
     ("flashinfer_trtllm_routed", PLATFORMS["SM120"], ModelContext(), "SM100, SM103 only"),
     ("flashinfer_cutlass", PLATFORMS["CPU"], ModelContext(), "needs a CUDA GPU"),
     ("flashinfer_trtllm", Platform("cuda", (10, 0), None), ModelContext(), "FlashInfer is not installed"),
-    ("flashinfer_trtllm", PLATFORMS["SM100"], ModelContext(quant_config=CONFIGS["modelopt-fp8"][0]), "FP8"),
+    ("flashinfer_trtllm", PLATFORMS["SM100"], ModelContext(quant_config=QUANT_CONFIGS["modelopt-fp8"][0]), "FP8"),
     ("flashinfer_trtllm", PLATFORMS["SM100"], ModelContext(quant_config="hf_quant_config.json"), "unreadable"),
-    ("flashinfer_cutlass", PLATFORMS["SM90"], ModelContext(quant_config=CONFIGS["modelopt-nvfp4"][0]), "NVFP4"),
+    ("flashinfer_cutlass", PLATFORMS["SM90"], ModelContext(quant_config=QUANT_CONFIGS["modelopt-nvfp4"][0]), "NVFP4"),
     ("flashinfer_trtllm_routed", PLATFORMS["SM100"], ModelContext(all_to_all="deepep"), "deepep"),
     ("flashinfer_cutlass", PLATFORMS["SM90"], ModelContext(lora=True), "LoRA"),
     ("triton", PLATFORMS["CPU"], ModelContext(), "interpreter"),
@@ -206,7 +206,7 @@ def write_config(tmp_path, architecture, quant=None, separate_file=False):
     (["--platform", "cpu"], "torch", "cohere2_moe"),
 ])
 def test_cli_resolve_prints_backend_and_rule(tmp_path, capsys, args, backend, rule_name):
-    model = write_config(tmp_path, COHERE2[0], CONFIGS["ct-nvfp4-experts-regex"][0])
+    model = write_config(tmp_path, COHERE2[0], QUANT_CONFIGS["ct-nvfp4-experts-regex"][0])
     assert main(["resolve", str(model), *args]) == 0
     out = capsys.readouterr().out
     assert f"backend:       {backend}\n" in out and f"rule:          {rule_name}\n" in out
@@ -221,7 +221,7 @@ def test_cli_resolve_a_separate_quant_file_fails_closed(tmp_path, capsys):
 
 
 def test_cli_resolve_minimax_with_deepep(tmp_path, capsys):
-    model = write_config(tmp_path, MINIMAX, CONFIGS["modelopt-nvfp4"][0])
+    model = write_config(tmp_path, MINIMAX, QUANT_CONFIGS["modelopt-nvfp4"][0])
     assert main(["resolve", str(model), "--platform", "sm103", "--all-to-all", "deepep"]) == 0
     assert "no fused registration" in capsys.readouterr().out
 
@@ -243,7 +243,7 @@ def test_on_this_gpu_auto_never_picks_trtllm_and_explicit_requests_fail_at_const
     if platform.sm in (100, 103):
         pytest.skip("a Blackwell part: trtllm-gen is expected to resolve here")
     for architecture in (*COHERE2, MINIMAX, "Qwen3MoeForCausalLM"):
-        for quant, _ in CONFIGS.values():
+        for quant, _ in QUANT_CONFIGS.values():
             layer = FusedMoE(8, 2, 128, 96, placement=Placement(context=ModelContext(architecture, quant)),
                              dtype=torch.bfloat16, device="cuda")
             assert layer.backend is TRITON, layer.resolution

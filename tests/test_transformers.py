@@ -4,17 +4,7 @@ import pytest
 import torch
 
 import moe_triton
-from conftest import assert_close
-
-
-def randomize_(module, seed):
-    g = torch.Generator().manual_seed(seed)
-    for p in module.parameters():
-        p.data = torch.randn(p.shape, generator=g) * 0.2
-    for name, b in module.named_buffers():
-        if "correction_bias" in name:
-            b.copy_(torch.rand(b.shape, generator=g) * 0.1)
-    return module
+from helpers import all_sparse_qwen3_moe_checkpoint, assert_close, randomize_all_
 
 
 def qwen3_moe(norm):
@@ -78,7 +68,7 @@ BLOCKS = {
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_from_transformers(name, backend):
-    block = randomize_(BLOCKS[name]().eval(), seed=len(name))
+    block = randomize_all_(BLOCKS[name]().eval(), seed=len(name))
     layer = moe_triton.from_transformers(block, backend=backend)
     assert layer.gate_up_proj.data_ptr() == (block.experts.gate_up_proj if hasattr(block.experts, "gate_up_proj")
                                              else block.experts.up_proj).data_ptr()  # shared, not copied
@@ -93,23 +83,10 @@ def test_from_transformers_rejects_unknown_block():
         moe_triton.from_transformers(torch.nn.Linear(2, 2))
 
 
-def tiny_qwen3_moe(tmp_path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    randomize_(model, seed=1)
-    model.save_pretrained(tmp_path)
-    return tmp_path
-
-
 def test_experts_implementation_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = tiny_qwen3_moe(tmp_path)
+    path = all_sparse_qwen3_moe_checkpoint(tmp_path)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(2))
     logits = {}
     for impl in ("eager", "moe_triton"):
@@ -128,7 +105,7 @@ def test_experts_implementation_uses_our_kernels(tmp_path, monkeypatch):
     calls = []
     real = integration.run_experts
     monkeypatch.setattr(integration, "run_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe(tmp_path), experts_implementation="moe_triton")
+    model = AutoModelForCausalLM.from_pretrained(all_sparse_qwen3_moe_checkpoint(tmp_path), experts_implementation="moe_triton")
     with torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
     assert len(calls) == 2  # one per MoE layer

@@ -1,0 +1,212 @@
+"""What the tests share: one `assert_close` with dtype-justified tolerances, poisoning, the device,
+random routing ids and expert weights, tiny transformers models, and the quantization-config table.
+
+Test files import from here, never from conftest.py or from one another. Importing this module
+imports moe_triton, so TRITON_INTERPRET must be settled first: pytest imports conftest.py (which sets
+it) before any test module, and distributed_harness.py sets it itself before importing this.
+"""
+import torch
+
+from moe_triton.backends.quantization import QuantFormat
+
+# ---- comparing and poisoning -------------------------------------------------------------------
+
+# Relative-to-max-magnitude tolerances. float32 operands accumulate in float32 (the interpreter's
+# dot is exact float32; on GPU fp32 runs with ieee precision); fp16 operands carry 11 mantissa bits
+# and intermediates are rounded to fp16 once between stages; bf16 carries 8 bits.
+TOLERANCE = {
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0):
+    """Compare `actual` with a float32 reference: no NaN, and max |a - e| <= tol * max(|e|, 1e-6) * scale."""
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    dtype = dtype or actual.dtype
+    actual = actual.float().cpu()
+    expected = expected.float().cpu()
+    assert not torch.isnan(actual).any(), "output holds NaN (an unwritten poisoned element?)"
+    if expected.numel() == 0:
+        return
+    tol = TOLERANCE[dtype] * scale
+    err = (actual - expected).abs().max().item()
+    ref = max(expected.abs().max().item(), 1e-6)
+    assert err <= tol * ref, f"max abs error {err:.3e} > {tol:.1e} * max|ref| {ref:.3e} ({dtype})"
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||a - e|| / ||e|| over the whole tensor: the GPU tests' measure at real sizes in bf16, where
+    the max-element bound of assert_close would be set by a few rounded outliers."""
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill a buffer with NaN (floats) or a huge value (ints) so unwritten elements show."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+def test_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+test_device.__test__ = False  # not a test
+
+
+# ---- random experts ------------------------------------------------------------------------------
+
+def random_ids(T, K, E, seed, filtered=0.0):
+    """topk_ids (T, K): K distinct experts per token; with `filtered`, that fraction of slots set to
+    -1 or E (both mean "no expert")."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.long)
+    if filtered:
+        drop = torch.rand(ids.shape, generator=g) < filtered
+        sentinel = torch.where(torch.rand(ids.shape, generator=g) < 0.5, -1, E)  # -1 and E both filter
+        ids = torch.where(drop, sentinel, ids)
+    return ids
+
+
+def random_expert_weights(g: torch.Generator, E, H, I, gated=True, dtype=torch.float32):
+    """w13 (E, 2I or I, H) and w2 (E, H, I), drawn in that order from `g`, scaled to keep outputs O(1)."""
+    w13 = torch.randn(E, 2 * I if gated else I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    return w13.to(dtype), w2.to(dtype)
+
+
+# ---- tiny transformers models --------------------------------------------------------------------
+
+def randomize_(model, seed):
+    """A causal LM's weights: embeddings and head at scale 1, the rest at 0.15 (logits stay varied
+    enough that greedy generation is not a loop); correction biases in [0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        scale = 1.0 if "embed" in name or "lm_head" in name else 0.15
+        p.data = torch.randn(p.shape, generator=g) * scale
+    for name, b in model.named_buffers():
+        if "correction_bias" in name:
+            b.copy_(torch.rand(b.shape, generator=g) * 0.1)
+    return model
+
+
+def randomize_all_(module, seed):
+    """Every parameter at scale 0.2, correction biases in [0, 0.1): for sparse-MoE blocks alone."""
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.2
+    for name, b in module.named_buffers():
+        if "correction_bias" in name:
+            b.copy_(torch.rand(b.shape, generator=g) * 0.1)
+    return module
+
+
+def tiny_qwen3_moe():
+    """Three decoder layers, the middle one dense (mlp_only_layers): the loader's mixed case."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    return Qwen3MoeForCausalLM(config)
+
+
+def tiny_cohere2_moe(strategy="average"):
+    from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
+
+    config = Cohere2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
+                              num_experts_per_tok=2, num_shared_experts=1, sliding_window=4,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                                           "sliding_attention"],
+                              shared_expert_combination_strategy=strategy, logit_scale=0.5)
+    return Cohere2MoeForCausalLM(config)
+
+
+def tiny_minimax_m2():
+    from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+    config = MiniMaxM2Config(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=8,
+                             num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "partial_rotary_factor": 0.5})
+    return MiniMaxM2ForCausalLM(config)
+
+
+# family -> (tiny model, weight seed for randomize_); seeds chosen so greedy generation is not a 2-token loop
+FAMILIES = {"qwen3_moe": (tiny_qwen3_moe, 1), "cohere2_moe": (tiny_cohere2_moe, 5),
+            "cohere2_moe-sum": (lambda: tiny_cohere2_moe("sum"), 5), "minimax_m2": (tiny_minimax_m2, 1)}
+
+
+def prompt(batch=2, length=7, vocab=97):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
+
+
+def all_sparse_qwen3_moe_checkpoint(path):
+    """A tiny Qwen3-MoE whose two decoder layers are both sparse, randomize_all_'d and saved to `path`
+    (the Hub layout) for transformers' own from_pretrained; returns `path`."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    randomize_all_(model, seed=1)
+    model.save_pretrained(path)
+    return path
+
+
+# ---- quantization configs in the shapes real checkpoints write ------------------------------------
+
+NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
+FP8_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel"}
+
+
+def compressed(groups: dict, **extra) -> dict:
+    return {"quant_method": "compressed-tensors", "config_groups": groups, **extra}
+
+
+def group(targets, fmt=None, weights=None) -> dict:
+    return {"targets": targets, "weights": weights, **({"format": fmt} if fmt else {})}
+
+
+# name -> (quantization_config, the experts' format); test_quantization reads the format, test_resolver the rules
+QUANT_CONFIGS = {
+    "none": (None, QuantFormat.NONE),
+    "ct-nvfp4-linear": (compressed({"group_0": group(["Linear"], weights=NVFP4_WEIGHTS)}, format="nvfp4-pack-quantized",
+                                   ignore=["lm_head"]), QuantFormat.NVFP4),
+    "ct-nvfp4-experts-regex": (compressed({"group_0": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}),
+                               QuantFormat.NVFP4),
+    "ct-fp8-linear": (compressed({"group_0": group(["Linear"], "float-quantized", FP8_WEIGHTS)}), QuantFormat.FP8),
+    "ct-nvfp4-attention-only": (compressed({"attn": group(["re:.*self_attn.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}),
+                                QuantFormat.NONE),
+    # the field's bug: NVFP4 attention + FP8 experts looked like "NVFP4 somewhere"
+    "ct-mixed-nvfp4-attention-fp8-experts": (compressed({
+        "attn": group(["re:.*self_attn.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS),
+        "experts": group(["re:.*mlp.experts.*"], "float-quantized", FP8_WEIGHTS)}, format="mixed-precision"),
+        QuantFormat.FP8),
+    "ct-mixed-nvfp4-experts-fp8-rest": (compressed({
+        "rest": group(["Linear"], "float-quantized", FP8_WEIGHTS),
+        "experts": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}), QuantFormat.NVFP4),
+    "ct-experts-ignored": (compressed({"g": group(["Linear"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)},
+                                      ignore=["re:.*experts.*"]), QuantFormat.NONE),
+    "ct-groups-disagree": (compressed({"a": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS),
+                                       "b": group(["re:.*down_proj"], "float-quantized", FP8_WEIGHTS)}),
+                           QuantFormat.UNREADABLE),
+    "ct-nvfp4-by-weights-only": (compressed({"g": group(["Linear"], weights=NVFP4_WEIGHTS)}), QuantFormat.NVFP4),
+    "ct-int4": (compressed({"g": group(["Linear"], "pack-quantized", {"num_bits": 4, "type": "int"})}),
+                QuantFormat.OTHER),
+    "ct-no-groups": ({"quant_method": "compressed-tensors"}, QuantFormat.UNREADABLE),
+    "modelopt-nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, QuantFormat.NVFP4),
+    "modelopt-nvfp4-nested": ({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}, QuantFormat.NVFP4),
+    "modelopt-fp8": ({"quant_method": "modelopt", "quant_algo": "FP8"}, QuantFormat.FP8),
+    "modelopt-mixed": ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, QuantFormat.UNREADABLE),
+    "unreadable-separate-file": ({"quant_method": "modelopt"}, QuantFormat.UNREADABLE),
+    "unreadable-file-name": ("hf_quant_config.json", QuantFormat.UNREADABLE),
+    "unreadable-no-method": ({"bits": 4}, QuantFormat.UNREADABLE),
+    "hf-fp8": ({"quant_method": "fp8", "weight_block_size": [128, 128]}, QuantFormat.FP8),
+    "awq": ({"quant_method": "awq", "bits": 4}, QuantFormat.OTHER),
+}
