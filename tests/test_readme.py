@@ -42,3 +42,24 @@ def test_readme_drop_in_snippets_run_and_match_transformers(tmp_path):
     assert all(type(layer.mlp).__name__ == "FusedMoE" for layer in scope["model"].model.layers)
     with torch.no_grad():
         assert_close(scope["model"](ids).logits, expected, torch.float32, scale=10)
+
+
+def test_readme_fp8_snippet_runs_and_matches_the_dequantized_reference():
+    import torch
+
+    from helpers import random_expert_weights
+    from moe_triton import fused_experts_torch
+
+    g = torch.Generator().manual_seed(6)
+    w13, w2 = random_expert_weights(g, 4, 64, 48)
+    hidden_states = torch.randn(5, 64, generator=g).half()
+    topk_ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]).int()
+    topk_weights = torch.rand(5, 2, generator=g)
+    scope = dict(w13=w13, w2=w2, hidden_states=hidden_states, topk_ids=topk_ids, topk_weights=topk_weights)
+    exec(readme_snippet("to_format"), scope)
+    reference = fused_experts_torch(hidden_states, *scope["fp8"].dequantized(), topk_ids, topk_weights)
+    out = scope["out"]
+    assert out.dtype == torch.float16
+    # FP8's four roundings (x, w13, h, w2), each at most 2^-4 relative: see tests/test_fp8.py
+    assert ((out.float() - reference).norm() / reference.norm()) < 0.1
+
