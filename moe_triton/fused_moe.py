@@ -19,7 +19,7 @@ from .config import MoEConfig, choose_config
 from .expand import LayoutKind, expand, per_pair_layout
 from .expert_gemm import expert_gemm
 from .finalize import finalize
-from .platform import triton_can_run_on
+from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, triton_can_run_on
 from .weights import FLOAT_DTYPES, ExpertWeights
 
 
@@ -54,6 +54,9 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     if not triton_can_run_on(device):
         raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA device, set "
                          "TRITON_INTERPRET=1 before importing moe_triton, or use the torch backend")
+    if device.type == "cpu" and dtype not in INTERPRETER_DOT_DTYPES:
+        raise ValueError(f"hidden_states and the expert weights are {dtype} on CPU, but {interpreter_dot_reason(dtype)} "
+                         "(moe_triton.fused_experts_torch, backend='torch')")
     return T, K
 
 

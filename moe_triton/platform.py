@@ -30,6 +30,17 @@ def triton_can_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
 
 
+# The dtypes whose tl.dot the Triton CPU interpreter computes correctly. Its bf16 dot returns
+# garbage (triton 3.9: outputs near 1e10 where float32 gives 0.35), so kernels with a dot (the
+# expert GEMMs) refuse bf16 there; the routing kernel has no dot and upcasts to float32, exactly.
+INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
+
+
+def interpreter_dot_reason(dtype: torch.dtype) -> str:
+    return (f"the Triton interpreter's {str(dtype).removeprefix('torch.')} tl.dot computes wrong results "
+            f"(triton {triton.__version__}); use float16/float32 on CPU, or the torch backend")
+
+
 @dataclass(frozen=True)
 class Platform:
     """What backend choice may know of the machine."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..activation import Activation, ActivationKind
-from ..platform import FLASHINFER_MIN_VERSION, Platform
+from ..platform import FLASHINFER_MIN_VERSION, INTERPRETER_DOT_DTYPES, Platform, interpreter_dot_reason
 from ..routing import RoutingSpec
 from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
 from .quantization import QuantFormat, experts_quantization
@@ -84,6 +84,9 @@ class BackendSpec:
     hidden_multiple: int  # H must be a multiple of this (H is never padded)
     fused_router: bool  # routes from the router logits inside the kernel
     runner: type  # the ExpertsRunner subclass that runs it (backends/runners.py)
+    # The dtypes it computes correctly on CPU under the Triton interpreter (on_cpu="interpreter");
+    # None: all of `dtypes`. A per-platform dtype rule: the interpreter's bf16 tl.dot is wrong.
+    interpreter_dtypes: tuple[torch.dtype, ...] | None = None
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -97,7 +100,8 @@ _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloa
                    all_to_all=frozenset({None}))
 
 SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
-    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, **_OURS),
+    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner,
+                interpreter_dtypes=INTERPRETER_DOT_DTYPES, **_OURS),
     BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
                 intermediate_multiple=128, hidden_multiple=128, fused_router=True, runner=TrtllmRunner,
@@ -176,6 +180,9 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
         return None
     if layer.dtype not in spec.dtypes:
         return f"weights are {layer.dtype}; it takes {', '.join(map(str, spec.dtypes))}"
+    interpreted = platform.device_type == "cpu" and spec.on_cpu == "interpreter"
+    if interpreted and spec.interpreter_dtypes is not None and layer.dtype not in spec.interpreter_dtypes:
+        return f"weights are {layer.dtype}, and {interpreter_dot_reason(layer.dtype)}"
     if spec.activations is not None and layer.activation.kind not in spec.activations:
         return (f"activation {layer.activation.kind.name} is not one it implements "
                 f"({sorted(a.name for a in spec.activations)})")

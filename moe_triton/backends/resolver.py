@@ -4,7 +4,8 @@
       -> explicit request?  runs here -> it, unchanged        cannot -> ValueError (backend, platform, reason)
       -> auto: the architecture's rule (rules.py), if any   pin that runs here -> the pin
                                                             no pin / pin cannot run -> the default, with the reason
-      -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on
+      -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on and
+                  computes the layer's dtype correctly (not bf16: catalog.py)
 
 Called once when a layer is built; the `Resolution` is logged and kept as `layer.resolution`.
 """
@@ -44,12 +45,17 @@ def parse_backend(backend: str) -> str:
     raise ValueError(f"backend={backend!r} is not a backend; pass one of {choices}")
 
 
-def default_backend(platform: Platform) -> tuple[ExpertBackend, str]:
+def default_backend(platform: Platform, context: ModelContext = ModelContext(),
+                    layer: LayerTraits | None = None) -> tuple[ExpertBackend, str]:
     if platform.device_type == "cuda":
         return ExpertBackend.TRITON, "no rule pins another backend: the Triton pipeline on a CUDA GPU"
-    if platform.interpreter:
-        return ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"
-    return ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference"
+    if not platform.interpreter:
+        return ExpertBackend.TORCH, ("CPU without the Triton interpreter: the torch reference "
+                                     "(set TRITON_INTERPRET=1 before importing moe_triton to run the Triton kernels)")
+    blocked = unsupported_reason(ExpertBackend.TRITON, platform, context, layer)
+    if blocked:  # auto never picks a path known to compute this layer wrongly
+        return ExpertBackend.TORCH, f"the torch reference: the Triton interpreter is on, but {blocked}"
+    return ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"
 
 
 def resolve(requested: str, platform: Platform, context: ModelContext = ModelContext(),
@@ -62,7 +68,7 @@ def resolve(requested: str, platform: Platform, context: ModelContext = ModelCon
             raise ValueError(f"backend={str(requested)!r} cannot run on {platform}: {reason}. "
                              f"Choose another backend, or backend='auto'")
         return Resolution(requested, str(requested), EXPLICIT, "requested explicitly, never rewritten", platform)
-    default, why_default = default_backend(platform)
+    default, why_default = default_backend(platform, context, layer)
     rule = rule_for(context.architecture)
     if rule is None:
         return Resolution(default, AUTO, DEFAULT, f"no rule for {context.architecture or 'this model'}; {why_default}",

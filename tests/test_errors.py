@@ -1,0 +1,99 @@
+"""Issue 18: no silent wrong answers, no raw tracebacks. One regression test per item of the issue:
+each either checks a correct result or a ValueError (a clean exit 2 for the CLI) naming the
+argument and the fix. tests/test_fuzz.py searches the same entry points at random."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import moe_triton
+import moe_triton.platform as platforms
+from conftest import assert_close
+from moe_triton import (FusedMoE, GemmConfig, LayoutKind, MoEConfig, Placement, RoutingSpec, Scoring, SelectOn,
+                        fused_experts, fused_experts_torch, resolve, route, route_torch, softmax_topk)
+from moe_triton.backends import LayerTraits, ModelContext, experts_quantization
+from moe_triton.backends.quantization import QuantFormat
+from moe_triton.platform import Platform
+from moe_triton.tools.cli import main
+
+CPU_INTERPRETED = Platform("cpu", interpreter=True)
+CPU_PLAIN = Platform("cpu", interpreter=False)
+SM100 = Platform("cuda", (10, 0), "0.7.2.post1")
+
+
+def experts(T, E, K, H=16, I=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) / I**0.5).to(dtype)
+    ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+    weights = torch.rand(T, K, generator=g)
+    return x, w13, w2, ids, weights
+
+
+def no_launch(monkeypatch):
+    import moe_triton.fused_moe as fused_moe
+
+    for stage in ("expand", "per_pair_layout", "expert_gemm", "finalize"):
+        monkeypatch.setattr(fused_moe, stage, lambda *a, **k: pytest.fail("launched before validating"))
+
+
+# ---- bf16 on the Triton interpreter: refused, never computed wrongly ------------------------------
+
+def test_auto_runs_bf16_layers_on_torch_under_the_interpreter():
+    bf16 = LayerTraits(16, torch.bfloat16, moe_triton.SILU_AND_MUL, RoutingSpec(2))
+    resolution = resolve("auto", CPU_INTERPRETED, ModelContext(), bf16)
+    assert resolution.backend == "torch" and "bfloat16" in resolution.reason and "interpreter" in resolution.reason
+    fp16 = LayerTraits(16, torch.float16, moe_triton.SILU_AND_MUL, RoutingSpec(2))
+    assert resolve("auto", CPU_INTERPRETED, ModelContext(), fp16).backend == "triton"
+    assert FusedMoE(4, 2, 16, 8, dtype=torch.bfloat16).backend == "torch"  # the interpreter is on in the tests
+
+
+def test_explicit_triton_with_bf16_on_the_interpreter_fails_at_construction():
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run on CPU \(Triton interpreter on\).*bfloat16"):
+        FusedMoE(4, 2, 16, 8, dtype=torch.bfloat16, placement=Placement("triton"))
+
+
+def test_a_bf16_layer_computes_correctly_under_auto():
+    layer = FusedMoE(4, 2, 16, 8, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    x = torch.randn(5, 16, generator=g).bfloat16()
+    ids, weights = route_torch(x.float() @ layer.gate_weight.float().T, layer.routing)
+    assert_close(layer(x), fused_experts_torch(x, layer.gate_up_proj, layer.down_proj, ids, weights), scale=2)
+
+
+@pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
+def test_fused_experts_refuses_bf16_under_the_interpreter(layout, monkeypatch):
+    x, w13, w2, ids, weights = experts(3, 4, 2, dtype=torch.bfloat16)
+    no_launch(monkeypatch)
+    config = MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32), layout)
+    with pytest.raises(ValueError, match="bfloat16.*interpreter.*float16/float32.*torch"):
+        fused_experts(x, w13, w2, ids, weights, config=config)
+
+
+def test_bf16_through_experts_implementation_is_refused_on_the_interpreter(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from test_transformers import tiny_qwen3_moe
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_moe(tmp_path), experts_implementation="moe_triton",
+                                                 dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"), torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))
+
+
+def test_bf16_routing_is_exact_under_the_interpreter():
+    """Routing has no tl.dot: bf16 logits are upcast to float32 in the kernel, so under the
+    interpreter they route bit-identically to the same logits given in float32."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 16, generator=g) * 3).bfloat16()
+    bias = torch.rand(16, generator=g) * 0.1
+    for spec, b in [(RoutingSpec(4, renormalize=True), None), (RoutingSpec(2, Scoring.SOFTMAX, SelectOn.LOGITS), None),
+                    (RoutingSpec(4, Scoring.SIGMOID, SelectOn.SCORES, True, 4, 2, 2.5, correction_bias=True), bias)]:
+        ids, weights = route(logits, spec, b)
+        ids_f32, weights_f32 = route(logits.float(), spec, b)
+        assert torch.equal(ids, ids_f32) and torch.equal(weights, weights_f32)
