@@ -60,6 +60,22 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     return T, K
 
 
+def check_out(out, T: int, H: int, hidden_states: torch.Tensor) -> None:
+    """`out` must be a (T, H) tensor in hidden_states' dtype, on its device, with unit last stride."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a tensor of shape ({T}, {H}) or None, got {type(out).__name__}")
+    if tuple(out.shape) != (T, H):
+        raise ValueError(f"out must have shape (T, H) = ({T}, {H}), got {tuple(out.shape)}")
+    if out.dtype != hidden_states.dtype:
+        raise ValueError(f"out must have dtype {hidden_states.dtype} (hidden_states' dtype), got {out.dtype}")
+    if out.device != hidden_states.device:
+        raise ValueError(f"out must be on device {hidden_states.device} (hidden_states'), got {out.device}")
+    if T > 0 and out.stride(1) != 1:
+        raise ValueError(f"out must have unit last stride (rows of H contiguous elements), got strides {out.stride()}")
+
+
 def run_experts(
     hidden_states: torch.Tensor,
     weights: ExpertWeights,
@@ -83,6 +99,7 @@ def run_experts(
                          f"{activation.kind.name} is {'gated' if activation.gated else 'not'}")
     T, K = check_experts_args(hidden_states, weights, topk_ids, topk_weights)
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
+    check_out(out, T, H, hidden_states)
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
     config = config or choose_config(T, K, E, H, I, hidden_states.device, hidden_states.dtype)

@@ -97,3 +97,34 @@ def test_bf16_routing_is_exact_under_the_interpreter():
         ids, weights = route(logits, spec, b)
         ids_f32, weights_f32 = route(logits.float(), spec, b)
         assert torch.equal(ids, ids_f32) and torch.equal(weights, weights_f32)
+
+
+# ---- out= ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [0, 3])
+@pytest.mark.parametrize("out,match", [
+    (lambda T: torch.empty(T + 2, 16), "shape"),
+    (lambda T: torch.empty(T, 15), "shape"),
+    (lambda T: torch.empty(T, 16, dtype=torch.int32), "dtype"),
+    (lambda T: torch.empty(T, 16, dtype=torch.float16), "dtype"),
+    (lambda T: torch.empty(T, 16, device="meta"), "device"),
+    (lambda T: torch.empty(16, T).T, "stride"),
+    (lambda T: [[0.0] * 16] * T, "tensor"),
+], ids=["rows", "cols", "int32", "float16", "meta", "column-major", "list"])
+def test_out_is_checked_before_any_launch(T, out, match, monkeypatch):
+    x, w13, w2, ids, weights = experts(T, 4, 2)
+    no_launch(monkeypatch)
+    buffer = out(T)
+    if T == 0 and match == "stride":
+        pytest.skip("an empty (0, 16) buffer has no rows to stride over")
+    with pytest.raises(ValueError, match=f"out.*{match}"):
+        fused_experts(x, w13, w2, ids, weights, out=buffer)
+
+
+def test_a_valid_out_is_filled_and_returned():
+    x, w13, w2, ids, weights = experts(3, 4, 2)
+    out = torch.full((3, 16), float("nan"))
+    assert fused_experts(x, w13, w2, ids, weights, out=out) is out
+    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights))
+    empty = torch.empty(0, 16)
+    assert fused_experts(x[:0], w13, w2, ids[:0], weights[:0], out=empty) is empty
