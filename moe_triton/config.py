@@ -95,7 +95,7 @@ def _expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int
     num_pairs = num_tokens * top_k
     if layout is LayoutKind.PER_PAIR:
         return num_pairs
-    experts_hit = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+    experts_hit = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** num_tokens)  # K > E: filtered ids
     return experts_hit * -(-num_pairs / experts_hit // block_m)
 
 

@@ -42,9 +42,8 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     K = topk_ids.shape[1]
     if topk_ids.shape[0] != T or topk_ids.device != device:
         raise ValueError(f"topk_ids must have {T} rows on {device}, got {tuple(topk_ids.shape)} on {topk_ids.device}")
-    E = weights.num_experts
-    if not 1 <= K <= E:
-        raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, E={E}], got {K}")
+    if K < 1:  # K > E is legal: expert-parallel shards filter the ids of other ranks' experts
+        raise ValueError(f"top_k (topk_ids.shape[1]) must be >= 1, got {K}")
     if (not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_ids.shape
             or not topk_weights.dtype.is_floating_point):
         raise ValueError(f"topk_weights must be a floating tensor of shape {tuple(topk_ids.shape)}, "
@@ -91,7 +90,8 @@ def run_experts(
 
     hidden_states (T, H); topk_ids (T, K) int32/int64, where an id outside [0, E) is *filtered*:
     that (token, slot) pair contributes nothing (transformers' expert-parallel sentinel is E,
-    other engines use -1; both work); topk_weights (T, K). `config` overrides the launch
+    other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
+    under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
     """
     if weights.gated != activation.gated:

@@ -128,3 +128,38 @@ def test_a_valid_out_is_filled_and_returned():
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights))
     empty = torch.empty(0, 16)
     assert fused_experts(x[:0], w13, w2, ids[:0], weights[:0], out=empty) is empty
+
+
+# ---- top-k larger than E: the expert-parallel sentinel case ----------------------------------------
+
+@pytest.mark.parametrize("T", [0, 1, 2, 5])
+@pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
+def test_top_k_above_num_experts_with_filtered_ids(T, layout):
+    """256 experts over 64 ranks leave 4 local experts with top-8: the other ids are sentinels."""
+    E, K = 4, 8
+    x, w13, w2, _, weights = experts(T, E, K, seed=T)
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(-2, 2 * E, (T, K), generator=g, dtype=torch.int64)
+    if T:
+        ids[0, 0] = 2**40  # an int64 id beyond 2^31 is filtered, never wrapped into [0, E)
+        ids[-1] = E  # a token with every slot filtered gets zeros
+    config = MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32), layout)
+    out = fused_experts(x, w13, w2, ids, weights, config=config)
+    assert out.shape == (T, 16)
+    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights))
+    if T:
+        assert torch.equal(out[-1], torch.zeros(16))
+
+
+def test_top_k_above_num_experts_with_the_default_config():
+    x, w13, w2, _, weights = experts(6, 2, 4)
+    ids = torch.tensor([[0, 1, 2, 3]] * 6, dtype=torch.int32)
+    assert_close(fused_experts(x, w13, w2, ids, weights), fused_experts_torch(x, w13, w2, ids, weights))
+
+
+def test_gpu_config_with_top_k_above_num_experts(monkeypatch):
+    from moe_triton import choose_config, config as configs
+
+    monkeypatch.setattr(configs, "_device_limits", lambda device: (132, 232448))
+    for T in (1, 2, 3, 8):
+        choose_config(T, 8, 4, 64, 64, torch.device("cuda"))  # no ZeroDivisionError from (1 - K/E)^T
