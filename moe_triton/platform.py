@@ -41,6 +41,23 @@ def interpreter_dot_reason(dtype: torch.dtype) -> str:
             f"(triton {triton.__version__}); use float16/float32 on CPU, or the torch backend")
 
 
+def check_device(device, name: str = "device") -> torch.device | None:
+    """`device` as a torch.device (None stays None: torch's default), or a ValueError naming the fix."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name}={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={str(device)!r} but this machine has no CUDA device (torch.cuda.is_available() "
+                             f"is False); use {name}='cpu' (the Triton kernels run there under TRITON_INTERPRET=1)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return parsed
+
+
 @dataclass(frozen=True)
 class Platform:
     """What backend choice may know of the machine."""

@@ -163,3 +163,90 @@ def test_gpu_config_with_top_k_above_num_experts(monkeypatch):
     monkeypatch.setattr(configs, "_device_limits", lambda device: (132, 232448))
     for T in (1, 2, 3, 8):
         choose_config(T, 8, 4, 64, 64, torch.device("cuda"))  # no ZeroDivisionError from (1 - K/E)^T
+
+
+# ---- raw errors where a clear one belongs ----------------------------------------------------------
+
+def test_routing_without_the_interpreter_names_the_fix(monkeypatch):
+    monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1.*route_torch"):
+        softmax_topk(torch.randn(3, 4), 2)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: softmax_topk(torch.randn(3, 4, device="meta"), 2), "meta"),
+    (lambda: softmax_topk(torch.randn(3, 4), 2.5), "top_k"),
+    (lambda: softmax_topk(torch.randn(3, 4), "2"), "top_k"),
+    (lambda: softmax_topk(torch.randn(3, 4), True), "top_k"),
+    (lambda: softmax_topk([[0.0, 1.0]], 1), "logits"),
+    (lambda: softmax_topk(torch.randn(3, 4).to(torch.float8_e4m3fn), 2), "logits"),
+    (lambda: moe_triton.grouped_topk(torch.randn(3, 8), torch.zeros(8), 2, 2.0, 1, True, 1.0), "n_group"),
+    (lambda: moe_triton.grouped_topk(torch.randn(3, 8), torch.zeros(8), 2, 2, 1, True, "x"), "routed_scaling_factor"),
+], ids=["meta", "float-top_k", "str-top_k", "bool-top_k", "list", "float8", "float-n_group", "str-scale"])
+def test_routing_bad_arguments(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_fused_experts_on_meta_names_the_device():
+    x, w13, w2, ids, weights = (t.to("meta") for t in experts(3, 4, 2))
+    with pytest.raises(ValueError, match="meta"):
+        fused_experts(x, w13, w2, ids, weights)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((-1, 2, 16, 8), "num_experts"),
+    ((4, 2, 0, 8), "hidden_size"),
+    ((4, 2, 16, -8), "intermediate_size"),
+    ((4, 2.0, 16, 8), "top_k"),
+    ((4, 5, 16, 8), "top_k"),
+    (("4", 2, 16, 8), "num_experts"),
+])
+def test_layer_sizes_are_positive_integers(args, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(*args)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype=torch.int32), "dtype"),
+    (dict(dtype=torch.float64), "dtype"),
+    (dict(dtype="bfloat16"), "dtype"),
+    (dict(device="gpu"), "device"),
+])
+def test_layer_dtype_and_device(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(4, 2, 16, 8, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_layer_on_cuda_without_cuda():
+    with pytest.raises(ValueError, match="device='cuda'.*no CUDA"):
+        FusedMoE(4, 2, 16, 8, device="cuda")
+
+
+def torch_layer(**kwargs):
+    return FusedMoE(4, 2, 16, 8, placement=Placement("torch"), **kwargs)
+
+
+@pytest.mark.parametrize("x,match", [
+    ([1.0] * 16, "hidden_states"),
+    (torch.randn(3, 5), "hidden_states.*16"),
+    (torch.ones(3, 16, dtype=torch.int64), "hidden_states.*dtype"),
+    (torch.randn(3, 16, device="meta"), "meta"),
+    (torch.randn(()), "hidden_states"),
+], ids=["list", "width", "int64", "meta", "scalar"])
+def test_layer_forward_bad_input(x, match):
+    with pytest.raises(ValueError, match=match):
+        torch_layer()(x)
+
+
+def test_layer_on_meta_says_how_to_materialize_it():
+    layer = FusedMoE(4, 2, 16, 8, device="meta")
+    with pytest.raises(ValueError, match="meta.*to_empty"):
+        layer(torch.randn(3, 16, device="meta"))
+
+
+def test_layer_empty_batch():
+    layer = torch_layer()
+    assert layer(torch.randn(0, 16)).shape == (0, 16)
+    assert layer(torch.randn(2, 0, 16)).shape == (2, 0, 16)
