@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..layer import FusedMoE
@@ -25,17 +25,32 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = _shard_names(index)
     elif (directory / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{directory} holds neither model.safetensors nor model.safetensors.index.json")
     tensors = {}
     for name in files:
-        with safe_open(directory / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(directory / name, framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (OSError, SafetensorError) as error:  # missing shard, truncated or corrupt file
+            raise ValueError(f"{directory / name} cannot be read as safetensors: {error}") from None
     return tensors
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index's weight_map names (plain file names beside the index)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        weight_map = None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise ValueError(f"{index} is not a safetensors index: it needs a \"weight_map\" of tensor name -> shard file")
+    return sorted(set(names))
 
 
 def fuse_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -64,6 +79,11 @@ def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor]) -> torch.
     missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
     if missing:
         raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.weight")
+    first = by_expert[0]
+    for e, tensor in sorted(by_expert.items()):
+        if tensor.shape != first.shape or tensor.dtype != first.dtype:
+            raise ValueError(f"tensor {prefix}.{e}.{proj}.weight has shape {tuple(tensor.shape)} ({tensor.dtype}); "
+                             f"{prefix}.0.{proj}.weight has {tuple(first.shape)} ({first.dtype})")
     return torch.stack([by_expert[e] for e in range(len(by_expert))])
 
 
@@ -98,6 +118,8 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
+        if tensor.dtype.is_floating_point != state[name].dtype.is_floating_point:  # never cast ints into weights
+            raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {state[name].dtype}")
     with torch.no_grad():
         for name, target in state.items():
             target.copy_(tensors[name])

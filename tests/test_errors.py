@@ -250,3 +250,99 @@ def test_layer_empty_batch():
     layer = torch_layer()
     assert layer(torch.randn(0, 16)).shape == (0, 16)
     assert layer(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+
+
+# ---- checkpoints and models ---------------------------------------------------------------------
+
+def test_a_misshapen_expert_tensor_is_named():
+    from moe_triton.models.checkpoint import fuse_per_expert
+
+    tensors = {f"m.experts.{e}.{proj}.weight": torch.zeros(4, 8) for e in range(3) for proj in ("gate_proj", "up_proj")}
+    tensors["m.experts.2.up_proj.weight"] = torch.zeros(5, 8)
+    with pytest.raises(ValueError, match=r"m\.experts\.2\.up_proj\.weight has shape \(5, 8\).*\(4, 8\)"):
+        fuse_per_expert(tensors)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(qwen3_checkpoint):
+    from moe_triton.models import load_model
+
+    return load_model(qwen3_checkpoint, dtype=torch.float32)
+
+
+def test_prefill_before_setup_says_to_call_setup(qwen3_checkpoint):
+    from moe_triton.models import load_model
+
+    model = load_model(qwen3_checkpoint, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"setup\("):
+        model.prefill(torch.tensor([[1, 2, 3]]))
+
+
+def test_calling_the_model_says_what_to_call(tiny_model):
+    with pytest.raises(ValueError, match=r"generate\(.*prefill\("):
+        tiny_model(torch.tensor([[1, 2, 3]]))
+
+
+@pytest.mark.parametrize("ids,new,match", [
+    (torch.tensor([[1, 2]]), -1, "max_new_tokens"),
+    (torch.tensor([[1, 2]]), 2.5, "max_new_tokens"),
+    ([[1, 2]], 2, "input_ids"),
+    (torch.tensor([[1.0, 2.0]]), 2, "input_ids"),
+    (torch.tensor([[1, 97]]), 2, "input_ids.*vocab"),
+    (torch.tensor([[-1, 2]]), 2, "input_ids.*vocab"),
+    (torch.tensor([1, 2]), 2, "input_ids"),
+])
+def test_generate_bad_arguments(tiny_model, ids, new, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model.generate(ids, new)
+
+
+def test_prefill_past_the_cache(tiny_model):
+    tiny_model.setup(1, 4)
+    with pytest.raises(ValueError, match=r"setup\("):
+        tiny_model.prefill(torch.tensor([[1, 2, 3]] * 2))
+    with pytest.raises(ValueError, match=r"setup\("):
+        tiny_model.prefill(torch.tensor([[1, 2, 3, 4, 5]]))
+
+
+def test_generate_zero_new_tokens_returns_the_prompt(tiny_model):
+    assert torch.equal(tiny_model.generate(torch.tensor([[1, 2]]), 0), torch.tensor([[1, 2]]))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(dtype=torch.int32), "dtype"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(dtype="not_a_dtype"), "dtype"),
+    (dict(device="gpu"), "device"),
+])
+def test_load_model_bad_arguments(qwen3_checkpoint, kwargs, match):
+    from moe_triton.models import load_model
+
+    with pytest.raises(ValueError, match=match):
+        load_model(qwen3_checkpoint, **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_load_model_on_cuda_without_cuda():
+    from moe_triton.models import load_model
+
+    with pytest.raises(ValueError, match="device='cuda'.*no CUDA"):
+        load_model("/nonexistent", device="cuda")
+
+
+def test_load_model_given_the_safetensors_file_names_its_directory(qwen3_checkpoint):
+    from pathlib import Path
+
+    from moe_triton.models import load_model
+
+    with pytest.raises(ValueError, match=f"pass its directory.*{Path(qwen3_checkpoint).name}"):
+        load_model(Path(qwen3_checkpoint) / "model.safetensors")
+
+
+def test_load_model_bf16_on_the_interpreter_runs_on_torch(qwen3_checkpoint):
+    from moe_triton.models import load_model
+
+    model = load_model(qwen3_checkpoint, dtype=torch.bfloat16)
+    backends = {m.backend for m in model.modules() if isinstance(m, FusedMoE)}
+    assert backends == {"torch"}
+    assert model.generate(torch.tensor([[1, 2, 3]]), 2).shape == (1, 5)
