@@ -346,3 +346,40 @@ def test_load_model_bf16_on_the_interpreter_runs_on_torch(qwen3_checkpoint):
     backends = {m.backend for m in model.modules() if isinstance(m, FusedMoE)}
     assert backends == {"torch"}
     assert model.generate(torch.tensor([[1, 2, 3]]), 2).shape == (1, 5)
+
+
+# ---- the torch fallback says so ---------------------------------------------------------------------
+
+def fallback_warnings(build):
+    from moe_triton.backends import runners
+
+    runners.warn_fallback.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()
+        build()
+    return [w for w in caught if "torch reference" in str(w.message)]
+
+
+def test_from_transformers_warns_once_when_it_falls_back_to_torch(monkeypatch):
+    from test_transformers import qwen3_moe
+
+    monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
+    caught = fallback_warnings(lambda: moe_triton.from_transformers(qwen3_moe(True)))
+    assert len(caught) == 1 and "TRITON_INTERPRET=1" in str(caught[0].message)
+
+
+def test_load_model_warns_once_when_it_falls_back_to_torch(qwen3_checkpoint, monkeypatch):
+    from moe_triton.models import load_model
+
+    monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
+    caught = fallback_warnings(lambda: load_model(qwen3_checkpoint, dtype=torch.float32))
+    assert len(caught) == 1
+
+
+def test_demo_resolution_line_says_when_it_falls_back():
+    from moe_triton.tools.demo import resolution_line
+
+    fallback = resolve("auto", CPU_PLAIN)
+    assert "the Triton kernels do not run" in resolution_line(fallback)
+    assert "do not run" not in resolution_line(resolve("auto", CPU_INTERPRETED))

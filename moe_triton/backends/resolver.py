@@ -33,6 +33,11 @@ class Resolution:
     def __str__(self) -> str:
         return f"{self.backend} (requested {self.requested}, {self.platform}, rule: {self.rule}): {self.reason}"
 
+    @property
+    def torch_fallback(self) -> bool:
+        """auto chose the torch reference: the Triton kernels do not run (CPU without the interpreter, or bf16 there)."""
+        return self.requested == AUTO and self.backend == ExpertBackend.TORCH
+
 
 def parse_backend(backend: str) -> str:
     """AUTO or a registered backend's name (ExpertBackend members are names); anything else is a

@@ -68,6 +68,14 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
+def resolution_line(resolution) -> str:
+    """The demo's line on the experts backend; it says so when auto fell back to the torch reference."""
+    line = f"experts backend: {resolution}"
+    if resolution.torch_fallback:
+        line += "\n  (fallback: the Triton kernels do not run here; the torch reference computes the experts)"
+    return line
+
+
 def run_demo(options: DemoOptions, print_=print) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -86,7 +94,7 @@ def run_demo(options: DemoOptions, print_=print) -> int:
     model = load_model(path, dtype=dtype, device=device, backend=options.backend)
     model.use_graphs, model.use_overlap = options.graphs and on_gpu, options.overlap and on_gpu
     layer = next(m for m in model.modules() if hasattr(m, "resolution"))
-    print_(f"experts backend: {layer.resolution}")
+    print_(resolution_line(layer.resolution))
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (options.batch, options.prompt_length), generator=g).to(device)
