@@ -383,3 +383,42 @@ def test_demo_resolution_line_says_when_it_falls_back():
     fallback = resolve("auto", CPU_PLAIN)
     assert "the Triton kernels do not run" in resolution_line(fallback)
     assert "do not run" not in resolution_line(resolve("auto", CPU_INTERPRETED))
+
+
+# ---- quantization configs: malformed means unreadable -------------------------------------------
+
+NVFP4 = {"num_bits": 4, "type": "float", "group_size": 16}
+
+
+@pytest.mark.parametrize("config", [
+    {"quant_method": "modelopt", "quantization": "NVFP4"},
+    {"quant_method": "modelopt", "quantization": {"quant_algo": 4}},
+    {"quant_method": "modelopt", "quant_algo": "NVFP4", "quantization": {"quant_algo": "FP8"}},
+    {"quant_method": ["modelopt"]},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": "Linear", "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": [3], "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": [None, "Linear"], "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["re:[unclosed"], "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": "Linear"}},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": "nvfp4"}}},
+    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "format": 4}}},
+    {"quant_method": "compressed-tensors", "format": ["nvfp4-pack-quantized"],
+     "config_groups": {"g": {"targets": ["Linear"]}}},
+    {"quant_method": "compressed-tensors", "ignore": "lm_head", "config_groups": {"g": {"targets": ["Linear"]}}},
+    {"quant_method": "compressed-tensors", "ignore": [1], "config_groups": {"g": {"targets": ["Linear"]}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": ["Linear"], "weights": {**NVFP4, "num_bits": 4.0}}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": ["Linear"], "weights": {**NVFP4, "num_bits": True}}}},
+    {"quant_method": "compressed-tensors", "config_groups": []},
+    [1, 2],
+])
+def test_malformed_quantization_configs_are_unreadable(config):
+    assert experts_quantization(config).format is QuantFormat.UNREADABLE
+
+
+def test_a_string_target_is_not_read_as_no_group_targeting_the_experts():
+    config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+              "config_groups": {"g": {"targets": "Linear", "weights": NVFP4}}}
+    resolution = resolve("auto", SM100, ModelContext("Cohere2MoeForCausalLM", config))
+    assert resolution.backend == "triton" and "unreadable" in resolution.reason
