@@ -104,10 +104,20 @@ def detect_platform(device: torch.device | str | None = None) -> Platform:
 def named_platform(name: str) -> Platform:
     """`sm90`, `sm100`, `sm103`, `sm110`, `sm120` ... or `cpu`; FlashInfer is assumed installed at the
     version backends/flashinfer.py follows, so the answer shows what a fully equipped machine gets."""
+    if not isinstance(name, str):
+        raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100")
     name = name.strip().lower()
     if name == "cpu":
         return Platform("cpu")
     match = re.fullmatch(r"sm(\d+)(\d)", name)
-    if not match:
-        raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100, sm103")
-    return Platform("cuda", (int(match.group(1)), int(match.group(2))), FLASHINFER_READ_VERSION)
+    capability = (int(match.group(1)), int(match.group(2))) if match else None
+    if capability not in KNOWN_CAPABILITIES:
+        known = ", ".join(f"sm{major}{minor}" for major, minor in KNOWN_CAPABILITIES)
+        raise ValueError(f"platform={name!r} is not a platform name; use cpu or one of {known}")
+    return Platform("cuda", capability, FLASHINFER_READ_VERSION)
+
+
+# The CUDA compute capabilities a named platform may be (Volta to Blackwell): a typo such as
+# sm1000 is refused instead of resolving for a GPU that does not exist.
+KNOWN_CAPABILITIES = ((7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0),
+                      (12, 0), (12, 1))

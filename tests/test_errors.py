@@ -422,3 +422,75 @@ def test_a_string_target_is_not_read_as_no_group_targeting_the_experts():
               "config_groups": {"g": {"targets": "Linear", "weights": NVFP4}}}
     resolution = resolve("auto", SM100, ModelContext("Cohere2MoeForCausalLM", config))
     assert resolution.backend == "triton" and "unreadable" in resolution.reason
+
+
+# ---- the CLI: a clean exit 2 and one line --------------------------------------------------------
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, [line for line in captured.err.splitlines() if line.strip()]
+
+
+def write_config(tmp_path, config):
+    (tmp_path / "config.json").write_text(json.dumps(config) if not isinstance(config, str) else config)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["probe", "torch", "triton", "--tokens", "0"], "--tokens"),
+    (["probe", "torch", "triton", "--tokens", "-3"], "--tokens"),
+    (["probe", "torch", "triton", "--tolerance", "-1"], "--tolerance"),
+    (["probe", "torch", "triton", "--tolerance", "nan"], "--tolerance"),
+    (["probe", "torch", "triton", "--min-agreement", "1.5"], "--min-agreement"),
+    (["probe", "torch", "nonsense"], "BACKEND"),
+    (["demo", "--batch", "0"], "--batch"),
+    (["demo", "--tokens", "-1"], "--tokens"),
+    (["demo", "--tokens", "x"], "--tokens"),
+    (["bench", "--tokens", "0"], "--tokens"),
+    (["resolve", "MODEL", "--platform", "sm1000"], "sm1000"),
+    (["resolve", "MODEL", "--platform", "sm100", "--all-to-all", "bogus"], "--all-to-all"),
+    (["resolve", "MODEL/model.safetensors"], "directory"),
+    (["frobnicate"], "frobnicate"),
+    ([], "command"),
+])
+def test_cli_errors_exit_2_with_one_line(argv, match, tmp_path, capsys):
+    model = write_config(tmp_path, {"architectures": ["Qwen3MoeForCausalLM"]})
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    code, _, err = cli(capsys, *(a.replace("MODEL", model) for a in argv))
+    assert code == 2 and len(err) == 1, err
+    assert match in err[0] and err[0].startswith("moe-triton")
+
+
+@pytest.mark.parametrize("config", ['[1, 2]', '{"architectures": "Qwen3MoeForCausalLM"}',
+                                    '{"architectures": [{"x": 1}]}'])
+def test_cli_resolve_malformed_config_json(config, tmp_path, capsys):
+    code, _, err = cli(capsys, "resolve", write_config(tmp_path, config))
+    assert code == 2 and len(err) == 1 and "config.json" in err[0]
+
+
+def test_cli_resolve_malformed_quantization_is_unreadable(tmp_path, capsys):
+    model = write_config(tmp_path, {"architectures": ["Cohere2MoeForCausalLM"],
+                                    "quantization_config": {"quant_method": "modelopt", "quantization": "NVFP4"}})
+    code, out, _ = cli(capsys, "resolve", model, "--platform", "sm100")
+    assert code == 0 and "unreadable" in out and "backend:       triton" in out
+
+
+@pytest.mark.parametrize("argv", [["resolve", "MODEL"], ["probe", "torch", "triton"], ["bench"], ["demo"]])
+def test_every_subcommand_restarts_under_the_interpreter_on_a_cpu_machine(argv, tmp_path, capsys, monkeypatch):
+    import moe_triton.tools.cli as cli_module
+
+    class Restarted(Exception):
+        pass
+
+    def execve(path, args, env):
+        raise Restarted(args, env)
+
+    monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli_module.os, "execve", execve)
+    argv = [a.replace("MODEL", write_config(tmp_path, {"architectures": ["Qwen3MoeForCausalLM"]})) for a in argv]
+    with pytest.raises(Restarted) as restarted:
+        main(argv)
+    args, env = restarted.value.args
+    assert args[-len(argv):] == argv and env["TRITON_INTERPRET"] == "1"

@@ -37,6 +37,12 @@ class ExpertBackend(str, enum.Enum):
         return self.value
 
 
+# The expert-parallel all-to-all backends serving engines name (vLLM's --all2all-backend, SGLang's
+# --moe-a2a-backend): the values `moe-triton resolve --all-to-all` accepts.
+ALL_TO_ALL_BACKENDS = ("naive", "allgather_reducescatter", "pplx", "deepep", "deepep_high_throughput",
+                       "deepep_low_latency", "flashinfer_all2allv", "mooncake")
+
+
 @dataclass(frozen=True)
 class ModelContext:
     """What the model (not the layer) tells backend choice."""
@@ -53,6 +59,8 @@ class ModelContext:
         """From a checkpoint's config.json; a quantization kept only in model_dir/hf_quant_config.json is
         recorded as that file's name, which reads as unreadable (we do not parse the separate file)."""
         architectures = config.get("architectures") or [None]
+        if not isinstance(architectures, list) or not all(isinstance(a, (str, type(None))) for a in architectures):
+            raise ValueError(f"config.json's architectures must be a list of class names, got {architectures!r}")
         quant = config.get("quantization_config")
         if quant is None and model_dir is not None and (model_dir / "hf_quant_config.json").exists():
             quant = "hf_quant_config.json"
