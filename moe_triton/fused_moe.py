@@ -59,6 +59,12 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     return T, K
 
 
+def check_specs(activation, config) -> None:
+    if not isinstance(activation, Activation) or not (config is None or isinstance(config, MoEConfig)):
+        raise ValueError(f"activation must be an Activation and config a MoEConfig or None, got "
+                         f"{type(activation).__name__} and {type(config).__name__}")
+
+
 def check_out(out, T: int, H: int, hidden_states: torch.Tensor) -> None:
     """`out` must be a (T, H) tensor in hidden_states' dtype, on its device, with unit last stride."""
     if out is None:
@@ -94,6 +100,7 @@ def run_experts(
     under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
     """
+    check_specs(activation, config)
     if weights.gated != activation.gated:
         raise ValueError(f"the weights are {'gated' if weights.gated else 'non-gated'} but activation "
                          f"{activation.kind.name} is {'gated' if activation.gated else 'not'}")
@@ -130,6 +137,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """`run_experts` on plain weight tensors: w13 (E, 2I, H) [gate; up], or (E, I, H) for a
     non-gated activation; w2 (E, H, I). A fresh (T, H) in hidden_states' dtype."""
+    check_specs(activation, config)
     weights = ExpertWeights(w13, w2, gated=activation.gated)
     return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
                        fuse_activation=fuse_activation, out=out)

@@ -511,3 +511,24 @@ def test_nan_hidden_states_stay_in_their_rows_for_every_activation(activation, f
     out = fused_experts(x, w13, w2, ids, weights, activation=activation, fuse_activation=fuse)
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
     assert_close(out[[0, 2, 3]], fused_experts_torch(x, w13, w2, ids, weights, activation=activation)[[0, 2, 3]])
+
+
+@pytest.mark.parametrize("config,match", [
+    (lambda: MoEConfig(GemmConfig(16, 24, 32), GemmConfig(16, 32, 32)), "block_n"),
+    (lambda: MoEConfig(GemmConfig(16, 32, 8), GemmConfig(16, 32, 32)), "block_c"),
+    (lambda: MoEConfig(GemmConfig(12, 32, 32), GemmConfig(12, 32, 32), LayoutKind.PER_PAIR), "block_m"),
+    (lambda: MoEConfig(GemmConfig(16, 32, 32, num_warps=3), GemmConfig(16, 32, 32)), "num_warps"),
+    (lambda: "fast", "config"),
+])
+def test_launch_configs_are_checked(config, match, monkeypatch):
+    x, w13, w2, ids, weights = experts(3, 4, 2)
+    no_launch(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        fused_experts(x, w13, w2, ids, weights, config=config())
+
+
+def test_activation_must_be_an_activation(monkeypatch):
+    x, w13, w2, ids, weights = experts(3, 4, 2)
+    no_launch(monkeypatch)
+    with pytest.raises(ValueError, match="activation"):
+        fused_experts(x, w13, w2, ids, weights, activation="silu")
