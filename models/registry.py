@@ -78,8 +78,9 @@ def _read_config(path: Path):
         raise ValueError(f"{path / 'config.json'} must hold a JSON object, got {type(raw).__name__}")
     try:
         return AutoConfig.from_pretrained(path), raw
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:  # transformers' own complaint
-        raise ValueError(f"{path / 'config.json'} cannot be read by transformers: {error}") from None
+    except Exception as error:  # transformers' own complaint, in its own types (huggingface_hub's StrictDataclassError...)
+        message = " ".join(str(error).split())
+        raise ValueError(f"{path / 'config.json'} cannot be read by transformers: {message}") from None
 
 
 def model_class(config) -> type:

@@ -532,3 +532,19 @@ def test_activation_must_be_an_activation(monkeypatch):
     no_launch(monkeypatch)
     with pytest.raises(ValueError, match="activation"):
         fused_experts(x, w13, w2, ids, weights, activation="silu")
+
+
+def test_a_config_transformers_rejects_is_a_one_line_value_error(qwen3_checkpoint, tmp_path):
+    """Found by the fuzz test: transformers validates configs in its own error types."""
+    import shutil
+
+    from moe_triton.models import load_model
+
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{qwen3_checkpoint}/{name}", tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", rms_norm_eps=None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="cannot be read by transformers") as error:
+        load_model(tmp_path)
+    assert "\n" not in str(error.value)
