@@ -65,18 +65,23 @@ def fuse_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             groups[match["prefix"]][match["proj"]][int(match["expert"])] = tensor
     for prefix, projs in groups.items():
-        stack = {proj: _stack(prefix, proj, by_expert) for proj, by_expert in projs.items()}
+        num_experts = max(max(by_expert) for by_expert in projs.values()) + 1  # every projection has them all
+        stack = {proj: _stack(prefix, proj, by_expert, num_experts) for proj, by_expert in projs.items()}
         if "gate_proj" in stack:
             if "up_proj" not in stack:
                 raise ValueError(f"{prefix}: gate_proj weights without up_proj weights")
-            fused[f"{prefix}.gate_up_proj"] = torch.cat([stack.pop("gate_proj"), stack.pop("up_proj")], dim=1)
+            gate, up = stack.pop("gate_proj"), stack.pop("up_proj")
+            if gate.shape != up.shape:
+                raise ValueError(f"{prefix}.N.gate_proj.weight have shape {tuple(gate.shape[1:])} but "
+                                 f"{prefix}.N.up_proj.weight {tuple(up.shape[1:])}")
+            fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
         for proj, weight in stack.items():
             fused[f"{prefix}.{proj}"] = weight
     return fused
 
 
-def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor]) -> torch.Tensor:
-    missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor], num_experts: int) -> torch.Tensor:
+    missing = sorted(set(range(num_experts)) - set(by_expert))
     if missing:
         raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.weight")
     first = by_expert[0]
@@ -84,7 +89,7 @@ def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor]) -> torch.
         if tensor.shape != first.shape or tensor.dtype != first.dtype:
             raise ValueError(f"tensor {prefix}.{e}.{proj}.weight has shape {tuple(tensor.shape)} ({tensor.dtype}); "
                              f"{prefix}.0.{proj}.weight has {tuple(first.shape)} ({first.dtype})")
-    return torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:

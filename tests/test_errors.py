@@ -548,3 +548,18 @@ def test_a_config_transformers_rejects_is_a_one_line_value_error(qwen3_checkpoin
     with pytest.raises(ValueError, match="cannot be read by transformers") as error:
         load_model(tmp_path)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("drop,match", [
+    ("m.experts.1.up_proj.weight", r"missing tensor m\.experts\.1\.up_proj\.weight"),
+    ("m.experts.1.down_proj.weight", r"missing tensor m\.experts\.1\.down_proj\.weight"),
+])
+def test_the_last_expert_missing_from_one_projection_is_named(drop, match):
+    """Found by the fuzz test: a projection lacking only its last expert stacked fewer experts."""
+    from moe_triton.models.checkpoint import fuse_per_expert
+
+    tensors = {f"m.experts.{e}.{proj}.weight": torch.zeros(4, 8) for e in range(2)
+               for proj in ("gate_proj", "up_proj", "down_proj")}
+    del tensors[drop]
+    with pytest.raises(ValueError, match=match):
+        fuse_per_expert(tensors)
