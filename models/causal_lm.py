@@ -74,7 +74,8 @@ class CausalLM(nn.Module):
     def _check_input_ids(self, input_ids) -> None:
         if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0
                 or input_ids.shape[1] == 0 or input_ids.dtype not in (torch.int32, torch.int64)):
-            got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
             raise ValueError(f"input_ids must be an int64/int32 tensor of shape (batch >= 1, length >= 1), got {got}")
         device, vocab = self.model.embed_tokens.weight.device, self.model.embed_tokens.num_embeddings
         if input_ids.device != device:

@@ -78,7 +78,7 @@ def _read_config(path: Path):
         raise ValueError(f"{path / 'config.json'} must hold a JSON object, got {type(raw).__name__}")
     try:
         return AutoConfig.from_pretrained(path), raw
-    except Exception as error:  # transformers' own complaint, in its own types (huggingface_hub's StrictDataclassError...)
+    except Exception as error:  # transformers complains in its own types (huggingface_hub's StrictDataclassError...)
         message = " ".join(str(error).split())
         raise ValueError(f"{path / 'config.json'} cannot be read by transformers: {message}") from None
 
@@ -106,7 +106,7 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     config, raw_config = _read_config(path)
     cls = model_class(config)
     if dtype is None:
-        dtype = _check_dtype(getattr(config, "dtype", None) or torch.float32, "config.json's dtype (override with dtype=)")
+        dtype = _check_dtype(getattr(config, "dtype", None) or torch.float32, "config.json's dtype (or pass dtype=)")
     context = ModelContext.from_config(raw_config, path)
     placement = Placement(backend, context, parallel)
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32

@@ -36,9 +36,9 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {getattr(self, name)!r}")
         if not _power_of_two(self.num_warps, at_least=1):
             raise ValueError(f"GemmConfig.num_warps must be a power of two, got {self.num_warps!r}")
-        if not isinstance(self.group_m, int) or self.group_m < 1 or not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"GemmConfig.group_m and num_stages must be integers >= 1, got {self.group_m!r}, "
-                             f"{self.num_stages!r}")
+        for name in ("group_m", "num_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"GemmConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.split_c, int) or self.split_c < 1:
             raise ValueError(f"split_c must be >= 1, got {self.split_c}")
 
