@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import platform as platforms
+from .. import checks, platform as platforms
 from ..backends.catalog import ModelContext
 from ..placement import Placement
 from ..layer import FusedMoE
-from ..weights import FLOAT_DTYPES
 from .checkpoint import load_into, read_safetensors
 
 if TYPE_CHECKING:
@@ -42,16 +41,6 @@ def register_model(*architectures: str):
             MODELS[name] = cls
         return cls
     return register
-
-
-def _check_dtype(dtype, name: str) -> torch.dtype | None:
-    """A float dtype (or its name, "bfloat16"), or None; anything else is a ValueError naming `name`."""
-    if dtype is None:
-        return None
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if resolved not in FLOAT_DTYPES:
-        raise ValueError(f"{name}={dtype!r} is not a model dtype; use one of {FLOAT_DTYPES} (or its name)")
-    return resolved
 
 
 def _checkpoint_dir(path) -> Path:
@@ -101,12 +90,13 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     spec) shards every MoE layer's experts: each rank keeps its slice of the checkpoint's experts,
     and the rest of the model (attention, router, shared experts) is replicated."""
     device = platforms.check_device(device) or torch.device("cpu")
-    dtype = _check_dtype(dtype, "dtype")
+    dtype = checks.float_dtype("load_model", "dtype", dtype)
     path = _checkpoint_dir(path)
     config, raw_config = _read_config(path)
     cls = model_class(config)
     if dtype is None:
-        dtype = _check_dtype(getattr(config, "dtype", None) or torch.float32, "config.json's dtype (or pass dtype=)")
+        dtype = checks.float_dtype("load_model", "config.json's dtype (or pass dtype=)",
+                                   getattr(config, "dtype", None) or torch.float32)
     context = ModelContext.from_config(raw_config, path)
     placement = Placement(backend, context, parallel)
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32

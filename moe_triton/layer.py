@@ -11,13 +11,12 @@ Weights are held in transformers' layout, so a transformers block's tensors are 
 from __future__ import annotations
 
 import enum
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import platform as platforms
+from . import checks, platform as platforms
 from .activation import SILU_AND_MUL, Activation
 from .backends.catalog import LayerTraits
 from .backends.resolver import resolve
@@ -25,7 +24,7 @@ from .backends.runners import build_runner
 from .graphs import run_branches
 from .placement import Placement
 from .routing import RoutingSpec
-from .weights import FLOAT_DTYPES, ExpertWeights
+from .weights import ExpertWeights
 
 
 class SharedCombination(enum.Enum):
@@ -44,7 +43,11 @@ class FusedMoE(nn.Module):
                  placement: Placement = Placement(), dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
-        _check_layer_args(num_experts, top_k, hidden_size, intermediate_size, routing, activation, placement, dtype)
+        checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+                             intermediate_size=intermediate_size)
+        checks.instances("FusedMoE", routing=(routing, (RoutingSpec, type(None))), activation=(activation, Activation),
+                         placement=(placement, Placement))
+        dtype = checks.float_dtype("FusedMoE", "dtype (None: torch's default)", dtype or torch.get_default_dtype())
         device = platforms.check_device(device)
         self.routing = routing or RoutingSpec(top_k)
         if self.routing.top_k != top_k or not 1 <= top_k <= num_experts:
@@ -104,26 +107,10 @@ class FusedMoE(nn.Module):
         h = self.runner(self.expert_weights(), h, self.router_logits(x), self.e_score_correction_bias)
         return self.expert_output_proj(h) if self.expert_output_proj is not None else h
 
-    def _check_input(self, hidden_states) -> None:
-        H, device = self.gate_weight.shape[1], self.gate_weight.device
-        if self.gate_up_proj.is_meta or self.gate_weight.is_meta:
-            raise ValueError("the layer's weights are on the meta device (shapes, no data): materialize them with "
-                             "layer.to_empty(device=...) and load weights, or build the layer on a real device")
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1 or hidden_states.shape[-1] != H:
-            got = (f"shape {tuple(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
-                   else type(hidden_states).__name__)
-            raise ValueError(f"hidden_states must be a tensor of shape (..., H={H}), got {got}")
-        if not hidden_states.dtype.is_floating_point:
-            raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not floating point; the layer computes in "
-                             f"{self.gate_up_proj.dtype}")
-        if hidden_states.device != device:
-            raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights on {device}; "
-                             f"move one of them (layer.to(...))")
-
     def forward(self, hidden_states: torch.Tensor, overlap: bool = False) -> torch.Tensor:
         """hidden_states (..., H) -> (..., H). `overlap` (captured decode) runs the routed experts on
         the "alt" stream while the shared experts run here; both only read x and return fresh tensors."""
-        self._check_input(hidden_states)
+        checks.layer_input(hidden_states, self.gate_weight)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         if self.shared_experts is None:
             return self.routed_experts(x).view_as(hidden_states)
@@ -132,18 +119,3 @@ class FusedMoE(nn.Module):
         out = routed + shared
         return (out / 2 if self.shared_combination is SharedCombination.AVERAGE else out).view_as(hidden_states)
 
-
-def _check_layer_args(num_experts, top_k, hidden_size, intermediate_size, routing, activation, placement, dtype):
-    for name, value in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
-                        ("intermediate_size", intermediate_size)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"FusedMoE: {name} must be a positive integer, got {value!r}")
-    if routing is not None and not isinstance(routing, RoutingSpec):
-        raise ValueError(f"FusedMoE: routing must be a RoutingSpec or None, got {type(routing).__name__}")
-    if not isinstance(activation, Activation):
-        raise ValueError(f"FusedMoE: activation must be an Activation, got {type(activation).__name__}")
-    if not isinstance(placement, Placement):
-        raise ValueError(f"FusedMoE: placement must be a Placement (e.g. Placement(backend='torch')), "
-                         f"got {type(placement).__name__}")
-    if (torch.get_default_dtype() if dtype is None else dtype) not in FLOAT_DTYPES:
-        raise ValueError(f"FusedMoE: dtype must be one of {FLOAT_DTYPES} (None: torch's default dtype), got {dtype!r}")

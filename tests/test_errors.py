@@ -210,12 +210,13 @@ def test_layer_sizes_are_positive_integers(args, match):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(dtype=torch.int32), "dtype"),
     (dict(dtype=torch.float64), "dtype"),
-    (dict(dtype="bfloat16"), "dtype"),
+    (dict(dtype="bf16"), "dtype"),
     (dict(device="gpu"), "device"),
 ])
 def test_layer_dtype_and_device(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusedMoE(4, 2, 16, 8, **kwargs)
+    assert FusedMoE(4, 2, 16, 8, dtype="float16").gate_up_proj.dtype == torch.float16  # a dtype's name, as load_model
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
