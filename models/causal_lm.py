@@ -46,10 +46,19 @@ class CausalLM(nn.Module):
         overlap = self.use_overlap and overlap_enabled(mode)  # evaluated while capturing, baked into the graph
         return Batch(mode, positions, slots, overlap)
 
+    def forward(self, *args, **kwargs):
+        raise ValueError(f"{type(self).__name__} is not called directly: use model.generate(input_ids, "
+                         "max_new_tokens), or model.setup(max_batch, max_seq) then model.prefill(input_ids) for logits")
+
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, L), equal-length prompts starting at position 0 -> logits (B, L, V) float32."""
+        self._check_input_ids(input_ids)
         B, L = input_ids.shape
+        if self.cache is None or B > self.cache.max_batch or L > self.cache.max_seq:
+            have = "no KV cache" if self.cache is None else f"a cache for {self.cache.max_batch} x {self.cache.max_seq}"
+            raise ValueError(f"prefill of {B} x {L} tokens with {have}: call model.setup(max_batch, max_seq) first "
+                             "with room for them (generate() does it for you)")
         slots = torch.arange(B, device=input_ids.device) if slots is None else slots
         positions = torch.arange(L, device=input_ids.device).expand(B, L)
         hidden = self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
@@ -61,6 +70,19 @@ class CausalLM(nn.Module):
         batch = self.batch(ForwardMode.DECODE, inputs["positions"][:, None], inputs["slots"])
         hidden = self.model(inputs["token_ids"][:, None], batch, self.cache)  # [B, 1, H]
         return self.logits(hidden[:, 0])
+
+    def _check_input_ids(self, input_ids) -> None:
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0
+                or input_ids.shape[1] == 0 or input_ids.dtype not in (torch.int32, torch.int64)):
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
+                   else type(input_ids).__name__)
+            raise ValueError(f"input_ids must be an int64/int32 tensor of shape (batch >= 1, length >= 1), got {got}")
+        device, vocab = self.model.embed_tokens.weight.device, self.model.embed_tokens.num_embeddings
+        if input_ids.device != device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model on {device}")
+        if input_ids.min() < 0 or input_ids.max() >= vocab:  # one host sync per prompt, never in decode
+            raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got values in "
+                             f"[{input_ids.min().item()}, {input_ids.max().item()}]")
 
     # ---- set-up and generation ---------------------------------------------------------------
 
@@ -85,8 +107,9 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Greedy decoding: (B, L) -> (B, L + max_new_tokens). Eager prefill, then decode steps."""
-        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be (batch, length >= 1), got {tuple(input_ids.shape)}")
+        self._check_input_ids(input_ids)
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         B, L = input_ids.shape
         if self.cache is None or self.cache.max_batch < B or self.cache.max_seq < L + max_new_tokens:
             self.setup(B, L + max_new_tokens)

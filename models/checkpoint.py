@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from ..layer import FusedMoE
@@ -25,17 +25,32 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = _shard_names(index)
     elif (directory / "model.safetensors").exists():
         files = ["model.safetensors"]
     else:
         raise ValueError(f"{directory} holds neither model.safetensors nor model.safetensors.index.json")
     tensors = {}
     for name in files:
-        with safe_open(directory / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safe_open(directory / name, framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except (OSError, SafetensorError) as error:  # missing shard, truncated or corrupt file
+            raise ValueError(f"{directory / name} cannot be read as safetensors: {error}") from None
     return tensors
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index's weight_map names (plain file names beside the index)."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        weight_map = None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else None
+    if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
+        raise ValueError(f"{index} is not a safetensors index: it needs a \"weight_map\" of tensor name -> shard file")
+    return sorted(set(names))
 
 
 def fuse_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -50,21 +65,31 @@ def fuse_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         else:
             groups[match["prefix"]][match["proj"]][int(match["expert"])] = tensor
     for prefix, projs in groups.items():
-        stack = {proj: _stack(prefix, proj, by_expert) for proj, by_expert in projs.items()}
+        num_experts = max(max(by_expert) for by_expert in projs.values()) + 1  # every projection has them all
+        stack = {proj: _stack(prefix, proj, by_expert, num_experts) for proj, by_expert in projs.items()}
         if "gate_proj" in stack:
             if "up_proj" not in stack:
                 raise ValueError(f"{prefix}: gate_proj weights without up_proj weights")
-            fused[f"{prefix}.gate_up_proj"] = torch.cat([stack.pop("gate_proj"), stack.pop("up_proj")], dim=1)
+            gate, up = stack.pop("gate_proj"), stack.pop("up_proj")
+            if gate.shape != up.shape:
+                raise ValueError(f"{prefix}.N.gate_proj.weight have shape {tuple(gate.shape[1:])} but "
+                                 f"{prefix}.N.up_proj.weight {tuple(up.shape[1:])}")
+            fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
         for proj, weight in stack.items():
             fused[f"{prefix}.{proj}"] = weight
     return fused
 
 
-def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor]) -> torch.Tensor:
-    missing = sorted(set(range(max(by_expert) + 1)) - set(by_expert))
+def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor], num_experts: int) -> torch.Tensor:
+    missing = sorted(set(range(num_experts)) - set(by_expert))
     if missing:
         raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.weight")
-    return torch.stack([by_expert[e] for e in range(len(by_expert))])
+    first = by_expert[0]
+    for e, tensor in sorted(by_expert.items()):
+        if tensor.shape != first.shape or tensor.dtype != first.dtype:
+            raise ValueError(f"tensor {prefix}.{e}.{proj}.weight has shape {tuple(tensor.shape)} ({tensor.dtype}); "
+                             f"{prefix}.0.{proj}.weight has {tuple(first.shape)} ({first.dtype})")
+    return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
@@ -98,6 +123,8 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
+        if tensor.dtype.is_floating_point != state[name].dtype.is_floating_point:  # never cast ints into weights
+            raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {state[name].dtype}")
     with torch.no_grad():
         for name, target in state.items():
             target.copy_(tensors[name])

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import checks, platform as platforms
 from ..backends.catalog import ModelContext
 from ..placement import Placement
 from ..layer import FusedMoE
@@ -42,6 +43,35 @@ def register_model(*architectures: str):
     return register
 
 
+def _checkpoint_dir(path) -> Path:
+    if not isinstance(path, (str, Path)):
+        raise ValueError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
+    path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path} is a file; pass its directory ({path.parent}), which holds config.json "
+                         "and the safetensors weights")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json; pass a local checkpoint directory")
+    return path
+
+
+def _read_config(path: Path):
+    """(transformers' config, the raw config.json mapping) of a checkpoint directory."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {error}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / 'config.json'} must hold a JSON object, got {type(raw).__name__}")
+    try:
+        return AutoConfig.from_pretrained(path), raw
+    except Exception as error:  # transformers complains in its own types (huggingface_hub's StrictDataclassError...)
+        message = " ".join(str(error).split())
+        raise ValueError(f"{path / 'config.json'} cannot be read by transformers: {message}") from None
+
+
 def model_class(config) -> type:
     names = getattr(config, "architectures", None) or []
     for name in names:
@@ -59,16 +89,15 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     `parallel` (moe_triton.parallel.new_parallel_groups(...), every rank calling with the same
     spec) shards every MoE layer's experts: each rank keeps its slice of the checkpoint's experts,
     and the rest of the model (attention, router, shared experts) is replicated."""
-    from transformers import AutoConfig
-
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise ValueError(f"{path} has no config.json; pass a local checkpoint directory")
-    config = AutoConfig.from_pretrained(path)
+    device = platforms.check_device(device) or torch.device("cpu")
+    dtype = checks.float_dtype("load_model", "dtype", dtype)
+    path = _checkpoint_dir(path)
+    config, raw_config = _read_config(path)
     cls = model_class(config)
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    context = ModelContext.from_config(json.loads((path / "config.json").read_text()), path)
+    if dtype is None:
+        dtype = checks.float_dtype("load_model", "config.json's dtype (or pass dtype=)",
+                                   getattr(config, "dtype", None) or torch.float32)
+    context = ModelContext.from_config(raw_config, path)
     placement = Placement(backend, context, parallel)
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
         model = cls(config, placement)

@@ -83,12 +83,13 @@ def _apply_activation(gate, up, KIND: tl.constexpr, LIMIT: tl.constexpr, ALPHA: 
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         return 0.5 * gate * (1.0 + tanh) * up
-    elif KIND == 3:
-        relu = tl.maximum(gate, 0.0)
+    elif KIND == 3:  # NaN propagates as in torch: a plain max/min returns the other operand
+        relu = tl.maximum(gate, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return relu * relu
     else:
-        gate = tl.minimum(gate, LIMIT)
-        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        gate = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
+                        propagate_nan=tl.PropagateNan.ALL)
         return (up + 1.0) * gate * tl.sigmoid(gate * ALPHA)
 
 

@@ -31,7 +31,15 @@ class GemmConfig:
     split_c: int = 1  # programs along C (split-K); > 1 hands float32 partials to finalize (expert_gemm.py)
 
     def __post_init__(self):
-        if self.split_c < 1:
+        for name in ("block_m", "block_n", "block_c"):  # tl.arange needs powers of two, tl.dot at least 16
+            if not _power_of_two(getattr(self, name), at_least=16):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {getattr(self, name)!r}")
+        if not _power_of_two(self.num_warps, at_least=1):
+            raise ValueError(f"GemmConfig.num_warps must be a power of two, got {self.num_warps!r}")
+        for name in ("group_m", "num_stages"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"GemmConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not isinstance(self.split_c, int) or self.split_c < 1:
             raise ValueError(f"split_c must be >= 1, got {self.split_c}")
 
 
@@ -44,6 +52,10 @@ class MoEConfig:
     layout: LayoutKind = LayoutKind.SORTED
 
     def __post_init__(self):
+        if not isinstance(self.up, GemmConfig) or not isinstance(self.down, GemmConfig) or not isinstance(
+                self.layout, LayoutKind):
+            raise ValueError(f"MoEConfig takes two GemmConfigs and a LayoutKind, got {self.up!r}, {self.down!r}, "
+                             f"{self.layout!r}")
         if self.up.block_m != self.down.block_m:
             raise ValueError(f"up.block_m={self.up.block_m} and down.block_m={self.down.block_m} must match")
         if self.up.split_c > 1:
@@ -60,6 +72,10 @@ class MoEConfig:
             return (f"{c.block_n}x{c.block_c}/s{c.num_stages}/w{c.num_warps}{'/tma' if c.tma_weights else ''}"
                     f"{f'/S{c.split_c}' if c.split_c > 1 else ''}")
         return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
+
+
+def _power_of_two(value, at_least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= at_least and not value & (value - 1)
 
 
 def _block_m(num_pairs: int, num_experts: int, fp8: bool) -> int:
@@ -97,7 +113,7 @@ def _expected_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int
     num_pairs = num_tokens * top_k
     if layout is LayoutKind.PER_PAIR:
         return num_pairs
-    experts_hit = num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+    experts_hit = num_experts * (1 - (1 - min(top_k, num_experts) / num_experts) ** num_tokens)  # K > E: filtered ids
     return experts_hit * -(-num_pairs / experts_hit // block_m)
 
 

@@ -20,7 +20,7 @@ from .config import MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, expand, per_pair_layout
 from .expert_gemm import Fp8Scales, expert_gemm
 from .finalize import finalize
-from .platform import triton_can_run_on
+from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, triton_can_run_on
 from .quantize import quantize_fp8
 from .weights import FLOAT_DTYPES, FP8_DTYPE, ExpertWeights
 
@@ -47,9 +47,8 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     K = topk_ids.shape[1]
     if topk_ids.shape[0] != T or topk_ids.device != device:
         raise ValueError(f"topk_ids must have {T} rows on {device}, got {tuple(topk_ids.shape)} on {topk_ids.device}")
-    E = weights.num_experts
-    if not 1 <= K <= E:
-        raise ValueError(f"top_k (topk_ids.shape[1]) must be in [1, E={E}], got {K}")
+    if K < 1:  # K > E is legal: expert-parallel shards filter the ids of other ranks' experts
+        raise ValueError(f"top_k (topk_ids.shape[1]) must be >= 1, got {K}")
     if (not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_ids.shape
             or not topk_weights.dtype.is_floating_point):
         raise ValueError(f"topk_weights must be a floating tensor of shape {tuple(topk_ids.shape)}, "
@@ -59,7 +58,32 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     if not triton_can_run_on(device):
         raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA device, set "
                          "TRITON_INTERPRET=1 before importing moe_triton, or use the torch backend")
+    if device.type == "cpu" and dtype not in INTERPRETER_DOT_DTYPES:
+        raise ValueError(f"hidden_states and the expert weights are {dtype} on CPU, but {interpreter_dot_reason(dtype)} "
+                         "(moe_triton.fused_experts_torch, backend='torch')")
     return T, K
+
+
+def check_specs(activation, config) -> None:
+    if not isinstance(activation, Activation) or not (config is None or isinstance(config, MoEConfig)):
+        raise ValueError(f"activation must be an Activation and config a MoEConfig or None, got "
+                         f"{type(activation).__name__} and {type(config).__name__}")
+
+
+def check_out(out, T: int, H: int, hidden_states: torch.Tensor) -> None:
+    """`out` must be a (T, H) tensor in hidden_states' dtype, on its device, with unit last stride."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a tensor of shape ({T}, {H}) or None, got {type(out).__name__}")
+    if tuple(out.shape) != (T, H):
+        raise ValueError(f"out must have shape (T, H) = ({T}, {H}), got {tuple(out.shape)}")
+    if out.dtype != hidden_states.dtype:
+        raise ValueError(f"out must have dtype {hidden_states.dtype} (hidden_states' dtype), got {out.dtype}")
+    if out.device != hidden_states.device:
+        raise ValueError(f"out must be on device {hidden_states.device} (hidden_states'), got {out.device}")
+    if T > 0 and out.stride(1) != 1:
+        raise ValueError(f"out must have unit last stride (rows of H contiguous elements), got strides {out.stride()}")
 
 
 def run_experts(
@@ -77,14 +101,17 @@ def run_experts(
 
     hidden_states (T, H); topk_ids (T, K) int32/int64, where an id outside [0, E) is *filtered*:
     that (token, slot) pair contributes nothing (transformers' expert-parallel sentinel is E,
-    other engines use -1; both work); topk_weights (T, K). `config` overrides the launch
+    other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
+    under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
     """
+    check_specs(activation, config)
     if weights.gated != activation.gated:
         raise ValueError(f"the weights are {'gated' if weights.gated else 'non-gated'} but activation "
                          f"{activation.kind.name} is {'gated' if activation.gated else 'not'}")
     T, K = check_experts_args(hidden_states, weights, topk_ids, topk_weights)
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
+    check_out(out, T, H, hidden_states)
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
     config = config or choose_config(T, K, E, H, I, hidden_states.device, weights.dtype)
@@ -149,6 +176,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """`run_experts` on plain weight tensors: w13 (E, 2I, H) [gate; up], or (E, I, H) for a
     non-gated activation; w2 (E, H, I). A fresh (T, H) in hidden_states' dtype."""
+    check_specs(activation, config)
     weights = ExpertWeights(w13, w2, gated=activation.gated)
     return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
                        fuse_activation=fuse_activation, out=out)

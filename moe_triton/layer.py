@@ -15,7 +15,7 @@ import enum
 import torch
 from torch import nn
 
-from . import platform as platforms
+from . import checks, platform as platforms
 from .activation import SILU_AND_MUL, Activation
 from .backends.catalog import LayerTraits
 from .backends.resolver import resolve
@@ -46,6 +46,12 @@ class FusedMoE(nn.Module):
                  weight_format: WeightFormat = NATIVE, placement: Placement = Placement(),
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
+        checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+                             intermediate_size=intermediate_size)
+        checks.instances("FusedMoE", routing=(routing, (RoutingSpec, type(None))), activation=(activation, Activation),
+                         weight_format=(weight_format, WeightFormat), placement=(placement, Placement))
+        dtype = checks.float_dtype("FusedMoE", "dtype (None: torch's default)", dtype or torch.get_default_dtype())
+        device = platforms.check_device(device)
         self.routing = routing or RoutingSpec(top_k)
         if self.routing.top_k != top_k or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} (routing.top_k={self.routing.top_k}) must match and lie in [1, {num_experts}]")
@@ -54,7 +60,6 @@ class FusedMoE(nn.Module):
         self.expert_input_proj, self.expert_output_proj = expert_input_proj, expert_output_proj
         expert_in = getattr(expert_input_proj, "out_features", hidden_size)  # NemotronH's latent projection narrows it
         local_experts, local_intermediate = placement.local_sizes(num_experts, intermediate_size)
-        dtype = dtype or torch.get_default_dtype()
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))  # the router
         experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate, activation.gated, weight_format,
                                       dtype, device)
@@ -105,6 +110,7 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, overlap: bool = False) -> torch.Tensor:
         """hidden_states (..., H) -> (..., H). `overlap` (captured decode) runs the routed experts on
         the "alt" stream while the shared experts run here; both only read x and return fresh tensors."""
+        checks.layer_input(hidden_states, self.gate_weight)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         if self.shared_experts is None:
             return self.routed_experts(x).view_as(hidden_states)

@@ -30,6 +30,34 @@ def triton_can_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
 
 
+# The dtypes whose tl.dot the Triton CPU interpreter computes correctly. Its bf16 dot returns
+# garbage (triton 3.9: outputs near 1e10 where float32 gives 0.35), so kernels with a dot (the
+# expert GEMMs) refuse bf16 there; the routing kernel has no dot and upcasts to float32, exactly.
+INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
+
+
+def interpreter_dot_reason(dtype: torch.dtype) -> str:
+    return (f"the Triton interpreter's {str(dtype).removeprefix('torch.')} tl.dot computes wrong results "
+            f"(triton {triton.__version__}); use float16/float32 on CPU, or the torch backend")
+
+
+def check_device(device, name: str = "device") -> torch.device | None:
+    """`device` as a torch.device (None stays None: torch's default), or a ValueError naming the fix."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name}={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={str(device)!r} but this machine has no CUDA device (torch.cuda.is_available() "
+                             f"is False); use {name}='cpu' (the Triton kernels run there under TRITON_INTERPRET=1)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return parsed
+
+
 @dataclass(frozen=True)
 class Platform:
     """What backend choice may know of the machine."""
@@ -76,10 +104,20 @@ def detect_platform(device: torch.device | str | None = None) -> Platform:
 def named_platform(name: str) -> Platform:
     """`sm90`, `sm100`, `sm103`, `sm110`, `sm120` ... or `cpu`; FlashInfer is assumed installed at the
     version backends/flashinfer.py follows, so the answer shows what a fully equipped machine gets."""
+    if not isinstance(name, str):
+        raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100")
     name = name.strip().lower()
     if name == "cpu":
         return Platform("cpu")
     match = re.fullmatch(r"sm(\d+)(\d)", name)
-    if not match:
-        raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100, sm103")
-    return Platform("cuda", (int(match.group(1)), int(match.group(2))), FLASHINFER_READ_VERSION)
+    capability = (int(match.group(1)), int(match.group(2))) if match else None
+    if capability not in KNOWN_CAPABILITIES:
+        known = ", ".join(f"sm{major}{minor}" for major, minor in KNOWN_CAPABILITIES)
+        raise ValueError(f"platform={name!r} is not a platform name; use cpu or one of {known}")
+    return Platform("cuda", capability, FLASHINFER_READ_VERSION)
+
+
+# The CUDA compute capabilities a named platform may be (Volta to Blackwell): a typo such as
+# sm1000 is refused instead of resolving for a GPU that does not exist.
+KNOWN_CAPABILITIES = ((7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0),
+                      (12, 0), (12, 1))

@@ -21,11 +21,15 @@ Renormalisation divides by (sum + 1e-20), NemotronH's guard against 0 / 0. For t
 chosen sigmoid score underflows below that.
 """
 import enum
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from .platform import triton_can_run_on
 
 
 class Scoring(enum.Enum):
@@ -55,6 +59,14 @@ class RoutingSpec:
     def __post_init__(self):
         if not isinstance(self.scoring, Scoring) or not isinstance(self.select_on, SelectOn):
             raise ValueError(f"RoutingSpec.scoring / select_on must be Scoring / SelectOn members, got {self}")
+        for name in ("top_k", "n_group", "topk_group"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"RoutingSpec.{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a numpy integer becomes a plain int (a kernel constexpr)
+        factor = self.routed_scaling_factor
+        if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not math.isfinite(factor):
+            raise ValueError(f"RoutingSpec.routed_scaling_factor must be a finite number, got {factor!r}")
         if self.top_k < 1:
             raise ValueError(f"RoutingSpec.top_k must be >= 1, got {self.top_k}")
         if self.n_group < 1:
@@ -199,9 +211,18 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
     return out
 
 
+LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _check_inputs(logits, spec, correction_bias, out):
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.dtype.is_floating_point:
-        raise ValueError(f"logits must be a 2-D floating-point tensor of shape (T, E); got {_describe(logits)}")
+    if not isinstance(spec, RoutingSpec):
+        raise ValueError(f"spec must be a RoutingSpec, got {type(spec).__name__}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES:
+        raise ValueError(f"logits must be a 2-D tensor of shape (T, E) in one of {LOGIT_DTYPES}; "
+                         f"got {_describe(logits)}")
+    if not triton_can_run_on(logits.device):
+        raise ValueError(f"the routing kernel cannot run on {logits.device}: move the logits to a CUDA device, set "
+                         "TRITON_INTERPRET=1 before importing moe_triton, or use route_torch (the torch backend)")
     num_tokens, num_experts = logits.shape
     if num_experts < 1:
         raise ValueError("logits must have at least one expert column (E >= 1); got shape (T, 0)")

@@ -19,6 +19,7 @@ def test_demo_runs_end_to_end_and_matches_transformers(tmp_path):
     assert "RANDOM weights" in out and "experts backend: triton" in out and "interpreter" in out
     assert "tokens match transformers' generate: yes" in out
     assert "generate" in out and "prefill" in out
+    assert "[1/4] loading" in out and "[4/4] generating the same tokens with transformers" in out  # no silent phases
     assert (tmp_path / "cache" / "moe-triton").exists()  # built once, cached
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..activation import Activation, ActivationKind
-from ..platform import FLASHINFER_MIN_VERSION, Platform
+from ..platform import FLASHINFER_MIN_VERSION, INTERPRETER_DOT_DTYPES, Platform, interpreter_dot_reason
 from ..routing import RoutingSpec
 from ..weights import NATIVE, Fp8Scaling, WeightFormat
 from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
@@ -38,6 +38,12 @@ class ExpertBackend(str, enum.Enum):
         return self.value
 
 
+# The expert-parallel all-to-all backends serving engines name (vLLM's --all2all-backend, SGLang's
+# --moe-a2a-backend): the values `moe-triton resolve --all-to-all` accepts.
+ALL_TO_ALL_BACKENDS = ("naive", "allgather_reducescatter", "pplx", "deepep", "deepep_high_throughput",
+                       "deepep_low_latency", "flashinfer_all2allv", "mooncake")
+
+
 @dataclass(frozen=True)
 class ModelContext:
     """What the model (not the layer) tells backend choice."""
@@ -54,6 +60,8 @@ class ModelContext:
         """From a checkpoint's config.json; a quantization kept only in model_dir/hf_quant_config.json is
         recorded as that file's name, which reads as unreadable (we do not parse the separate file)."""
         architectures = config.get("architectures") or [None]
+        if not isinstance(architectures, list) or not all(isinstance(a, (str, type(None))) for a in architectures):
+            raise ValueError(f"config.json's architectures must be a list of class names, got {architectures!r}")
         quant = config.get("quantization_config")
         if quant is None and model_dir is not None and (model_dir / "hf_quant_config.json").exists():
             quant = "hf_quant_config.json"
@@ -88,6 +96,9 @@ class BackendSpec:
     runner: type  # the ExpertsRunner subclass that runs it (backends/runners.py)
     weight_formats: frozenset[Fp8Scaling | None] = frozenset({None})  # WeightFormat.fp8 values it runs (None: unquantized)
     fp8_min_sm: int | None = None  # FP8 weights need this compute capability (FP8 tensor cores); None: any
+    # The dtypes it computes correctly on CPU under the Triton interpreter (on_cpu="interpreter");
+    # None: all of `dtypes`. A per-platform dtype rule: the interpreter's bf16 tl.dot is wrong.
+    interpreter_dtypes: tuple[torch.dtype, ...] | None = None
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -102,7 +113,8 @@ _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloa
                    all_to_all=frozenset({None}))
 
 SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
-    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89, **_OURS),
+    BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89,
+                interpreter_dtypes=INTERPRETER_DOT_DTYPES, **_OURS),
     BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
                 intermediate_multiple=128, hidden_multiple=128, fused_router=True, runner=TrtllmRunner,
@@ -189,6 +201,9 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
         if spec.fp8_min_sm is not None and platform.sm is not None and platform.sm < spec.fp8_min_sm:
             return (f"FP8 experts need FP8 tensor cores (SM{spec.fp8_min_sm} or newer); dequantize them to "
                     "bfloat16 (ExpertWeights.dequantized()) for an unquantized layer, or use backend='torch'")
+    interpreted = platform.device_type == "cpu" and spec.on_cpu == "interpreter"
+    if interpreted and spec.interpreter_dtypes is not None and layer.dtype not in spec.interpreter_dtypes:
+        return f"weights are {layer.dtype}, and {interpreter_dot_reason(layer.dtype)}"
     if spec.activations is not None and layer.activation.kind not in spec.activations:
         return (f"activation {layer.activation.kind.name} is not one it implements "
                 f"({sorted(a.name for a in spec.activations)})")

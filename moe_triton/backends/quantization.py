@@ -12,10 +12,16 @@ Shapes read (as real checkpoints write them):
   either at the top or under "quantization" (the hf_quant_config.json shape).
 - any other method ("fp8", "awq", ...) by name; a non-mapping, or ModelOpt without an algorithm
   (the config lives in a separate file we do not read), is unreadable.
+
+Every field read is type-checked against that schema (targets a list of strings, weights a
+mapping, num_bits an integer, regexes that compile, ...): a config that departs from it is
+UNREADABLE with the reason, never a crash and never a guess (`"targets": "Linear"` is not read as
+"no group targets the experts").
 """
 from __future__ import annotations
 
 import enum
+import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,29 +60,78 @@ EXPERT_MODULE_NAMES = (
 _COMPRESSED_FORMATS = {"nvfp4-pack-quantized": QuantFormat.NVFP4, "float-quantized": QuantFormat.FP8}
 
 
+class Unreadable(Exception):
+    """The config departs from the schema this module reads; the message says where."""
+
+
 def experts_quantization(quant_config) -> ExpertsQuantization:
-    """The routed experts' format under `quant_config` (a checkpoint's quantization_config, or None)."""
-    if quant_config is None or quant_config == {}:
+    """The routed experts' format under `quant_config` (a checkpoint's quantization_config, or None).
+    Never raises: a config that departs from the published schema is UNREADABLE, with the reason."""
+    if quant_config is None or (isinstance(quant_config, Mapping) and len(quant_config) == 0):
         return ExpertsQuantization(QuantFormat.NONE, None, "no quantization_config")
     if not isinstance(quant_config, Mapping):
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, f"quantization_config is not a mapping: {quant_config!r}")
     method = quant_config.get("quant_method")
-    if method == "compressed-tensors":
-        return _compressed_tensors(quant_config)
-    if method == "modelopt":
-        return _modelopt(quant_config)
-    if method == "fp8":
-        return ExpertsQuantization(QuantFormat.FP8, method, "quant_method 'fp8'")
     if method is None:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, "quantization_config has no quant_method")
+    try:
+        method = _str(method, "quant_method")
+        if method == "compressed-tensors":
+            return _compressed_tensors(quant_config)
+        if method == "modelopt":
+            return _modelopt(quant_config)
+    except Unreadable as error:
+        return ExpertsQuantization(QuantFormat.UNREADABLE, None, f"{method} config: {error}")
+    if method == "fp8":
+        return ExpertsQuantization(QuantFormat.FP8, method, "quant_method 'fp8'")
     return ExpertsQuantization(QuantFormat.OTHER, method, f"quant_method {method!r}")
 
 
+# ---- the schema's types: each helper returns the value or raises Unreadable ----------------------
+
+def _str(value, where: str, optional: bool = False):
+    if (value is None and optional) or isinstance(value, str):
+        return value
+    raise Unreadable(f"{where} must be a string, got {value!r}")
+
+
+def _int(value, where: str, optional: bool = False):
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise Unreadable(f"{where} must be an integer, got {value!r}")
+
+
+def _mapping(value, where: str, optional: bool = False):
+    if (value is None and optional) or isinstance(value, Mapping):
+        return value
+    raise Unreadable(f"{where} must be a mapping, got {value!r}")
+
+
+def _strings(value, where: str, optional: bool = False) -> list[str]:
+    if value is None and optional:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise Unreadable(f"{where} must be a list of strings, got {value!r}")
+    return value
+
+
+# ---- ModelOpt -----------------------------------------------------------------------------------
+
 def _modelopt(config: Mapping) -> ExpertsQuantization:
-    algo = config.get("quant_algo") or (config.get("quantization") or {}).get("quant_algo")
-    if not isinstance(algo, str):
+    nested = _mapping(config.get("quantization"), "quantization", optional=True) or {}
+    algos = {_str(config.get("quant_algo"), "quant_algo", optional=True),
+             _str(nested.get("quant_algo"), "quantization.quant_algo", optional=True)} - {None}
+    if not algos:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None,
                                    "ModelOpt config without quant_algo (kept in a separate file?)")
+    if len(algos) > 1:
+        raise Unreadable(f"quant_algo and quantization.quant_algo disagree: {sorted(algos)}")
+    (algo,) = algos
+    for source, where in ((config, ""), (nested, "quantization.")):
+        for key in ("exclude_modules", "ignore"):
+            excluded = _strings(source.get(key), f"{where}{key}", optional=True)
+            if any(fnmatch.fnmatchcase(module, pattern) for pattern in excluded for module in EXPERT_MODULE_NAMES):
+                raise Unreadable(f"{where}{key} excludes expert modules from {algo!r}; per-module formats are not read")
     if algo.upper() == "NVFP4":
         return ExpertsQuantization(QuantFormat.NVFP4, "modelopt", "ModelOpt quant_algo 'NVFP4'")
     if algo.upper().startswith("FP8"):
@@ -86,17 +141,21 @@ def _modelopt(config: Mapping) -> ExpertsQuantization:
     return ExpertsQuantization(QuantFormat.OTHER, "modelopt", f"ModelOpt quant_algo {algo!r}")
 
 
+# ---- compressed-tensors ------------------------------------------------------------------------
+
 def _compressed_tensors(config: Mapping) -> ExpertsQuantization:
     groups = config.get("config_groups")
-    if not isinstance(groups, Mapping):
+    if groups is None:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, "compressed-tensors config without config_groups")
-    ignore = config.get("ignore") or []
+    groups = {name: _group(group, f"config_groups.{name}") for name, group in _mapping(groups, "config_groups").items()}
+    default_format = _str(config.get("format"), "format", optional=True)
+    ignore = [_pattern(p, "ignore") for p in _strings(config.get("ignore"), "ignore", optional=True)]
     decided: dict[QuantFormat, set[str]] = {}
     for module in EXPERT_MODULE_NAMES:
         if any(_matches(pattern, module) for pattern in ignore):
             continue
         for name in _groups_for(module, groups):
-            fmt = _group_format(groups[name], config.get("format"))
+            fmt = _group_format(groups[name], default_format)
             decided.setdefault(fmt, set()).add(name)
     if not decided:
         return ExpertsQuantization(QuantFormat.NONE, None, "no compressed-tensors group targets the experts")
@@ -108,15 +167,32 @@ def _compressed_tensors(config: Mapping) -> ExpertsQuantization:
     return ExpertsQuantization(fmt, "compressed-tensors", f"compressed-tensors group(s) {sorted(names)} target the experts")
 
 
+def _group(group, where: str) -> dict:
+    """A config group's fields this module reads, type-checked; weights with the schema's defaults."""
+    group = _mapping(group, where)
+    weights = _mapping(group.get("weights"), f"{where}.weights", optional=True)
+    if weights is not None:  # QuantizationArgs defaults: 8-bit int
+        weights = dict(num_bits=_int(weights.get("num_bits", 8), f"{where}.weights.num_bits"),
+                       type=_str(weights.get("type", "int"), f"{where}.weights.type"),
+                       group_size=_int(weights.get("group_size"), f"{where}.weights.group_size", optional=True))
+    return dict(targets=[_pattern(t, f"{where}.targets") for t in _strings(group.get("targets"), f"{where}.targets")],
+                format=_str(group.get("format"), f"{where}.format", optional=True), weights=weights)
+
+
+def _pattern(pattern: str, where: str) -> str:
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as error:
+            raise Unreadable(f"{where} holds an invalid regex {pattern!r}: {error}") from None
+    return pattern
+
+
 def _groups_for(module: str, groups: Mapping) -> list[str]:
     # compressed-tensors precedence: a name or regex target beats a class-name target ("Linear").
     named = [name for name, group in groups.items()
-             if any(_matches(t, module) for t in _targets(group) if t.startswith("re:") or "." in t)]
-    return named or [name for name, group in groups.items() if "Linear" in _targets(group)]
-
-
-def _targets(group) -> list[str]:
-    return list(group.get("targets") or []) if isinstance(group, Mapping) else []
+             if any(_matches(t, module) for t in group["targets"] if t.startswith("re:") or "." in t)]
+    return named or [name for name, group in groups.items() if "Linear" in group["targets"]]
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -125,15 +201,15 @@ def _matches(pattern: str, module: str) -> bool:
     return pattern == module
 
 
-def _group_format(group, default_format) -> QuantFormat:
-    fmt = (group.get("format") or default_format) if isinstance(group, Mapping) else None
+def _group_format(group: dict, default_format: str | None) -> QuantFormat:
+    fmt = group["format"] or default_format
     if fmt in _COMPRESSED_FORMATS:
         return _COMPRESSED_FORMATS[fmt]
-    weights = group.get("weights") if isinstance(group, Mapping) else None
-    if not isinstance(weights, Mapping):
+    weights = group["weights"]
+    if weights is None:
         return QuantFormat.OTHER
-    if weights.get("type") == "float" and weights.get("num_bits") == 4 and weights.get("group_size") == 16:
+    if weights["type"] == "float" and weights["num_bits"] == 4 and weights["group_size"] == 16:
         return QuantFormat.NVFP4
-    if weights.get("type") == "float" and weights.get("num_bits") == 8:
+    if weights["type"] == "float" and weights["num_bits"] == 8:
         return QuantFormat.FP8
     return QuantFormat.OTHER

@@ -4,7 +4,8 @@
       -> explicit request?  runs here -> it, unchanged        cannot -> ValueError (backend, platform, reason)
       -> auto: the architecture's rule (rules.py), if any   pin that runs here -> the pin
                                                             no pin / pin cannot run -> the default, with the reason
-      -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on
+      -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on and
+                  computes the layer's dtype correctly (not bf16: catalog.py)
 
 Called once when a layer is built; the `Resolution` is logged and kept as `layer.resolution`.
 """
@@ -32,6 +33,11 @@ class Resolution:
     def __str__(self) -> str:
         return f"{self.backend} (requested {self.requested}, {self.platform}, rule: {self.rule}): {self.reason}"
 
+    @property
+    def torch_fallback(self) -> bool:
+        """auto chose the torch reference: the Triton kernels do not run (CPU without the interpreter, or bf16 there)."""
+        return self.requested == AUTO and self.backend == ExpertBackend.TORCH
+
 
 def parse_backend(backend: str) -> str:
     """AUTO or a registered backend's name (ExpertBackend members are names); anything else is a
@@ -50,22 +56,23 @@ def default_candidates(platform: Platform, layer: LayerTraits | None = None) -> 
         return [(ExpertBackend.TRITON, "no rule pins another backend: the Triton pipeline on a CUDA GPU")]
     if layer is not None and layer.format.fp8 is not None:
         return [(ExpertBackend.TORCH, f"CPU with {layer.format} experts: the float32 torch reference, dequantized")]
-    torch_reference = (ExpertBackend.TORCH, "CPU: the torch reference")
     if platform.interpreter:
         return [(ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"),
-                torch_reference]
-    return [(ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference")]
+                (ExpertBackend.TORCH, "the torch reference")]
+    return [(ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference "
+                                  "(set TRITON_INTERPRET=1 before importing moe_triton to run the Triton kernels)")]
 
 
 def default_backend(platform: Platform, context: ModelContext = ModelContext(),
                     layer: LayerTraits | None = None) -> tuple[ExpertBackend, str]:
-    """The first default candidate that can run the layer; a ValueError naming every reason when none can."""
+    """The first default candidate that can run the layer (auto never picks a path known to compute
+    it wrongly, e.g. bf16 on the interpreter); a ValueError naming every reason when none can."""
     reasons = []
     for backend, why in default_candidates(platform, layer):
         blocked = unsupported_reason(backend, platform, context, layer)
         if blocked is None:
-            return backend, why + (f" ({'; '.join(reasons)})" if reasons else "")
-        reasons.append(f"{backend} cannot: {blocked}")
+            return backend, why + (f", as {'; '.join(reasons)}" if reasons else "")
+        reasons.append(f"{backend} cannot run here: {blocked}")
     raise ValueError(f"no backend can run this layer on {platform}: {'; '.join(reasons)}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,11 +115,20 @@ def _log_resolution(resolution: Resolution) -> None:
     logger.info("moe_triton experts backend: %s", resolution)
 
 
+@functools.lru_cache(maxsize=None)
+def warn_fallback(reason: str) -> None:
+    """Falling back to the torch reference is said where users look: a warning, once per process and reason."""
+    warnings.warn(f"moe_triton: the experts run on the torch reference backend, not the Triton kernels: {reason}",
+                  stacklevel=2)
+
+
 def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placement) -> ExpertsRunner:
     """The resolved backend's runner, inside the parallel dispatch when the placement shards the experts."""
     from .catalog import SPECS
 
     _log_resolution(resolution)
+    if resolution.torch_fallback:
+        warn_fallback(resolution.reason)
     spec = SPECS[resolution.backend]
     runner = spec.runner(spec, layer, placement.resolution_context())
     if placement.parallel is None:

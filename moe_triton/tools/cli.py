@@ -3,6 +3,11 @@
     moe-triton bench                      time the expert layer on a built-in shape
     moe-triton resolve MODEL [--platform sm100] [--backend auto] [--all-to-all X] [--lora]
     moe-triton probe A B                  the same small layer on backends A and B, compared
+    moe-triton demo                       the main job (README)
+
+One rule for every subcommand: on a machine without CUDA (or with --cpu) it runs with the Triton
+interpreter on, restarting itself under TRITON_INTERPRET=1 when that was not set. Every refusal
+(a usage mistake, a bad model, an impossible backend) is one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -23,10 +28,16 @@ def _bench_cases(on_gpu: bool):
     return LayerShape("tiny (E=8, K=2, H=128, I=96)", 8, 2, 128, 96), [1, 8, 32]
 
 
-def _restart_with_interpreter() -> None:
+def _restart_with_interpreter(argv: list[str]) -> None:
     """Kernels are bound to the interpreter when defined, i.e. at import: start again with it on."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    os.execve(sys.executable, [sys.executable, "-m", "moe_triton.tools.cli", *sys.argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "moe_triton.tools.cli", *argv], env)
+
+
+def _runs_on_cpu(args) -> bool:
+    """The one rule of every subcommand: on a machine without CUDA (or with --cpu) it runs with the
+    Triton interpreter on, restarting itself once when TRITON_INTERPRET was not set."""
+    return not torch.cuda.is_available() or getattr(args, "cpu", False)
 
 
 def bench(args) -> int:
@@ -35,13 +46,9 @@ def bench(args) -> int:
     from .. import fused_experts
     from .bench import (capture_graph, floor_seconds, layer_bytes, layer_flops, measure_ceilings, random_experts,
                         random_inputs, time_cpu, time_eager, time_graph_replays)
-    from ..platform import interpreter_enabled
-
-    on_gpu = torch.cuda.is_available() and not args.cpu
-    if not on_gpu and not interpreter_enabled():
-        _restart_with_interpreter()
+    on_gpu = not _runs_on_cpu(args)
     device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter's bf16 dot is unreliable
+    dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter's bf16 dot computes wrongly
     shape, tokens = _bench_cases(on_gpu)
     tokens = args.tokens or tokens
     where = torch.cuda.get_device_name() if on_gpu else "CPU, Triton interpreter (correctness path, NOT a performance number)"
@@ -72,10 +79,15 @@ def _read_config(path: Path) -> tuple[dict, Path | None]:
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise ValueError(f"{path} is neither a config.json nor a model directory holding one")
+    if config_file.suffix != ".json":
+        raise ValueError(f"{path} is not a config.json; pass the model directory ({path.parent}) or its config.json")
     try:
-        return json.loads(config_file.read_text()), config_file.parent
-    except json.JSONDecodeError as error:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
+    return config, config_file.parent
 
 
 def resolve_backend(args) -> int:
@@ -84,7 +96,7 @@ def resolve_backend(args) -> int:
 
     try:
         config, model_dir = _read_config(Path(args.model))
-        platform = platforms.named_platform(args.platform) if args.platform else platforms.detect_platform()
+        platform = args.platform or platforms.detect_platform()
         context = ModelContext.from_config(config, model_dir, all_to_all=args.all_to_all, lora=args.lora)
         resolution = resolve(args.backend, platform, context)
     except ValueError as error:
@@ -108,13 +120,10 @@ def resolve_backend(args) -> int:
 
 def probe_backends(args) -> int:
     from .probe import ProbeCase, ProbeMismatch, build_case, probe
-    from ..platform import interpreter_enabled
 
-    on_gpu = torch.cuda.is_available() and not args.cpu
-    if not on_gpu and not interpreter_enabled():
-        _restart_with_interpreter()
+    on_gpu = not _runs_on_cpu(args)
     device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter's bf16 dot is unreliable
+    dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter's bf16 dot computes wrongly
     case = ProbeCase(num_tokens=args.tokens)
     try:
         layer_a, hidden_states, lm_head = build_case(case, args.backends[0], dtype, device, seed=args.seed)
@@ -139,10 +148,7 @@ def probe_backends(args) -> int:
 def demo(args) -> int:
     """The main job: errors are one line and a non-zero exit; --debug shows the traceback."""
     from .demo import DemoOptions, run_demo
-    from ..platform import interpreter_enabled
 
-    if not torch.cuda.is_available() and not interpreter_enabled() and args.backend != "torch":
-        _restart_with_interpreter()  # on CPU the Triton kernels run in the interpreter
     if args.model is not None and not (args.model / "config.json").exists():
         print(f"moe-triton demo: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
@@ -157,43 +163,98 @@ def demo(args) -> int:
         return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    from ..backends.catalog import ExpertBackend
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """A usage mistake is one line on stderr and exit 2, like every other refusal of the CLI."""
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
 
-    parser = argparse.ArgumentParser(prog="moe-triton", description="Triton MoE expert layer tools")
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
+    return value
+
+
+def _platform(text: str):
+    from .. import platform as platforms
+
+    try:
+        return platforms.named_platform(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .. import platform as platforms
+    from ..backends.catalog import ALL_TO_ALL_BACKENDS, ExpertBackend
+
+    parser = _Parser(prog="moe-triton", description="Triton MoE expert layer tools")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="generate with a small MoE model and check it against transformers")
     demo_parser.add_argument("--model", type=Path, help="a local checkpoint directory (default: a built-in tiny model)")
     backends = ["auto", *(backend.value for backend in ExpertBackend)]
     demo_parser.add_argument("--backend", default="auto", choices=backends)
-    demo_parser.add_argument("--batch", type=int, default=2)
-    demo_parser.add_argument("--tokens", type=int, default=16, help="new tokens per sequence")
+    demo_parser.add_argument("--batch", type=_positive_int, default=2)
+    demo_parser.add_argument("--tokens", type=_positive_int, default=16, help="new tokens per sequence")
     demo_parser.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     demo_parser.add_argument("--no-overlap", action="store_true", help="no alternate streams in captured decode")
     demo_parser.add_argument("--debug", action="store_true", help="show tracebacks")
     demo_parser.set_defaults(run=demo)
     bench_parser = commands.add_parser("bench", help="time the expert layer on a built-in shape")
-    bench_parser.add_argument("--tokens", type=int, nargs="+", help="token counts to time")
+    bench_parser.add_argument("--tokens", type=_positive_int, nargs="+", help="token counts to time")
     bench_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
     bench_parser.set_defaults(run=bench)
     resolve_parser = commands.add_parser("resolve", help="which expert backend a model gets here, and why")
     resolve_parser.add_argument("model", help="a config.json or a model directory holding one")
-    resolve_parser.add_argument("--platform", help="resolve for a named platform: cpu, sm90, sm100, sm103, sm110, sm120")
+    resolve_parser.add_argument("--platform", type=_platform,
+                                help="resolve for a named platform: cpu, sm90, sm100, sm103, sm110, sm120")
     resolve_parser.add_argument("--backend", default="auto", choices=backends)
-    resolve_parser.add_argument("--all-to-all", dest="all_to_all", help="expert-parallel all-to-all backend, e.g. deepep")
+    resolve_parser.add_argument("--all-to-all", dest="all_to_all", choices=ALL_TO_ALL_BACKENDS,
+                                help="the serving engine's expert-parallel all-to-all backend, e.g. deepep")
     resolve_parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
     resolve_parser.set_defaults(run=resolve_backend)
     probe_parser = commands.add_parser("probe", help="run a small layer on two backends and compare (temperature 0)")
     probe_parser.add_argument("backends", nargs=2, choices=backends, metavar="BACKEND",
                               help=f"two of {', '.join(backends)} (e.g. torch triton)")
-    probe_parser.add_argument("--tokens", type=int, default=16)
-    probe_parser.add_argument("--tolerance", type=float, help="max relative difference (default by dtype)")
-    probe_parser.add_argument("--min-agreement", dest="min_agreement", type=float, default=1.0,
+    probe_parser.add_argument("--tokens", type=_positive_int, default=16)
+    probe_parser.add_argument("--tolerance", type=_tolerance, help="max relative difference (default by dtype)")
+    probe_parser.add_argument("--min-agreement", dest="min_agreement", type=_fraction, default=1.0,
                               help="minimum fraction of equal greedy tokens")
     probe_parser.add_argument("--seed", type=int, default=0)
     probe_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
     probe_parser.set_defaults(run=probe_backends)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # --help (0) or a usage error, already reported in one line (2)
+        return exit.code or 0
+    if _runs_on_cpu(args) and not platforms.interpreter_enabled():
+        _restart_with_interpreter(argv)
     return args.run(args)
 
 

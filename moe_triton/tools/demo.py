@@ -7,6 +7,7 @@ to overlap) with RANDOM weights: its tokens mean nothing; that they equal transf
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,12 @@ class DemoOptions:
     graphs: bool = True
     overlap: bool = True
     prompt_length: int = 8
+
+    def __post_init__(self):
+        for name in ("batch", "tokens", "prompt_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DemoOptions.{name} must be an integer >= 1, got {value!r}")
 
 
 def cache_dir() -> Path:
@@ -68,6 +75,14 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
+def resolution_line(resolution) -> str:
+    """The demo's line on the experts backend; it says so when auto fell back to the torch reference."""
+    line = f"experts backend: {resolution}"
+    if resolution.torch_fallback:
+        line += "\n  (fallback: the Triton kernels do not run here; the torch reference computes the experts)"
+    return line
+
+
 def run_demo(options: DemoOptions, print_=print) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -83,18 +98,29 @@ def run_demo(options: DemoOptions, print_=print) -> int:
         "CPU, Triton kernels in the interpreter (slow, a correctness path)" if interpreter_enabled() else "CPU")
     print_(f"model: {path}{'  (built-in: RANDOM weights, the tokens mean nothing)' if options.model is None else ''}")
     print_(f"device: {where}, dtype {str(dtype).removeprefix('torch.')}")
+    steps = 5 if on_gpu and options.graphs and options.overlap else 4
+
+    def phase(step: int, text: str) -> None:  # the long steps say what they do (the interpreter is slow)
+        print_(f"[{step}/{steps}] {text} ...")
+        sys.stdout.flush()
+
+    phase(1, "loading the checkpoint through moe_triton.models")
     model = load_model(path, dtype=dtype, device=device, backend=options.backend)
     model.use_graphs, model.use_overlap = options.graphs and on_gpu, options.overlap and on_gpu
     layer = next(m for m in model.modules() if hasattr(m, "resolution"))
-    print_(f"experts backend: {layer.resolution}")
+    print_(resolution_line(layer.resolution))
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (options.batch, options.prompt_length), generator=g).to(device)
+    phase(2, f"generating {options.batch} x {options.tokens} tokens (the first run compiles the kernels"
+             f"{', captures the decode graphs' if model.use_graphs else ''})")
     model.setup(options.batch, options.prompt_length + options.tokens)
     ours = model.generate(prompt, options.tokens)  # also the warm-up: kernels compile on first use
+    phase(3, "timing generate and prefill")
     _, seconds = _timed(lambda: model.generate(prompt, options.tokens))
     _, prefill_seconds = _timed(lambda: model.prefill(prompt))
 
+    phase(4, "generating the same tokens with transformers, the reference")
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     expected = reference.generate(prompt, max_new_tokens=options.tokens, do_sample=False)
     match = torch.equal(ours, expected)
@@ -102,6 +128,7 @@ def run_demo(options: DemoOptions, print_=print) -> int:
     rows = [("generate", options.batch * options.tokens / seconds, seconds * 1e3)]
     rows.append(("prefill", options.batch * options.prompt_length / prefill_seconds, prefill_seconds * 1e3))
     if on_gpu and options.graphs and options.overlap:  # the same generation without overlap
+        phase(5, "generating again with overlap off")
         model.use_overlap = False
         model.setup(options.batch, options.prompt_length + options.tokens)
         serial_tokens = model.generate(prompt, options.tokens)
