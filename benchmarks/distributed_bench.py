@@ -37,10 +37,21 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 from moe_triton import ExpertWeights, fused_experts  # noqa: E402
+from moe_triton.parallel import (  # noqa: E402
+    ParallelSpec,
+    TokenDispatch,
+    combine,
+    compact_slots,
+    dispatch,
+    localize_ids,
+    new_parallel_groups,
+    parallel_experts,
+    post_experts_reduction,
+    reduce_partials,
+    shard_experts,
+    torch_experts,
+)
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, random_experts, random_inputs  # noqa: E402
-from moe_triton.parallel import (ParallelSpec, TokenDispatch, combine, compact_slots, dispatch,  # noqa: E402
-                                 localize_ids, new_parallel_groups, parallel_experts, post_experts_reduction,
-                                 reduce_partials, shard_experts, torch_experts)
 
 SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "tiny": LayerShape("tiny", 8, 2, 64, 32)}
 MODES = {  # name -> spec for world size W

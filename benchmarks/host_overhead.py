@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from moe_triton import GemmConfig, RoutingSpec, SILU_AND_MUL, expand, expert_gemm, finalize, fused_experts, route
+from moe_triton import SILU_AND_MUL, GemmConfig, RoutingSpec, expand, expert_gemm, finalize, fused_experts, route
 from moe_triton.tools.bench import LayerShape, random_experts, random_inputs
 
 TINY = LayerShape("tiny", num_experts=8, top_k=2, hidden_size=128, intermediate_size=128)

@@ -8,7 +8,7 @@ Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once pe
 import torch
 from triton.testing import do_bench
 
-from moe_triton import GemmConfig, LayoutKind, SILU_AND_MUL, expand, expert_gemm, fused_experts, per_pair_layout
+from moe_triton import SILU_AND_MUL, GemmConfig, LayoutKind, expand, expert_gemm, fused_experts, per_pair_layout
 from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
 # (block_n, block_c, num_stages, num_warps, tma_weights)
@@ -28,13 +28,15 @@ def sweep_case(shape, T, w13, w2):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
     x, ids = inputs.hidden_states[0], inputs.topk_ids[0]
     if T <= 256:
-        kinds = [(LayoutKind.PER_PAIR, 16)] if T == 1 else [(LayoutKind.SORTED, 16 if T * shape.top_k <= 16 * shape.num_experts else 32)]
+        sorted_bm = 16 if T * shape.top_k <= 16 * shape.num_experts else 32
+        kinds = [(LayoutKind.PER_PAIR, 16)] if T == 1 else [(LayoutKind.SORTED, sorted_bm)]
         ups, downs = DECODE_UP, DECODE_DOWN
     else:
         kinds = [(LayoutKind.SORTED, 128)]
         ups, downs = PREFILL_UP, PREFILL_DOWN
     for kind, bm in kinds:
-        layout = per_pair_layout(ids, shape.num_experts, bm) if kind is LayoutKind.PER_PAIR else expand(ids, shape.num_experts, bm)
+        per_pair = kind is LayoutKind.PER_PAIR
+        layout = per_pair_layout(ids, shape.num_experts, bm) if per_pair else expand(ids, shape.num_experts, bm)
         h = expert_gemm(x, w13, layout, GemmConfig(bm, 64, 64), gather=True, activation=SILU_AND_MUL)
         for name, tiles, run in (
             ("up", ups, lambda c: expert_gemm(x, w13, layout, c, gather=True, activation=SILU_AND_MUL)),

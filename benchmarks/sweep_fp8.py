@@ -12,8 +12,18 @@ import torch
 from triton.testing import do_bench
 
 from moe_triton import ExpertWeights, GemmConfig, LayoutKind, MoEConfig, WeightFormat, choose_config, run_experts
-from moe_triton.tools.bench import (DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, floor_seconds, layer_bytes,
-                                    layer_flops, measure_ceilings, random_experts, random_inputs)
+from moe_triton.tools.bench import (
+    DEEPSEEK_V3,
+    E64_K4,
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    floor_seconds,
+    layer_bytes,
+    layer_flops,
+    measure_ceilings,
+    random_experts,
+    random_inputs,
+)
 
 
 def candidates(shape, T) -> dict[str, MoEConfig]:

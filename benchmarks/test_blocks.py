@@ -4,13 +4,12 @@ on vs off (H=6144, 128 experts of I=3072, top-4, shared I=3072, clamped swiglu, 
 """
 import pytest
 import torch
+from measure import event_median_seconds
 
 from moe_triton.graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput
-from moe_triton.models.layers import Batch
 from moe_triton.models import default_dtype
+from moe_triton.models.layers import Batch
 from moe_triton.tools.bench import random_init_
-
-from measure import event_median_seconds
 
 BATCHES = (1, 4, 16, 64)
 LAYERS = 4

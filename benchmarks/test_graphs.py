@@ -2,12 +2,11 @@
 a 4-layer Qwen3-30B-A3B-shaped MoE stack (router + experts), eager vs CUDA-graph replay."""
 import pytest
 import torch
+from measure import event_median_seconds
 
 from moe_triton import FusedMoE
-from moe_triton.tools.bench import QWEN3_30B_A3B, branch_stack_capture_bytes
-
-from measure import event_median_seconds
 from moe_triton.graphs import DecodeGraphRunner, GraphConfig, StaticInput
+from moe_triton.tools.bench import QWEN3_30B_A3B, branch_stack_capture_bytes
 
 LAYERS = 4
 

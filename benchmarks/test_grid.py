@@ -6,8 +6,8 @@ everything included (expand, both GEMMs, activation, finalize): CUDA-graph repla
 from HBM. Beside it: the floor max(bytes / B, FLOPs / F) with B and F measured in the same run,
 routing's own time (softmax top-k of the same random logits), the graph-replay time at every
 size (the GPU side alone, without Python launch costs), transformers' `grouped_mm` and
-`batched_mm` on the same weights, the GPU time of each stage (torch.profiler: expand / up / down / finalize / other), and the launch
-configuration used. Every case first checks its output against the float32 reference.
+`batched_mm` on the same weights, the GPU time of each stage (torch.profiler: expand / up / down /
+finalize / other), and the launch configuration used. Every case first checks its output against the float32 reference.
 
     pytest benchmarks/test_grid.py -m gpu --benchmark-only --bench-table grid.md
 """
@@ -15,14 +15,24 @@ import functools
 
 import pytest
 import torch
+from measure import stage_times, transformers_experts
 
 from moe_triton import RoutingSpec, choose_config, fused_experts, fused_experts_torch, route
 from moe_triton.graphs import capture_graph
-from moe_triton.tools.bench import (DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, floor_seconds,
-                                    layer_bytes, layer_flops, random_experts, random_inputs, time_graph_replays,
-                                    time_step)
-
-from measure import stage_times, transformers_experts
+from moe_triton.tools.bench import (
+    DEEPSEEK_V3,
+    E64_K4,
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    LayerShape,
+    floor_seconds,
+    layer_bytes,
+    layer_flops,
+    random_experts,
+    random_inputs,
+    time_graph_replays,
+    time_step,
+)
 
 VARIANTS = 4
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]

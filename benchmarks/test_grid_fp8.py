@@ -14,16 +14,26 @@ the GPU machine cannot download; benchmarks/fp8_peer.py loads its source when it
 """
 import functools
 
+import fp8_peer
 import pytest
 import torch
 
 from moe_triton import ExpertWeights, WeightFormat, choose_config, fused_experts, run_experts
 from moe_triton.graphs import capture_graph
-from moe_triton.tools.bench import (DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape, floor_seconds,
-                                    layer_bytes, layer_flops, random_experts, random_inputs, time_graph_replays,
-                                    time_step)
-
-import fp8_peer
+from moe_triton.tools.bench import (
+    DEEPSEEK_V3,
+    E64_K4,
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    LayerShape,
+    floor_seconds,
+    layer_bytes,
+    layer_flops,
+    random_experts,
+    random_inputs,
+    time_graph_replays,
+    time_step,
+)
 
 VARIANTS = 4
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]

@@ -8,13 +8,20 @@ import functools
 
 import pytest
 import torch
+from measure import transformers_experts
 
 from moe_triton import choose_config, fused_experts, fused_experts_torch
 from moe_triton.graphs import capture_graph
-from moe_triton.tools.bench import (MIXTRAL_8X7B, QWEN3_30B_A3B, floor_seconds, layer_bytes, layer_flops,
-                                    random_experts, random_inputs, time_step)
-
-from measure import transformers_experts
+from moe_triton.tools.bench import (
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    floor_seconds,
+    layer_bytes,
+    layer_flops,
+    random_experts,
+    random_inputs,
+    time_step,
+)
 
 VARIANTS = 4
 DECODE = [1, 8, 32, 128]

@@ -8,12 +8,10 @@ A small vocabulary keeps the LM head out of the way: the question is the layers.
 """
 import pytest
 import torch
+from measure import event_median_seconds
 
 from moe_triton.models import default_dtype
 from moe_triton.tools.bench import random_init_
-
-from measure import event_median_seconds
-
 
 BATCHES = (1, 4, 16, 64)
 LAYERS = 4

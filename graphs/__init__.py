@@ -6,8 +6,15 @@
                 capture_graph: one graph over a step called on several input sets (benchmarks, tests)
 """
 from .capture import ForwardMode, capture_mode, is_capture_mode, overlap_enabled
-from .runner import (CaptureStats, DecodeGraphRunner, GraphConfig, StaticInput, bucket_for, capture_graph,
-                     default_batch_sizes)
+from .runner import (
+                     CaptureStats,
+                     DecodeGraphRunner,
+                     GraphConfig,
+                     StaticInput,
+                     bucket_for,
+                     capture_graph,
+                     default_batch_sizes,
+)
 from .streams import get_stream, run_branches
 
 __all__ = [

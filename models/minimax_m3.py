@@ -10,7 +10,6 @@ the block was called on; both read `x` and write fresh outputs.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring

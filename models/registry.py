@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import checks, platform as platforms
+from .. import checks
+from .. import platform as platforms
 from ..backends.catalog import ModelContext
-from ..placement import Placement
 from ..layer import FusedMoE
+from ..placement import Placement
 from .checkpoint import load_into, read_safetensors
 
 if TYPE_CHECKING:

@@ -31,10 +31,21 @@ from .integrations.transformers import from_transformers, register_experts_imple
 from .layer import FusedMoE, SharedCombination
 from .placement import Placement
 from .platform import Platform, detect_platform
-from .reference import fused_experts_torch
 from .quantize import quantize_fp8
-from .routing import (RoutingSpec, Scoring, SelectOn, biased_sigmoid_topk, grouped_topk, route, route_torch,
-                      router_logits, softmax_topk, topk_sigmoid, topk_softmax)
+from .reference import fused_experts_torch
+from .routing import (
+                      RoutingSpec,
+                      Scoring,
+                      SelectOn,
+                      biased_sigmoid_topk,
+                      grouped_topk,
+                      route,
+                      route_torch,
+                      router_logits,
+                      softmax_topk,
+                      topk_sigmoid,
+                      topk_softmax,
+)
 from .weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 register_experts_implementation()

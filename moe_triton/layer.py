@@ -15,7 +15,8 @@ import enum
 import torch
 from torch import nn
 
-from . import checks, platform as platforms
+from . import checks
+from . import platform as platforms
 from .activation import SILU_AND_MUL, Activation
 from .backends.catalog import LayerTraits
 from .backends.resolver import resolve

@@ -25,7 +25,7 @@ GEMM's epilogue (expert_gemm.py): finer than per token, and no pass of its own.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 

@@ -17,11 +17,11 @@ import tempfile
 
 import torch
 
-from moe_triton.models import default_dtype
-from moe_triton.tools.bench import random_init_
 from moe_triton.graphs import ForwardMode
+from moe_triton.models import default_dtype
 from moe_triton.models.cohere2_moe import Cohere2MoeForCausalLM
 from moe_triton.models.layers import Batch
+from moe_triton.tools.bench import random_init_
 
 BATCHES = (1, 4, 16, 64)
 

@@ -29,10 +29,26 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import assert_close  # noqa: E402
-from moe_triton import (SILU_AND_MUL, Activation, FusedMoE, Placement, RoutingSpec, fused_experts_torch,  # noqa: E402
-                        route, run_experts)
-from moe_triton.parallel import (Collective, ParallelExperts, ParallelSpec, new_parallel_groups,  # noqa: E402
-                                 post_experts_reduction, scattered_rows, torch_experts)
+
+from moe_triton import (  # noqa: E402
+    SILU_AND_MUL,
+    Activation,
+    FusedMoE,
+    Placement,
+    RoutingSpec,
+    fused_experts_torch,
+    route,
+    run_experts,
+)
+from moe_triton.parallel import (  # noqa: E402
+    Collective,
+    ParallelExperts,
+    ParallelSpec,
+    new_parallel_groups,
+    post_experts_reduction,
+    scattered_rows,
+    torch_experts,
+)
 
 # Every process we start keeps NVLink multicast (NVLS) off, as issue 8 requires on the H200 machines.
 SUBPROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from moe_triton.backends.flashinfer import FlashInferModules
 
-
 # ---- flashinfer.tllm_enums (0.7.2.post1: each member's value is its position, from 0) --------------
 
 RoutingMethodType = enum.IntEnum("RoutingMethodType", "Default Renormalize DeepSeekV3 Llama4 RenormalizeNaive TopK "

@@ -1,8 +1,8 @@
 """activation: the standalone kernel against activation_torch, every kind, awkward widths."""
 import pytest
 import torch
-
 from helpers import assert_close
+
 from moe_triton.activation import Activation, ActivationKind, activate, activation_torch
 
 KINDS = [

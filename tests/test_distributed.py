@@ -13,13 +13,33 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
 from helpers import assert_close, random_expert_weights
-from moe_triton import Activation, ActivationKind, ExpertWeights, FusedMoE, Placement, fused_experts, fused_experts_torch
-from moe_triton.parallel import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
-                                 compact_slots, localize_ids, new_parallel_groups, post_experts_reduction,
-                                 scattered_rows, shard_experts, torch_experts)
+
+from moe_triton import (
+    Activation,
+    ActivationKind,
+    ExpertWeights,
+    FusedMoE,
+    Placement,
+    fused_experts,
+    fused_experts_torch,
+)
+from moe_triton.parallel import (
+    Collective,
+    OutputLayout,
+    ParallelSpec,
+    ReduceOver,
+    Reduction,
+    TokenDispatch,
+    compact_slots,
+    localize_ids,
+    new_parallel_groups,
+    post_experts_reduction,
+    scattered_rows,
+    shard_experts,
+    torch_experts,
+)
 
 A2A, REPLICATED = TokenDispatch.ALL_TO_ALL, TokenDispatch.REPLICATED
 FULL, SCATTERED = OutputLayout.FULL, OutputLayout.SCATTERED

@@ -6,12 +6,26 @@ import warnings
 
 import pytest
 import torch
+from helpers import assert_close
 
 import moe_triton
 import moe_triton.platform as platforms
-from helpers import assert_close
-from moe_triton import (FusedMoE, GemmConfig, LayoutKind, MoEConfig, Placement, RoutingSpec, Scoring, SelectOn,
-                        fused_experts, fused_experts_torch, resolve, route, route_torch, softmax_topk)
+from moe_triton import (
+    FusedMoE,
+    GemmConfig,
+    LayoutKind,
+    MoEConfig,
+    Placement,
+    RoutingSpec,
+    Scoring,
+    SelectOn,
+    fused_experts,
+    fused_experts_torch,
+    resolve,
+    route,
+    route_torch,
+    softmax_topk,
+)
 from moe_triton.backends import LayerTraits, ModelContext, experts_quantization
 from moe_triton.backends.quantization import QuantFormat
 from moe_triton.platform import Platform
@@ -76,9 +90,8 @@ def test_fused_experts_refuses_bf16_under_the_interpreter(layout, monkeypatch):
 
 
 def test_bf16_through_experts_implementation_is_refused_on_the_interpreter(tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from helpers import all_sparse_qwen3_moe_checkpoint
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(all_sparse_qwen3_moe_checkpoint(tmp_path), experts_implementation="moe_triton",
                                                  dtype=torch.bfloat16)
@@ -158,7 +171,8 @@ def test_top_k_above_num_experts_with_the_default_config():
 
 
 def test_gpu_config_with_top_k_above_num_experts(monkeypatch):
-    from moe_triton import choose_config, config as configs
+    from moe_triton import choose_config
+    from moe_triton import config as configs
 
     monkeypatch.setattr(configs, "_device_limits", lambda device: (132, 232448))
     for T in (1, 2, 3, 8):

@@ -1,8 +1,8 @@
 """expand: the Triton layout equals the torch reference exactly (the order is stable)."""
 import pytest
 import torch
-
 from helpers import random_ids
+
 from moe_triton.expand import expand, expand_torch, max_rows
 
 

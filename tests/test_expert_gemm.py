@@ -1,8 +1,8 @@
 """expert GEMM: every row in use against a float32 einsum over the same (token, expert) rows."""
 import pytest
 import torch
-
 from helpers import assert_close, random_ids
+
 from moe_triton.activation import Activation, ActivationKind, activation_torch
 from moe_triton.config import GemmConfig
 from moe_triton.expand import expand
@@ -54,7 +54,8 @@ def test_expert_gemm_rejects_mismatched_block_m():
         expert_gemm(torch.randn(3, 16), torch.randn(2, 16, 16), layout, GemmConfig(16, 32, 32), gather=True)
 
 
-@pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL)], ids=lambda a: a.kind.name if a else "plain")
+@pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL)],
+                         ids=lambda a: a.kind.name if a else "plain")
 @pytest.mark.parametrize("N,K_in", [(40, 32), (33, 64)])  # N not a multiple of block_n: tiles spill into the next expert
 def test_expert_gemm_tma_weights(N, K_in, activation, poisoned_empty):
     torch.manual_seed(N)

@@ -1,8 +1,8 @@
 """finalize: weighted un-permute against the torch reference; fresh output, filtered pairs skipped."""
 import pytest
 import torch
-
 from helpers import assert_close, random_ids
+
 from moe_triton.expand import expand
 from moe_triton.finalize import finalize, finalize_torch
 

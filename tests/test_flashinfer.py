@@ -3,13 +3,22 @@ for FlashInfer's entry points with the signatures flashinfer-python 0.7.2.post1 
 (tests/fake_flashinfer.py). These paths are unverified on hardware: see the module docstring."""
 import sys
 
+import fake_flashinfer
 import pytest
 import torch
-
-import fake_flashinfer
 from helpers import assert_close
-from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, Placement, RoutingSpec, Scoring,
-                        SelectOn)
+
+from moe_triton import (
+    SILU_AND_MUL,
+    Activation,
+    ActivationKind,
+    FusedMoE,
+    ModelContext,
+    Placement,
+    RoutingSpec,
+    Scoring,
+    SelectOn,
+)
 from moe_triton.backends.flashinfer import import_flashinfer, prepare_experts, up_gate
 from moe_triton.backends.quantization import QuantFormat
 from moe_triton.platform import Platform

@@ -15,8 +15,18 @@ import functools
 import pytest
 import torch
 
-from moe_triton import (ExpertWeights, FusedMoE, GemmConfig, LayoutKind, MoEConfig, Placement, RoutingSpec,
-                        WeightFormat, fused_experts_torch, run_experts)
+from moe_triton import (
+    ExpertWeights,
+    FusedMoE,
+    GemmConfig,
+    LayoutKind,
+    MoEConfig,
+    Placement,
+    RoutingSpec,
+    WeightFormat,
+    fused_experts_torch,
+    run_experts,
+)
 from moe_triton.activation import SILU_AND_MUL, Activation, ActivationKind, activation_torch
 from moe_triton.platform import Platform
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8_torch

@@ -3,11 +3,25 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from helpers import assert_close, random_expert_weights, random_ids, relative_error
-from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, GemmConfig, LayoutKind, MoEConfig, activate,
-                        activation_torch, choose_config, expand, expand_torch, finalize, finalize_torch, fused_experts,
-                        fused_experts_torch)
+
+from moe_triton import (
+    SILU_AND_MUL,
+    Activation,
+    ActivationKind,
+    GemmConfig,
+    LayoutKind,
+    MoEConfig,
+    activate,
+    activation_torch,
+    choose_config,
+    expand,
+    expand_torch,
+    finalize,
+    finalize_torch,
+    fused_experts,
+    fused_experts_torch,
+)
 from moe_triton.routing import RoutingSpec, route, route_torch
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 

@@ -24,13 +24,33 @@ from typing import Callable
 
 import pytest
 import torch
+from helpers import TOLERANCE
 from torch import nn
 
-from helpers import TOLERANCE
-from moe_triton import (Activation, ActivationKind, ExpertWeights, FusedMoE, GemmConfig, LayoutKind, MoEConfig,
-                        Placement, RoutingSpec, Scoring, SelectOn, SharedCombination, biased_sigmoid_topk,
-                        fused_experts, fused_experts_torch, grouped_topk, route, route_torch, run_experts,
-                        softmax_topk, topk_sigmoid, topk_softmax)
+from moe_triton import (
+    Activation,
+    ActivationKind,
+    ExpertWeights,
+    FusedMoE,
+    GemmConfig,
+    LayoutKind,
+    MoEConfig,
+    Placement,
+    RoutingSpec,
+    Scoring,
+    SelectOn,
+    SharedCombination,
+    biased_sigmoid_topk,
+    fused_experts,
+    fused_experts_torch,
+    grouped_topk,
+    route,
+    route_torch,
+    run_experts,
+    softmax_topk,
+    topk_sigmoid,
+    topk_softmax,
+)
 from moe_triton.backends.quantization import ExpertsQuantization, QuantFormat, experts_quantization
 from moe_triton.routing import router_logits
 
@@ -546,7 +566,7 @@ def edit_tensors(path: Path, edit):
 
 
 def _expert_key(state, proj="up_proj"):
-    return next(k for k in sorted(state) if f"experts.1.{proj}" in k or (f"experts.1.w3" in k and proj == "up_proj"))
+    return next(k for k in sorted(state) if f"experts.1.{proj}" in k or ("experts.1.w3" in k and proj == "up_proj"))
 
 
 CHECKPOINT_MUTATIONS = {

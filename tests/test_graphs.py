@@ -1,10 +1,21 @@
 """graphs/: bucket choice, padding and slicing, capture-flag scoping, streams; replay == eager on GPU."""
 import pytest
 import torch
-
 from helpers import assert_close
-from moe_triton.graphs import (DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, bucket_for, capture_mode,
-                               default_batch_sizes, get_stream, is_capture_mode, overlap_enabled, run_branches)
+
+from moe_triton.graphs import (
+    DecodeGraphRunner,
+    ForwardMode,
+    GraphConfig,
+    StaticInput,
+    bucket_for,
+    capture_mode,
+    default_batch_sizes,
+    get_stream,
+    is_capture_mode,
+    overlap_enabled,
+    run_branches,
+)
 
 # ---- CPU -------------------------------------------------------------------------------------
 

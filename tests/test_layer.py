@@ -4,10 +4,19 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from helpers import assert_close
-from moe_triton import (SILU_AND_MUL, ExpertWeights, FusedMoE, Placement, RoutingSpec, Scoring, SharedCombination,
-                        fused_experts_torch, route_torch)
+
+from moe_triton import (
+    SILU_AND_MUL,
+    ExpertWeights,
+    FusedMoE,
+    Placement,
+    RoutingSpec,
+    Scoring,
+    SharedCombination,
+    fused_experts_torch,
+    route_torch,
+)
 from moe_triton.backends import SPECS, ExpertBackend, ExpertsRunner, register_backend
 from moe_triton.platform import Platform
 

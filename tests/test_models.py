@@ -8,9 +8,9 @@ import re
 
 import pytest
 import torch
+from helpers import FAMILIES, assert_close, prompt, randomize_, relative_error
 from safetensors.torch import save_file
 
-from helpers import FAMILIES, assert_close, prompt, randomize_, relative_error
 from moe_triton import fused_experts
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model

@@ -2,9 +2,18 @@
 (interpreter), for gated and non-gated experts; the multiple comes from the resolved backend."""
 import pytest
 import torch
-
 from helpers import assert_close, random_expert_weights, random_ids
-from moe_triton import SILU_AND_MUL, Activation, ActivationKind, FusedMoE, Placement, fused_experts, fused_experts_torch, pad_experts
+
+from moe_triton import (
+    SILU_AND_MUL,
+    Activation,
+    ActivationKind,
+    FusedMoE,
+    Placement,
+    fused_experts,
+    fused_experts_torch,
+    pad_experts,
+)
 from moe_triton.backends import SPECS, ExpertBackend, padded_size
 
 RELU2 = Activation(ActivationKind.RELU2)

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import moe_triton.tools.probe as probe_module
-from moe_triton.tools.probe import ProbeCase, ProbeMismatch, build_case, probe
 from moe_triton.tools.cli import main
+from moe_triton.tools.probe import ProbeCase, ProbeMismatch, build_case, probe
 
 CASE = ProbeCase(num_tokens=12)
 

@@ -1,8 +1,8 @@
 """backends/quantization.py: the experts' format from quantization configs in the shapes real checkpoints
 write (the table, QUANT_CONFIGS, is in helpers.py: test_resolver.py runs its rules over it too)."""
 import pytest
-
 from helpers import QUANT_CONFIGS
+
 from moe_triton.backends.quantization import experts_quantization
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from helpers import test_device
+
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8, quantize_fp8_torch, round_to_fp8
 from moe_triton.weights import FP8_DTYPE, FP8_MAX
 

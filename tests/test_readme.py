@@ -22,9 +22,8 @@ def readme_snippet(containing: str) -> str:
 
 def test_readme_drop_in_snippets_run_and_match_transformers(tmp_path):
     import torch
-    from transformers import AutoModelForCausalLM
-
     from helpers import all_sparse_qwen3_moe_checkpoint, assert_close
+    from transformers import AutoModelForCausalLM
 
     path = all_sparse_qwen3_moe_checkpoint(tmp_path)
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
@@ -46,8 +45,8 @@ def test_readme_drop_in_snippets_run_and_match_transformers(tmp_path):
 
 def test_readme_fp8_snippet_runs_and_matches_the_dequantized_reference():
     import torch
-
     from helpers import random_expert_weights
+
     from moe_triton import fused_experts_torch
 
     g = torch.Generator().manual_seed(6)

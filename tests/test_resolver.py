@@ -9,16 +9,25 @@ import re
 
 import pytest
 import torch
+from helpers import QUANT_CONFIGS
 
 import moe_triton.platform as platforms
-from helpers import QUANT_CONFIGS
-from moe_triton import (SILU_AND_MUL, Activation, ActivationKind, FusedMoE, ModelContext, Placement, RoutingSpec, Scoring,
-                        resolve)
+from moe_triton import (
+    SILU_AND_MUL,
+    Activation,
+    ActivationKind,
+    FusedMoE,
+    ModelContext,
+    Placement,
+    RoutingSpec,
+    Scoring,
+    resolve,
+)
 from moe_triton.backends import RULES, ExpertBackend, LayerTraits
 from moe_triton.backends.resolver import parse_backend
 from moe_triton.backends.rules import rule
-from moe_triton.tools.cli import main
 from moe_triton.platform import Platform
+from moe_triton.tools.cli import main
 
 FI = "0.7.2.post1"
 PLATFORMS = {

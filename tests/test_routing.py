@@ -4,11 +4,20 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import assert_close, poison_, test_device
+
 from moe_triton.routing import (
-    RouteConfig, RoutingSpec, Scoring, SelectOn, biased_sigmoid_topk, grouped_topk, route, route_torch,
-    softmax_topk, topk_sigmoid, topk_softmax,
+    RouteConfig,
+    RoutingSpec,
+    Scoring,
+    SelectOn,
+    biased_sigmoid_topk,
+    grouped_topk,
+    route,
+    route_torch,
+    softmax_topk,
+    topk_sigmoid,
+    topk_softmax,
 )
 
 # T = num_tokens, E = num_experts, K = top_k

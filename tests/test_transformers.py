@@ -2,9 +2,9 @@
 and experts_implementation="moe_triton" inside an unmodified transformers model."""
 import pytest
 import torch
+from helpers import all_sparse_qwen3_moe_checkpoint, assert_close, randomize_all_
 
 import moe_triton
-from helpers import all_sparse_qwen3_moe_checkpoint, assert_close, randomize_all_
 
 
 def qwen3_moe(norm):

@@ -12,8 +12,8 @@ from .catalog import SPECS, BackendSpec, ExpertBackend, LayerTraits, ModelContex
 from .padding import pad_experts, padded_size
 from .quantization import ExpertsQuantization, QuantFormat, experts_quantization
 from .resolver import Resolution, resolve
-from .runners import ExpertsRunner
 from .rules import RULES, Decision, rule_for
+from .runners import ExpertsRunner
 
 __all__ = [
     "SPECS", "BackendSpec", "ExpertBackend", "LayerTraits", "ModelContext", "register_backend", "unsupported_reason",

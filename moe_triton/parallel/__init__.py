@@ -17,12 +17,11 @@
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate; ep / tp the group sizes.
 Launch with torchrun; see docs/DISTRIBUTED.md.
 """
-from .all_to_all import DispatchPlan, Dispatched, combine, dispatch
+from .all_to_all import Dispatched, DispatchPlan, combine, dispatch
 from .experts import LocalExperts, ParallelExperts, parallel_experts, torch_experts
 from .groups import ParallelGroups, new_parallel_groups, reduce_partials, scattered_rows
 from .shard import compact_slots, local_sizes, localize_ids, shard_experts, shard_state
-from .spec import (Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch,
-                   post_experts_reduction)
+from .spec import Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch, post_experts_reduction
 
 __all__ = [
     "DispatchPlan", "Dispatched", "combine", "dispatch",

@@ -44,8 +44,18 @@ def bench(args) -> int:
     from tqdm import tqdm
 
     from .. import fused_experts
-    from .bench import (capture_graph, floor_seconds, layer_bytes, layer_flops, measure_ceilings, random_experts,
-                        random_inputs, time_cpu, time_eager, time_graph_replays)
+    from .bench import (
+        capture_graph,
+        floor_seconds,
+        layer_bytes,
+        layer_flops,
+        measure_ceilings,
+        random_experts,
+        random_inputs,
+        time_cpu,
+        time_eager,
+        time_graph_replays,
+    )
     on_gpu = not _runs_on_cpu(args)
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter's bf16 dot computes wrongly
@@ -67,7 +77,8 @@ def bench(args) -> int:
         floor = floor_seconds(sum(layer_bytes(shape, ids) for ids in inputs.topk_ids) / 4, layer_flops(shape, T), ceilings)
         rows.append((T, seconds, floor, "graph" if T <= 256 else "do_bench"))
     if ceilings:
-        print(f"ceilings measured now: copy {ceilings.bandwidth / 1e12:.2f} TB/s, bf16 matmul {ceilings.matmul_flops / 1e12:.0f} TFLOP/s")
+        print(f"ceilings measured now: copy {ceilings.bandwidth / 1e12:.2f} TB/s, "
+              f"bf16 matmul {ceilings.matmul_flops / 1e12:.0f} TFLOP/s")
     print(f"{'tokens':>8} {'time_us':>12} {'floor_us':>10} {'of floor':>9}  timing")
     for T, seconds, floor, how in rows:
         floor_text = f"{floor * 1e6:10.1f} {floor / seconds:8.0%}" if floor else f"{'-':>10} {'-':>9}"
