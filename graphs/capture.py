@@ -10,6 +10,8 @@ import contextlib
 import contextvars
 import enum
 
+import torch
+
 _capturing = contextvars.ContextVar("moe_triton_capturing", default=False)
 
 
@@ -19,7 +21,9 @@ class ForwardMode(enum.Enum):
 
 
 def is_capture_mode() -> bool:
-    return _capturing.get()
+    # torch.compile never runs inside our graph manager (its own CUDA graphs are reduce-overhead's),
+    # and its tracer cannot read a ContextVar: answer before looking
+    return not torch.compiler.is_compiling() and _capturing.get()
 
 
 @contextlib.contextmanager

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from .activation import SILU_AND_MUL, Activation, activate
+from .activation import SILU_AND_MUL, Activation, ActivationKind, activate
 from .config import MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, expand, per_pair_layout
 from .expert_gemm import Fp8Scales, expert_gemm
 from .finalize import finalize
 from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, triton_can_run_on
 from .quantize import quantize_fp8
-from .weights import FLOAT_DTYPES, FP8_DTYPE, ExpertWeights
+from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat
 
 
 def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_weights) -> tuple[int, int]:
@@ -104,7 +104,12 @@ def run_experts(
     other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
     under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
+    Under torch.compile or torch.export this is the registered op `torch.ops.moe_triton.experts`.
     """
+    if torch.compiler.is_compiling():
+        _refuse_eager_tools(config, fuse_activation, out)
+        return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
+                                            *_activation_fields(activation))
     check_specs(activation, config)
     if weights.gated != activation.gated:
         raise ValueError(f"the weights are {'gated' if weights.gated else 'non-gated'} but activation "
@@ -131,6 +136,48 @@ def run_experts(
         h = activate(gate_up, activation)  # [R, I]
     y = expert_gemm(h, weights.w2, layout, config.down, gather=False)  # [R, H], or [S, R, H] float32 partials
     return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]
+
+
+# ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
+
+_FP8 = [None, *Fp8Scaling]
+
+
+def _weights_fields(weights: ExpertWeights) -> tuple:
+    """ExpertWeights as the op's plain arguments: tensors, then the format's fields."""
+    return (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale, weights.input_scale, weights.gated,
+            *_format_fields(weights.format))
+
+
+def _format_fields(fmt: WeightFormat) -> tuple:
+    block_n, block_c = fmt.block or (0, 0)
+    return _FP8.index(fmt.fp8), block_n, block_c, fmt.static_input
+
+
+def _refuse_eager_tools(config, fuse_activation: bool, out) -> None:
+    if config is not None or not fuse_activation or out is not None:
+        raise ValueError("config=, fuse_activation= and out= are eager tools; under torch.compile or torch.export "
+                         "call the experts without them (the output is fresh)")
+
+
+def _activation_fields(activation: Activation) -> tuple:
+    return activation.kind.value, float(activation.swiglu_limit), float(activation.swiglu_alpha)
+
+
+@torch.library.custom_op("moe_triton::experts", mutates_args=())
+def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                w2_scale: torch.Tensor | None, input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
+                block_c: int, static_input: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                activation: int, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
+    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
+    act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
+    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
+
+
+@_experts_op.register_fake
+def _(hidden_states, *args):
+    return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
 def _check_fp8_config(weights: ExpertWeights, config: MoEConfig, fuse_activation: bool) -> None:
@@ -176,6 +223,11 @@ def fused_experts(
 ) -> torch.Tensor:
     """`run_experts` on plain weight tensors: w13 (E, 2I, H) [gate; up], or (E, I, H) for a
     non-gated activation; w2 (E, H, I). A fresh (T, H) in hidden_states' dtype."""
+    if torch.compiler.is_compiling():  # the op takes plain data: no ExpertWeights is built inside the graph
+        _refuse_eager_tools(config, fuse_activation, out)
+        return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None, activation.gated,
+                                            *_format_fields(NATIVE), topk_ids, topk_weights,
+                                            *_activation_fields(activation))
     check_specs(activation, config)
     weights = ExpertWeights(w13, w2, gated=activation.gated)
     return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,

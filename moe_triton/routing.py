@@ -186,8 +186,14 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
     """Route logits of shape (T, E) to (topk_ids (T, K) int32, topk_weights (T, K) float32).
 
     `out` is an optional preallocated (topk_ids, topk_weights) pair (static CUDA-graph buffers),
-    `config` an explicit tile choice (tests); both are written and returned.
+    `config` an explicit tile choice (tests); both are written and returned. Under torch.compile
+    or torch.export this is the registered op `torch.ops.moe_triton.route` (fresh outputs only).
     """
+    if torch.compiler.is_compiling():
+        if out is not None or config is not None:
+            raise ValueError("route(out=..., config=...) writes caller buffers / overrides tiles eagerly; under "
+                             "torch.compile or torch.export call it without them (outputs are fresh)")
+        return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
     _check_inputs(logits, spec, correction_bias, out)
     num_tokens, num_experts = logits.shape
     if out is None:
@@ -209,6 +215,32 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
         TOPK_GROUP=spec.topk_group, num_warps=config.num_warps,
     )
     return out
+
+
+# ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
+
+_SCORING, _SELECT_ON = list(Scoring), list(SelectOn)
+
+
+def _spec_fields(spec: RoutingSpec) -> tuple:
+    """A RoutingSpec as the op's plain arguments (its bias flag travels as the bias tensor itself)."""
+    return (spec.top_k, _SCORING.index(spec.scoring), _SELECT_ON.index(spec.select_on), spec.renormalize,
+            spec.n_group, spec.topk_group, float(spec.routed_scaling_factor))
+
+
+@torch.library.custom_op("moe_triton::route", mutates_args=())
+def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, scoring: int,
+              select_on: int, renormalize: bool, n_group: int, topk_group: int,
+              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = RoutingSpec(top_k, _SCORING[scoring], _SELECT_ON[select_on], renormalize, n_group, topk_group,
+                       routed_scaling_factor, correction_bias=correction_bias is not None)
+    return route(logits, spec, correction_bias)
+
+
+@_route_op.register_fake
+def _(logits, correction_bias, top_k, *spec):
+    return (logits.new_empty(logits.shape[0], top_k, dtype=torch.int32),
+            logits.new_empty(logits.shape[0], top_k, dtype=torch.float32))
 
 
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -109,12 +109,16 @@ class ExpertWeights:
     w13: torch.Tensor  # [E, 2I, H] gated ([gate; up]), [E, I, H] non-gated
     w2: torch.Tensor  # [E, H, I]
     gated: bool = True  # w13 holds gate and up rows (every activation but relu^2)
-    format: WeightFormat = NATIVE
+    # None means NATIVE: torch.compile traces code that builds ExpertWeights (transformers' experts
+    # forward does, per call) and cannot wrap an instance held as a dataclass default
+    format: WeightFormat | None = None
     w13_scale: torch.Tensor | None = None  # FP8: see the module docstring
     w2_scale: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None  # FP8 static activations: a float32 scalar
 
     def __post_init__(self):
+        if self.format is None:
+            object.__setattr__(self, "format", NATIVE)
         for name, w in (("w13", self.w13), ("w2", self.w2)):
             if not isinstance(w, torch.Tensor) or w.dim() != 3:
                 raise ValueError(f"{name} must be a 3-D tensor (E, N, C), got {_describe(w)}")

@@ -62,3 +62,19 @@ def test_readme_fp8_snippet_runs_and_matches_the_dequantized_reference():
     # FP8's four roundings (x, w13, h, w2), each at most 2^-4 relative: see tests/test_fp8.py
     assert ((out.float() - reference).norm() / reference.norm()) < 0.1
 
+
+def test_readme_compile_snippet_runs_in_one_graph(tmp_path, monkeypatch):
+    import torch
+    import torch._dynamo
+    from helpers import all_sparse_qwen3_moe_checkpoint
+
+    compile_ = torch.compile  # inductor's C++ build takes ~40 s here: the CPU check traces with aot_eager
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile_(model, backend="aot_eager", **kwargs))
+    input_ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(7))
+    scope = {"path": all_sparse_qwen3_moe_checkpoint(tmp_path), "input_ids": input_ids}
+    exec(readme_snippet('experts_implementation="moe_triton"') + readme_snippet("torch.compile(model"), scope)
+    with torch.no_grad():
+        expected = scope["model"](input_ids, use_cache=False).logits
+    assert torch.equal(scope["logits"], expected)
+    torch._dynamo.reset()
+

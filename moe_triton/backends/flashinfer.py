@@ -39,7 +39,7 @@ from ..activation import Activation, ActivationKind
 from ..routing import RoutingSpec, Scoring, SelectOn
 from ..weights import ExpertWeights
 from .quantization import QuantFormat, experts_quantization
-from .runners import ExpertsRunner
+from .runners import ExpertsRunner, refuse_compile, traced
 
 _ACTIVATION_TYPE = {ActivationKind.SILU_AND_MUL: "Swiglu", ActivationKind.RELU2: "Relu2"}  # tllm_enums.ActivationType
 _ACTIVATION_CONFIG = {ActivationKind.SILU_AND_MUL: "SwiGLU", ActivationKind.RELU2: "ReLU2"}  # fused_moe's typed values
@@ -126,7 +126,10 @@ class FlashInferRunner(ExpertsRunner):
                                         self.fi)
         return weights
 
+    @traced
     def check_input(self, hidden_states: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # FlashInfer's entry points have not been traced through
+            refuse_compile(hidden_states, f"the {self.spec.backend} backend")
         if self.prepared is None:
             raise RuntimeError(f"backend {self.spec.backend} runs on prepared weights: call layer.prepare_weights() "
                                "once after loading them")
@@ -140,6 +143,7 @@ class TrtllmRoutedRunner(FlashInferRunner):
     def weights_config(self, quant):
         return "TrtllmFp4Config" if quant is QuantFormat.NVFP4 else "TrtllmBf16Config"
 
+    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         self.check_input(hidden_states)
         if hidden_states.shape[0] == 0:
@@ -154,6 +158,7 @@ class TrtllmRunner(TrtllmRoutedRunner):
         raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: call the layer, "
                          "or use flashinfer_trtllm_routed to run it on a given top-k")
 
+    @traced
     def __call__(self, weights, hidden_states, router_logits, correction_bias=None):
         self.check_input(hidden_states)
         if hidden_states.shape[0] == 0:
@@ -167,6 +172,7 @@ class CutlassRunner(FlashInferRunner):
     def weights_config(self, quant):
         return "CutlassBf16Config"
 
+    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         self.check_input(hidden_states)
         if hidden_states.shape[0] == 0:

@@ -32,6 +32,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("moe_triton")
 
+# torch.compile traces the runner a layer calls. Dynamo's skip list holds the path fragment
+# "triton/backends" (Triton's own backends), which matches this folder, moe_triton/backends/:
+# without this mark every runner method would be skipped and break the graph.
+traced = torch._dynamo.dont_skip_tracing
+
+
+@torch.library.custom_op("moe_triton::not_compile_safe", mutates_args=())
+def _not_compile_safe(x: torch.Tensor, reason: str) -> torch.Tensor:
+    raise RuntimeError(reason)
+
+
+@_not_compile_safe.register_fake
+def _(x, reason):
+    raise RuntimeError(reason)  # raised while torch.compile / torch.export trace: an error, never a silent graph break
+
+
+def refuse_compile(x: torch.Tensor, what: str) -> torch.Tensor:
+    """Under torch.compile / torch.export: fail the compilation, saying what cannot be compiled and why."""
+    return torch.ops.moe_triton.not_compile_safe(x, f"moe_triton: {what} is not compile-safe; run it eagerly "
+                                                    "(decode through moe_triton.graphs' DecodeGraphRunner where it "
+                                                    "can be captured) or compile a model that does not use it")
+
 
 class ExpertsRunner:
     """Our routing kernel, then `experts`; a backend overrides what it does differently."""
@@ -53,6 +75,7 @@ class ExpertsRunner:
         """The weights this backend runs on: I zero-padded to its multiple (the same object when aligned)."""
         return pad_expert_weights(weights, self.spec.intermediate_multiple)
 
+    @traced
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
         """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32."""
         return route(router_logits, self.routing, correction_bias)
@@ -62,6 +85,7 @@ class ExpertsRunner:
         """The routed experts on a given top-k: (T, H) -> a fresh (T, H) in hidden_states' dtype."""
         raise NotImplementedError
 
+    @traced
     def __call__(self, weights: ExpertWeights, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                  correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(router_logits, correction_bias)  # [T, K] each
@@ -69,8 +93,9 @@ class ExpertsRunner:
 
 
 class TritonRunner(ExpertsRunner):
-    """Our pipeline, stage by stage (fused_moe.run_experts)."""
+    """Our pipeline, stage by stage (fused_moe.run_experts; its registered op under torch.compile)."""
 
+    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=self.activation)
 
@@ -79,9 +104,11 @@ class TorchRunner(ExpertsRunner):
     """The float32 reference, routing included, cast back to the input dtype; FP8 weights are
     dequantized (activations are not quantized: this is what the FP8 weights stand for)."""
 
+    @traced
     def route(self, router_logits, correction_bias):
         return route_torch(router_logits, self.routing, correction_bias)
 
+    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         out = fused_experts_torch(hidden_states, *weights.dequantized(), topk_ids, topk_weights,
                                   activation=self.activation)  # [T, H] float32
@@ -89,7 +116,9 @@ class TorchRunner(ExpertsRunner):
 
 
 class ParallelRunner(ExpertsRunner):
-    """A backend's runner on this rank's shard, inside moe_triton.parallel's dispatch and reductions."""
+    """A backend's runner on this rank's shard, inside moe_triton.parallel's dispatch and reductions.
+    Not compile-safe: the all-to-all dispatch reads split sizes on the host, and the collectives
+    have not been traced; torch.compile / torch.export of a sharded layer fails, saying so."""
 
     def __init__(self, local: ExpertsRunner, groups: ParallelGroups):
         super().__init__(local.spec, local.layer, local.context)
@@ -103,9 +132,12 @@ class ParallelRunner(ExpertsRunner):
     def route(self, router_logits, correction_bias):
         return self.local.route(router_logits, correction_bias)
 
+    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         from ..parallel import parallel_experts
 
+        if torch.compiler.is_compiling():
+            return refuse_compile(hidden_states, "moe_triton.parallel (expert / tensor parallel experts)")
         return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups, experts=self.local.experts)
 
 

@@ -1,0 +1,171 @@
+"""torch.compile and torch.export over the layer's registered ops (moe_triton::route, ::experts).
+
+On CPU the ops run their Triton kernels under the interpreter (float16: its bf16 dot is refused).
+The compile checks use the "aot_eager" backend (dynamo and AOTAutograd, which run the fake
+implementations and count graphs and recompiles the same way) except one inductor run; the GPU
+checks, reduce-overhead and the transformers generate benchmark run on the H200 (@pytest.mark.gpu).
+"""
+import pytest
+import torch
+import torch._dynamo
+from helpers import assert_close
+from torch._dynamo.utils import counters
+
+from moe_triton import (
+    ExpertWeights,
+    FusedMoE,
+    Placement,
+    RoutingSpec,
+    Scoring,
+    SharedCombination,
+    WeightFormat,
+    fused_experts,
+    route,
+    run_experts,
+)
+from moe_triton.parallel import ParallelGroups, ParallelSpec
+
+E, K, H, I = 8, 2, 32, 24
+TOKENS = (1, 3, 17)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormalize=True), seed=0):
+    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, weight_format=fmt, dtype=torch.float16,
+                     shared_experts=torch.nn.Linear(H, H).half() if shared else None,
+                     shared_combination=SharedCombination.AVERAGE, placement=Placement("triton"))
+    g = torch.Generator().manual_seed(seed)
+    native = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5)
+    weights = native if fmt.fp8 is None else native.to_format(fmt)
+    with torch.no_grad():
+        layer.gate_weight.copy_(torch.randn(E, H, generator=g))
+        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"), ("gate_up_proj_scale", "w13_scale"),
+                            ("down_proj_scale", "w2_scale")):
+            if getattr(layer, name) is not None:
+                getattr(layer, name).copy_(getattr(weights, field))
+        if layer.e_score_correction_bias is not None:
+            layer.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.3)
+    layer.prepare_weights()
+    return layer
+
+
+def token_batches():
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(T, H, generator=g).half() for T in TOKENS]
+    for x in batches:  # the token count is a dynamic size, 1 included (no 0/1 specialisation)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+    return batches
+
+
+@pytest.mark.parametrize("variant", ["plain", "shared-experts", "biased-sigmoid", "fp8-block"])
+def test_layer_compiles_into_one_graph_for_every_token_count(variant):
+    kwargs = {"plain": {}, "shared-experts": dict(shared=True), "fp8-block": dict(fmt=WeightFormat.fp8_block(32, 32)),
+              "biased-sigmoid": dict(routing=RoutingSpec(K, Scoring.SIGMOID, renormalize=True, correction_bias=True,
+                                                         routed_scaling_factor=2.0))}[variant]
+    layer = make_layer(**kwargs)
+    batches = token_batches()
+    explanation = torch._dynamo.explain(layer)(batches[1])
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for x in batches:
+            assert torch.equal(compiled(x), layer(x))  # the same kernels run: bit-equal
+    assert counters["stats"]["unique_graphs"] == 1  # one compilation for T in {1, 3, 17}
+
+
+@pytest.mark.gpu
+def test_inductor_and_reduce_overhead_compile_the_layer_on_the_gpu():
+    """Inductor's own codegen around our ops (on CPU it costs ~40 s of C++ compile: the GPU run has it),
+    and mode="reduce-overhead" (CUDA graphs through compile)."""
+    layer = make_layer(shared=True).cuda()
+    batches = [x.cuda() for x in token_batches()]
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, mode=mode)
+        with torch.no_grad():
+            for _ in range(3):  # reduce-overhead records its graph on a later call
+                for x in batches:
+                    assert_close(compiled(x), layer(x).float(), torch.float16)
+
+
+def test_functional_entry_points_compile():
+    g = torch.Generator().manual_seed(2)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g).half() / 6, torch.randn(E, H, I, generator=g).half() / 5
+    spec = RoutingSpec(K, renormalize=True)
+
+    def layer(x, logits):
+        ids, weights = route(logits, spec)
+        return fused_experts(x, w13, w2, ids, weights)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x, logits = torch.randn(5, H, generator=g).half(), torch.randn(5, E, generator=g)
+    assert torch.equal(compiled(x, logits), layer(x, logits))
+    with pytest.raises(Exception, match="are eager tools"):  # out= writes a caller's buffer: not under compile
+        torch.compile(lambda x, ids, w: run_experts(x, ExpertWeights(w13, w2), ids, w, out=torch.empty_like(x)),
+                      fullgraph=True, backend="aot_eager")(x, *route(logits, spec))
+
+
+def test_export_round_trip_with_a_dynamic_token_count():
+    layer = make_layer(shared=True)
+    x = token_batches()[2]
+    program = torch.export.export(layer, (x,), dynamic_shapes=({0: torch.export.Dim("T")},))
+    targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert {"moe_triton.route.default", "moe_triton.experts.default"} <= targets, targets
+    with torch.no_grad():
+        for x in token_batches():
+            assert torch.equal(program.module()(x), layer(x))
+
+
+def test_a_sharded_layer_refuses_to_compile_and_says_why():
+    groups = ParallelGroups(ParallelSpec(ep_size=2), 0, None, None, None)  # never reaches a collective
+    layer = FusedMoE(E, K, H, I, placement=Placement("torch", parallel=groups), dtype=torch.float16)
+    for fullgraph in (True, False):  # not a silent graph break either
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="moe_triton.parallel .* is not compile-safe"):
+            torch.compile(layer, fullgraph=fullgraph, backend="aot_eager")(torch.randn(3, H).half())
+
+
+def test_transformers_model_with_moe_triton_experts_compiles(tmp_path):
+    from helpers import all_sparse_qwen3_moe_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    path = all_sparse_qwen3_moe_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton", dtype=torch.float16).eval()
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits
+    explanation = torch._dynamo.explain(lambda i: model(i, use_cache=False).logits)(ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(lambda i: model(i, use_cache=False).logits, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids), eager)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])  # every family traces the same way (one run each by hand)
+def test_model_decode_step_compiles_into_one_graph(family, tmp_path):
+    from helpers import FAMILIES, prompt, randomize_
+
+    from moe_triton.models import load_model
+
+    make, seed = FAMILIES[family]
+    torch.manual_seed(0)
+    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.float16)
+    model.setup(max_batch=2, max_seq=32)
+    ids = prompt()
+    model.prefill(ids)
+    step = {"token_ids": ids[:, -1], "positions": torch.full((2,), ids.shape[1]), "slots": torch.arange(2)}
+    explanation = torch._dynamo.explain(model.decode_step)(step)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager = model.decode_step(step)  # rewrites the same cache entries the compiled step writes
+    compiled = torch.compile(model.decode_step, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(step), eager)
