@@ -210,3 +210,38 @@ QUANT_CONFIGS = {
     "hf-fp8": ({"quant_method": "fp8", "weight_block_size": [128, 128]}, QuantFormat.FP8),
     "awq": ({"quant_method": "awq", "bits": 4}, QuantFormat.OTHER),
 }
+
+
+# ---- FP8 checkpoint configs in their published shapes ----------------------------------------------
+
+# DeepSeek-V3's README ("FP8 Weights") and Qwen3-*-FP8's config.json
+DEEPSEEK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+# MiniMaxAI/MiniMax-M2's config.json: the router, its bias and the head stay unquantized
+MINIMAX_M2_FP8 = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                  "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+# compressed-tensors' presets (compressed_tensors/quantization/quant_scheme.py): FP8 (static per tensor),
+# FP8_DYNAMIC (per channel, dynamic per token) and FP8_BLOCK (128 x 128 blocks, dynamic per 128-group)
+CT_FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+CT_FP8_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True}
+CT_SCHEMES = {
+    "tensor": ({**CT_FP8_WEIGHTS, "strategy": "tensor"}, {**CT_FP8_INPUTS, "strategy": "tensor", "dynamic": False}),
+    "channel": ({**CT_FP8_WEIGHTS, "strategy": "channel"}, {**CT_FP8_INPUTS, "strategy": "token", "dynamic": True}),
+    "block": ({**CT_FP8_WEIGHTS, "strategy": "block", "block_structure": [128, 128]},
+              {**CT_FP8_INPUTS, "strategy": "group", "group_size": 128, "dynamic": True}),
+}
+
+
+def ct_fp8(strategy: str, block=None, targets=("Linear",), ignore=("lm_head",)) -> dict:
+    """A compressed-tensors quantization_config with one FP8 group (`strategy` as in CT_SCHEMES)."""
+    weights, inputs = CT_SCHEMES[strategy]
+    if block is not None:
+        weights = {**weights, "block_structure": list(block)}
+    return compressed({"group_0": {"targets": list(targets), "weights": weights, "input_activations": inputs}},
+                      format="float-quantized", ignore=list(ignore))
+
+
+# ModelOpt's hf_quant_config.json (modelopt/torch/export: convert_hf_quant_config_format's docstring) and
+# the same config as newer exports write it into config.json
+MODELOPT_FP8_FILE = {"producer": {"name": "modelopt", "version": "0.19.0"},
+                     "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]}

@@ -851,3 +851,17 @@ def test_quantization_reader_never_raises_on_random_json():
                     lambda quant: None)
 
     run_cases("quantization-json", case, 300)
+
+
+def test_checkpoint_format_refuses_in_one_line_or_reads():
+    """The loader's reader raises only a ValueError (naming the key) on any JSON, and reads the valid ones."""
+    from moe_triton.backends.quantization import CheckpointFormat, checkpoint_format
+
+    def case(rng):
+        config = random_json(rng)
+        if isinstance(config, dict) and rng.random() < 0.7:
+            config["quant_method"] = rng.choice(["modelopt", "compressed-tensors", "fp8"])
+        return Case(f"checkpoint_format({config!r})", lambda: checkpoint_format(config),
+                    lambda fmt: None if isinstance(fmt, CheckpointFormat) else pytest.fail(repr(fmt)), EITHER)
+
+    run_cases("checkpoint-format-json", case, 300)

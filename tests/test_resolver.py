@@ -222,8 +222,12 @@ def test_cli_resolve_prints_backend_and_rule(tmp_path, capsys, args, backend, ru
     assert "NVFP4 experts" in out
 
 
-def test_cli_resolve_a_separate_quant_file_fails_closed(tmp_path, capsys):
-    model = write_config(tmp_path, COHERE2[0], separate_file=True)
+def test_cli_resolve_reads_a_separate_modelopt_file_and_fails_closed_on_a_broken_one(tmp_path, capsys):
+    model = write_config(tmp_path, COHERE2[0], separate_file=True)  # hf_quant_config.json: ModelOpt NVFP4
+    assert main(["resolve", str(model / "config.json"), "--platform", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert "backend:       flashinfer_trtllm" in out and "ModelOpt quant_algo 'NVFP4'" in out
+    (tmp_path / "hf_quant_config.json").write_text("{not json")
     assert main(["resolve", str(model / "config.json"), "--platform", "sm100"]) == 0
     out = capsys.readouterr().out
     assert "backend:       triton" in out and "unreadable" in out

@@ -10,6 +10,7 @@ runner class and one `BackendSpec` passed to `register_backend`.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +58,26 @@ class ModelContext:
     @classmethod
     def from_config(cls, config: Mapping, model_dir: Path | None = None, *, all_to_all: str | None = None,
                     lora: bool = False) -> "ModelContext":
-        """From a checkpoint's config.json; a quantization kept only in model_dir/hf_quant_config.json is
-        recorded as that file's name, which reads as unreadable (we do not parse the separate file)."""
+        """From a checkpoint's config.json; a quantization kept only in model_dir/hf_quant_config.json
+        (ModelOpt's export) is read from there as a ModelOpt config, or recorded as that file's name,
+        which reads as unreadable, when the file is not a JSON object."""
         architectures = config.get("architectures") or [None]
         if not isinstance(architectures, list) or not all(isinstance(a, (str, type(None))) for a in architectures):
             raise ValueError(f"config.json's architectures must be a list of class names, got {architectures!r}")
         quant = config.get("quantization_config")
         if quant is None and model_dir is not None and (model_dir / "hf_quant_config.json").exists():
-            quant = "hf_quant_config.json"
+            quant = _modelopt_file(model_dir / "hf_quant_config.json")
         return cls(architectures[0], quant, all_to_all, lora)
+
+
+def _modelopt_file(path: Path):
+    """hf_quant_config.json ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": ...}}) as a
+    ModelOpt quantization_config; its file name when it is not a JSON object (unreadable, fail closed)."""
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return path.name
+    return {"quant_method": "modelopt", **content} if isinstance(content, dict) else path.name
 
 
 @dataclass(frozen=True)

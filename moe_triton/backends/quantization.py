@@ -10,13 +10,18 @@ Shapes read (as real checkpoints write them):
   module class names ("Linear") or regexes ("re:.*experts.*").
 - ModelOpt: `{"quant_method": "modelopt", "quant_algo": "NVFP4" | "FP8" | ...}`, the algorithm
   either at the top or under "quantization" (the hf_quant_config.json shape).
-- any other method ("fp8", "awq", ...) by name; a non-mapping, or ModelOpt without an algorithm
-  (the config lives in a separate file we do not read), is unreadable.
+- transformers / DeepSeek FP8: `{"quant_method": "fp8", "weight_block_size": [bn, bk],
+  "activation_scheme": "dynamic", "modules_to_not_convert": [...]}`.
+- any other method ("awq", ...) by name; a non-mapping, or ModelOpt without an algorithm, is unreadable.
 
 Every field read is type-checked against that schema (targets a list of strings, weights a
 mapping, num_bits an integer, regexes that compile, ...): a config that departs from it is
 UNREADABLE with the reason, never a crash and never a guess (`"targets": "Linear"` is not read as
 "no group targets the experts").
+
+`checkpoint_format` reads the same configs for the loader: the experts' exact `WeightFormat` and the
+names their scales go by. It raises a ValueError naming the config key when the experts' format is
+one the FP8 kernels do not run (an unknown strategy, weight-only FP8, static block activations).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from ..weights import NATIVE, WeightFormat
 
 
 class QuantFormat(enum.Enum):
@@ -80,10 +87,12 @@ def experts_quantization(quant_config) -> ExpertsQuantization:
             return _compressed_tensors(quant_config)
         if method == "modelopt":
             return _modelopt(quant_config)
+        if method == "fp8":
+            if _fp8_excludes_experts(quant_config):
+                return ExpertsQuantization(QuantFormat.NONE, None, "quant_method 'fp8', experts in modules_to_not_convert")
+            return ExpertsQuantization(QuantFormat.FP8, method, "quant_method 'fp8'")
     except Unreadable as error:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, f"{method} config: {error}")
-    if method == "fp8":
-        return ExpertsQuantization(QuantFormat.FP8, method, "quant_method 'fp8'")
     return ExpertsQuantization(QuantFormat.OTHER, method, f"quant_method {method!r}")
 
 
@@ -118,20 +127,10 @@ def _strings(value, where: str, optional: bool = False) -> list[str]:
 # ---- ModelOpt -----------------------------------------------------------------------------------
 
 def _modelopt(config: Mapping) -> ExpertsQuantization:
-    nested = _mapping(config.get("quantization"), "quantization", optional=True) or {}
-    algos = {_str(config.get("quant_algo"), "quant_algo", optional=True),
-             _str(nested.get("quant_algo"), "quantization.quant_algo", optional=True)} - {None}
-    if not algos:
+    algo = _modelopt_algo(config)
+    if algo is None:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None,
                                    "ModelOpt config without quant_algo (kept in a separate file?)")
-    if len(algos) > 1:
-        raise Unreadable(f"quant_algo and quantization.quant_algo disagree: {sorted(algos)}")
-    (algo,) = algos
-    for source, where in ((config, ""), (nested, "quantization.")):
-        for key in ("exclude_modules", "ignore"):
-            excluded = _strings(source.get(key), f"{where}{key}", optional=True)
-            if any(fnmatch.fnmatchcase(module, pattern) for pattern in excluded for module in EXPERT_MODULE_NAMES):
-                raise Unreadable(f"{where}{key} excludes expert modules from {algo!r}; per-module formats are not read")
     if algo.upper() == "NVFP4":
         return ExpertsQuantization(QuantFormat.NVFP4, "modelopt", "ModelOpt quant_algo 'NVFP4'")
     if algo.upper().startswith("FP8"):
@@ -139,6 +138,23 @@ def _modelopt(config: Mapping) -> ExpertsQuantization:
     if algo.upper() == "MIXED_PRECISION":  # the per-layer map lives in a separate file
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, "ModelOpt MIXED_PRECISION (per-layer map not read)")
     return ExpertsQuantization(QuantFormat.OTHER, "modelopt", f"ModelOpt quant_algo {algo!r}")
+
+
+def _modelopt_algo(config: Mapping) -> str | None:
+    """The one quant_algo of a ModelOpt config (at the top, or under "quantization" as hf_quant_config.json
+    writes it), or None; Unreadable when the two disagree or an exclusion names expert modules."""
+    nested = _mapping(config.get("quantization"), "quantization", optional=True) or {}
+    algos = {_str(config.get("quant_algo"), "quant_algo", optional=True),
+             _str(nested.get("quant_algo"), "quantization.quant_algo", optional=True)} - {None}
+    if len(algos) > 1:
+        raise Unreadable(f"quant_algo and quantization.quant_algo disagree: {sorted(algos)}")
+    algo = next(iter(algos), None)
+    for source, where in ((config, ""), (nested, "quantization.")):
+        for key in ("exclude_modules", "ignore"):
+            excluded = _strings(source.get(key), f"{where}{key}", optional=True)
+            if any(fnmatch.fnmatchcase(module, pattern) for pattern in excluded for module in EXPERT_MODULE_NAMES):
+                raise Unreadable(f"{where}{key} excludes expert modules from {algo!r}; per-module formats are not read")
+    return algo
 
 
 # ---- compressed-tensors ------------------------------------------------------------------------
@@ -213,3 +229,183 @@ def _group_format(group: dict, default_format: str | None) -> QuantFormat:
     if weights["type"] == "float" and weights["num_bits"] == 8:
         return QuantFormat.FP8
     return QuantFormat.OTHER
+
+
+# ---- transformers / DeepSeek "fp8" -------------------------------------------------------------------
+
+def _fp8_excludes_experts(config: Mapping) -> bool:
+    """Whether `modules_to_not_convert` (MiniMax's alias: `ignored_layers`) keeps the routed experts out
+    of FP8, matched as transformers matches it (quantizers_utils.should_convert_module): a pattern
+    names a module when it matches from the start up to a module boundary (as a regex), or as a suffix."""
+    key = "modules_to_not_convert" if config.get("modules_to_not_convert") is not None else "ignored_layers"
+    patterns = _strings(config.get(key), key, optional=True)
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for pattern in patterns:
+        try:
+            regex = re.compile(rf"(?:{pattern}){boundary}")
+        except re.error as error:
+            raise Unreadable(f"{key} holds an invalid regex {pattern!r}: {error}") from None
+        if any(regex.match(module) or module.endswith(pattern) for module in EXPERT_MODULE_NAMES):
+            return True
+    return False
+
+
+# ---- for the loader: the experts' exact format and the names of their scales ----------------------
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """How a checkpoint stores its FP8 weights (read from its quantization_config by `checkpoint_format`).
+
+    Every scale here multiplies to dequantize: DeepSeek's / transformers' `weight_scale_inv` as much as
+    compressed-tensors' and ModelOpt's `weight_scale`."""
+
+    method: str | None = None  # "fp8", "compressed-tensors", "modelopt"; None: an unquantized checkpoint
+    experts: WeightFormat = NATIVE  # the routed experts' format: what FusedMoE holds them in
+    weight_scale: str = "weight_scale"  # a quantized `<module>.weight`'s scale is `<module>.<weight_scale>`
+    linear_blocks: tuple[tuple[int, int], ...] = ()  # (block_n, block_k) of block-scaled FP8 linears
+
+    def __str__(self) -> str:
+        return "unquantized" if self.method is None else f"{self.method}: experts {self.experts}"
+
+
+_FP8_METHODS = "'fp8' (weight_block_size), 'compressed-tensors' (FP8 config_groups) or 'modelopt' (quant_algo FP8)"
+
+
+def checkpoint_format(quant_config) -> CheckpointFormat:
+    """The checkpoint's FP8 layout under `quant_config` (None: unquantized). A ValueError names the config
+    key and what was expected when the experts' format is not one the FP8 kernels run."""
+    if quant_config is None or (isinstance(quant_config, Mapping) and len(quant_config) == 0):
+        return CheckpointFormat()
+    if not isinstance(quant_config, Mapping):
+        raise ValueError(f"quantization_config must be a mapping, got {quant_config!r}")
+    method = quant_config.get("quant_method")
+    try:
+        if method == "fp8":
+            return _fp8_checkpoint(quant_config)
+        if method == "compressed-tensors":
+            return _compressed_tensors_checkpoint(quant_config)
+        if method == "modelopt":
+            return _modelopt_checkpoint(quant_config)
+    except Unreadable as error:
+        raise ValueError(f"quantization_config: {error}") from None
+    raise ValueError(f"quantization_config.quant_method={method!r}: expected {_FP8_METHODS}")
+
+
+def config_group_formats(quant_config) -> list[tuple[str, str]]:
+    """(config group, the format it gives its modules) for each group of `quant_config`, for people to read
+    (`moe-triton resolve`); a compressed-tensors config has one entry per config group. Never raises."""
+    if not isinstance(quant_config, Mapping) or not quant_config:
+        return []
+    groups = quant_config.get("config_groups")
+    if quant_config.get("quant_method") != "compressed-tensors" or not isinstance(groups, Mapping):
+        return [("quantization_config", _described(lambda: str(checkpoint_format(quant_config).experts)))]
+    default = quant_config.get("format")
+    return [(f"config_groups.{name}", _described(lambda: f"targets {group.get('targets')}: "
+                                                         f"{_ct_group_format(name, group, default)}"))
+            for name, group in groups.items()]
+
+
+def _described(describe) -> str:
+    try:
+        return describe()
+    except (ValueError, Unreadable, AttributeError, TypeError) as error:
+        return f"not run here: {error}"
+
+
+def _fp8_checkpoint(config: Mapping) -> CheckpointFormat:
+    # transformers' FineGrainedFP8Config fields (utils/quantization_config.py) and MiniMax-M2's config.json
+    for key, accepted in (("fmt", ("float8_e4m3fn", "e4m3")), ("scale_fmt", ("float",)), ("expert_dtype", ("fp8",)),
+                          ("activation_scheme", ("dynamic",))):
+        if config.get(key, accepted[0]) not in accepted:
+            raise ValueError(f"quantization_config.{key}={config[key]!r}: expected {' or '.join(map(repr, accepted))} "
+                             "(e4m3 weights, float32 block scales, dynamic per-token-group activations)")
+    if config.get("weight_block_size") is None:
+        raise ValueError("quantization_config.weight_block_size is missing: expected [block_n, block_k] "
+                         "(per-tensor 'fp8' checkpoints are not read)")
+    block = _block_format(config["weight_block_size"], "weight_block_size")
+    experts = NATIVE if _fp8_excludes_experts(config) else block
+    return CheckpointFormat("fp8", experts, "weight_scale_inv", (block.block,))
+
+
+def _block_format(value, key: str) -> WeightFormat:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int for v in value):
+        try:
+            return WeightFormat.fp8_block(*value)
+        except ValueError:
+            pass
+    raise ValueError(f"quantization_config.{key}={value!r}: expected [block_n, block_k], block_n >= 1 and block_k "
+                     "a power of two >= 16 (128 x 128 in every public checkpoint)")
+
+
+def _modelopt_checkpoint(config: Mapping) -> CheckpointFormat:
+    # ModelOpt's FP8 algorithms as vLLM reads them (docs/features/quantization/modelopt.md): "FP8" is a
+    # per-tensor weight_scale with a static per-tensor input_scale.
+    algo = _modelopt_algo(config)
+    formats = {"FP8": WeightFormat.fp8_tensor(static_input=True), "FP8_PER_CHANNEL_PER_TOKEN": WeightFormat.fp8_channel()}
+    if algo is None or algo.upper() not in formats:
+        raise ValueError(f"quantization_config.quant_algo={algo!r}: expected 'FP8' or 'FP8_PER_CHANNEL_PER_TOKEN' "
+                         "(ModelOpt's per-tensor and per-channel FP8)")
+    return CheckpointFormat("modelopt", formats[algo.upper()], "weight_scale")
+
+
+def _compressed_tensors_checkpoint(config: Mapping) -> CheckpointFormat:
+    raw = _mapping(config.get("config_groups"), "config_groups")
+    groups = {name: _group(group, f"config_groups.{name}") for name, group in raw.items()}
+    ignore = [_pattern(p, "ignore") for p in _strings(config.get("ignore"), "ignore", optional=True)]
+    default = _str(config.get("format"), "format", optional=True)
+    names = sorted({name for module in EXPERT_MODULE_NAMES if not any(_matches(p, module) for p in ignore)
+                    for name in _groups_for(module, groups)})
+    formats = {name: _ct_group_format(name, raw[name], default) for name in names}
+    if len(set(formats.values())) > 1:
+        raise ValueError(f"quantization_config.config_groups {names} give the experts different formats: "
+                         f"{ {name: str(fmt) for name, fmt in formats.items()} }")
+    blocks = tuple(sorted({_ct_block(name, group) for name, group in raw.items()} - {None}))
+    return CheckpointFormat("compressed-tensors", formats[names[0]] if names else NATIVE, "weight_scale", blocks)
+
+
+def _ct_group_format(name: str, group: Mapping, default_format: str | None) -> WeightFormat:
+    """A config group's FP8 format, from compressed-tensors' QuantizationArgs fields
+    (compressed_tensors/quantization/quant_args.py, quant_scheme.py: the FP8, FP8_DYNAMIC, FP8_BLOCK presets)."""
+    where = f"quantization_config.config_groups.{name}"
+    weights = group.get("weights")
+    if not isinstance(weights, Mapping) or (weights.get("num_bits", 8), weights.get("type", "int")) != (8, "float"):
+        raise ValueError(f"{where}.weights={weights!r}: expected FP8 weights (num_bits 8, type 'float')")
+    fmt = group.get("format") or default_format
+    if fmt not in (None, "float-quantized", "naive-quantized"):
+        raise ValueError(f"{where}.format={fmt!r}: expected 'float-quantized' (FP8 weights stored as they are)")
+    if weights.get("dynamic", False) is not False:
+        raise ValueError(f"{where}.weights.dynamic={weights['dynamic']!r}: expected false (calibrated weight scales)")
+    strategy = weights.get("strategy") or "tensor"
+    static_input = _ct_static_input(where, group.get("input_activations"))
+    if strategy == "tensor":
+        return WeightFormat.fp8_tensor(static_input=static_input)
+    if strategy not in ("channel", "block"):
+        raise ValueError(f"{where}.weights.strategy={strategy!r}: expected 'tensor', 'channel' or 'block'")
+    if static_input:
+        raise ValueError(f"{where}.input_activations: static activation scales with strategy {strategy!r} weights: "
+                         "expected dynamic activations (static ones go with strategy 'tensor' weights)")
+    if strategy == "channel":
+        return WeightFormat.fp8_channel()
+    return _block_format(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure")
+
+
+def _ct_static_input(where: str, inputs) -> bool:
+    if inputs is None:
+        raise ValueError(f"{where}.input_activations is missing: expected FP8 activations (dynamic, or static per "
+                         "tensor); weight-only FP8 is not run")
+    if not isinstance(inputs, Mapping) or (inputs.get("num_bits", 8), inputs.get("type", "int")) != (8, "float"):
+        raise ValueError(f"{where}.input_activations={inputs!r}: expected FP8 activations (num_bits 8, type 'float')")
+    dynamic = inputs.get("dynamic", False)
+    if dynamic is True:
+        return False
+    if dynamic is False and (inputs.get("strategy") or "tensor") == "tensor":
+        return True
+    raise ValueError(f"{where}.input_activations: dynamic={dynamic!r}, strategy={inputs.get('strategy')!r}: expected "
+                     "dynamic true, or dynamic false with strategy 'tensor'")
+
+
+def _ct_block(name: str, group) -> tuple[int, int] | None:
+    weights = group.get("weights") if isinstance(group, Mapping) else None
+    if not isinstance(weights, Mapping) or weights.get("strategy") != "block":
+        return None
+    return _block_format(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure").block
