@@ -133,9 +133,10 @@ def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
 
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int, intermediate_size: int,
-                  device: torch.device, dtype: torch.dtype = torch.bfloat16, down_split: int | None = None) -> MoEConfig:
+                  device: torch.device, dtype: torch.dtype = torch.bfloat16, down_split: int | None = None,
+                  fp8_group: int = 128) -> MoEConfig:
     """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate, weights in `dtype`
-    (float8_e4m3fn for FP8 experts).
+    (float8_e4m3fn for FP8 experts, whose C steps stay within `fp8_group`: the weight blocks' width).
 
     `down_split` fixes the second decode GEMM's C slices instead of deriving them from the tile
     count (tuning, benchmarks/sweep_configs.py); shared memory is fitted either way."""
@@ -150,7 +151,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     up = _for_element_size(_gemm_config(block_m, c=hidden_size, fused_gate=True), element_size)
     down = _for_element_size(_gemm_config(block_m, c=intermediate_size, fused_gate=False), element_size)
     if element_size == 1:
-        up, down = _fp8_steps(up, down)
+        up, down = _fp8_steps(up, down, fp8_group)
         up = _fit_shared_memory(up, element_size, limit=_device_limits(device)[1], weight_tiles=2)
     if block_m <= 32:  # decode: few row blocks
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
@@ -163,12 +164,14 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     return MoEConfig(up, down, layout)
 
 
-def _fp8_steps(up: GemmConfig, down: GemmConfig) -> tuple[GemmConfig, GemmConfig]:
+def _fp8_steps(up: GemmConfig, down: GemmConfig, group: int = 128) -> tuple[GemmConfig, GemmConfig]:
     # FP8 scales come per C group: a step of the first GEMM is one 128-wide activation and
-    # weight-block group (every public block is 128 x 128), and the second GEMM's steps must
-    # match the groups the first GEMM's epilogue quantizes: one per block_n output columns.
-    up = replace(up, block_c=FP8_GROUP)
-    return up, replace(down, block_c=min(up.block_n, FP8_GROUP))
+    # weight-block group (every public block is 128 x 128; a narrower block narrows the step), and
+    # the second GEMM's steps must match the groups the first GEMM's epilogue quantizes: one per
+    # block_n output columns. Powers of two, so the smallest of them divides the others.
+    step = max(16, min(FP8_GROUP, group))
+    up = replace(up, block_c=step)
+    return up, replace(down, block_c=min(up.block_n, step))
 
 
 FP8_GROUP = 128  # the widest C step an FP8 scale group spans

@@ -119,7 +119,9 @@ def run_experts(
     check_out(out, T, H, hidden_states)
     if T == 0:
         return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
-    config = config or choose_config(T, K, E, H, I, hidden_states.device, weights.dtype)
+    block = weights.format.block
+    config = config or choose_config(T, K, E, H, I, hidden_states.device, weights.dtype,
+                                     fp8_group=block[1] if block is not None else 128)
     if weights.format.fp8 is not None:
         _check_fp8_config(weights, config, fuse_activation)
     if config.layout is LayoutKind.PER_PAIR:

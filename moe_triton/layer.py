@@ -57,10 +57,11 @@ class FusedMoE(nn.Module):
         if self.routing.top_k != top_k or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} (routing.top_k={self.routing.top_k}) must match and lie in [1, {num_experts}]")
         self.activation, self.placement, self.weight_format = activation, placement, weight_format
+        self.intermediate_size = intermediate_size  # the whole layer's I (a parallel placement holds a slice)
         self.shared_experts, self.shared_combination = shared_experts, SharedCombination(shared_combination)
         self.expert_input_proj, self.expert_output_proj = expert_input_proj, expert_output_proj
         expert_in = getattr(expert_input_proj, "out_features", hidden_size)  # NemotronH's latent projection narrows it
-        local_experts, local_intermediate = placement.local_sizes(num_experts, intermediate_size)
+        local_experts, local_intermediate = placement.local_sizes(num_experts, intermediate_size, weight_format)
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))  # the router
         experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate, activation.gated, weight_format,
                                       dtype, device)
@@ -97,9 +98,8 @@ class FusedMoE(nn.Module):
 
     def take_shard(self, state_dict: dict, prefix: str = "", *hook_args) -> None:
         """Full-size expert tensors in a state dict -> this rank's shard, in place (a load_state_dict hook)."""
-        self.placement.cut_shard(state_dict, (prefix + "gate_up_proj", prefix + "down_proj"),
-                                 (self.gate_up_proj.shape, self.down_proj.shape), self.gate_weight.shape[0],
-                                 self.activation)
+        names = {field: prefix + name for name, field in _EXPERT_TENSORS.items()}
+        self.placement.cut_shard(state_dict, names, self.expert_weights(), (len(self.gate_weight), self.intermediate_size))
 
     def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H)."""

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .activation import Activation
 from .backends.catalog import ModelContext
 from .platform import Platform
+from .weights import NATIVE, ExpertWeights, WeightFormat
 
 if TYPE_CHECKING:
     from .parallel import ParallelGroups
@@ -36,18 +36,19 @@ class Placement:
         """The context backend choice sees: the model's, plus whether moe_triton.parallel shards the experts."""
         return replace(self.context, sharded_experts=True) if self.parallel is not None else self.context
 
-    def local_sizes(self, num_experts: int, intermediate_size: int) -> tuple[int, int]:
+    def local_sizes(self, num_experts: int, intermediate_size: int, weight_format: WeightFormat = NATIVE) -> tuple[int, int]:
         """(experts, intermediate size) one rank holds: all of them on one device."""
         if self.parallel is None:
             return num_experts, intermediate_size
         from .parallel import local_sizes
 
-        return local_sizes(num_experts, intermediate_size, self.parallel.spec)
+        return local_sizes(num_experts, intermediate_size, self.parallel.spec, self.parallel.rank, weight_format)
 
-    def cut_shard(self, state: dict[str, torch.Tensor], names: tuple[str, str], local_shapes: tuple, num_experts: int,
-                  activation: Activation) -> None:
-        """Full-size expert tensors in `state` (w13, w2 under `names`) -> this rank's shard, in place."""
+    def cut_shard(self, state: dict[str, torch.Tensor], names: dict[str, str], local: ExpertWeights,
+                  sizes: tuple[int, int]) -> None:
+        """Full-size expert tensors in `state` (ExpertWeights fields -> keys in `names`; the layer's
+        (E, I) = `sizes`) -> this rank's shard, laid out as `local`, in place."""
         if self.parallel is not None:
             from .parallel import shard_state
 
-            shard_state(state, names, local_shapes, num_experts, self.parallel.spec, self.parallel.rank, activation)
+            shard_state(state, names, local, sizes, self.parallel.spec, self.parallel.rank)

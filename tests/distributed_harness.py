@@ -33,9 +33,11 @@ from helpers import assert_close  # noqa: E402
 from moe_triton import (  # noqa: E402
     SILU_AND_MUL,
     Activation,
+    ExpertWeights,
     FusedMoE,
     Placement,
     RoutingSpec,
+    WeightFormat,
     fused_experts_torch,
     route,
     run_experts,
@@ -44,11 +46,13 @@ from moe_triton.parallel import (  # noqa: E402
     Collective,
     ParallelExperts,
     ParallelSpec,
+    block_lead,
     new_parallel_groups,
     post_experts_reduction,
     scattered_rows,
     torch_experts,
 )
+from moe_triton.weights import NATIVE  # noqa: E402
 
 # Every process we start keeps NVLink multicast (NVLS) off, as issue 8 requires on the H200 machines.
 SUBPROCESS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -73,6 +77,7 @@ class Case:
     seed: int = 0
     module: str = "experts"  # what runs sharded: "experts" (ParallelExperts), "fused_moe", "model"
     checkpoint: str | None = None  # module="model": a checkpoint directory; tokens are then prompt lengths
+    weight_format: WeightFormat = NATIVE  # module="fused_moe": the experts quantized to this format
 
     def __str__(self):
         s = self.spec
@@ -80,7 +85,8 @@ class Case:
                  "T" + "-".join(map(str, self.tokens)), f"E{self.num_experts}K{self.top_k}",
                  str(self.dtype).removeprefix("torch."), self.backend, self.activation.kind.name.lower(),
                  "filtered" if self.filtered else "", "huge" if self.huge else "",
-                 self.module if self.module != "experts" else ""]
+                 self.module if self.module != "experts" else "",
+                 str(self.weight_format).split(",")[1].strip().replace(" ", "-") if self.weight_format.fp8 else ""]
         return "-".join(p for p in parts if p)
 
 
@@ -144,19 +150,32 @@ def run_case(case: Case, groups, device: torch.device) -> None:
 
 
 def run_fused_moe_case(case: Case, groups, device: torch.device) -> None:
-    """FusedMoE(parallel=groups) given a full layer's state dict equals that layer on this rank's tokens."""
+    """FusedMoE(parallel=groups) given a full layer's state dict equals that layer on this rank's tokens.
+    FP8 (`case.weight_format`): the full layer runs on the same backend as the shards, and its scales
+    are cut with the weights on load."""
     w13, w2, gate = _weights(case)
     dims = (case.num_experts, case.top_k, case.hidden, case.intermediate)
     kwargs = dict(routing=RoutingSpec(case.top_k, renormalize=True, routed_scaling_factor=1.5),
-                  activation=case.activation, dtype=case.dtype, device=device)
-    full = FusedMoE(*dims, placement=Placement("torch"), **kwargs)
+                  activation=case.activation, dtype=case.dtype, device=device, weight_format=case.weight_format)
+    fp8 = case.weight_format.fp8 is not None
+    full = FusedMoE(*dims, placement=Placement(case.backend if fp8 else "torch"), **kwargs)
+    tensors = {"gate_weight": gate, "gate_up_proj": w13, "down_proj": w2}
+    if fp8:
+        fmt = case.weight_format
+        experts = ExpertWeights(w13, w2, case.activation.gated).to_format(WeightFormat.fp8_tensor() if fmt.static_input
+                                                                         else fmt)
+        tensors.update(gate_up_proj=experts.w13, down_proj=experts.w2, gate_up_proj_scale=experts.w13_scale,
+                       down_proj_scale=experts.w2_scale)
+        if fmt.static_input:
+            tensors["input_scale"] = torch.tensor([3.0 / 448])
     with torch.no_grad():
-        for param, value in ((full.gate_weight, gate), (full.gate_up_proj, w13), (full.down_proj, w2)):
-            param.copy_(value)
+        for name, value in tensors.items():
+            getattr(full, name).copy_(value)
     sharded = FusedMoE(*dims, placement=Placement(case.backend, parallel=groups), **kwargs)
-    sharded.load_state_dict(full.state_dict())  # full-size experts in, this rank's shard kept
+    sharded.load_state_dict(full.state_dict())  # full-size experts (and scales) in, this rank's shard kept
     assert sharded.gate_up_proj.shape[0] == case.num_experts // case.spec.ep_size
-    assert sharded.down_proj.shape[2] == case.intermediate // case.spec.tp_size
+    lead = block_lead(case.weight_format, case.intermediate, case.spec, groups.rank)
+    assert sharded.down_proj.shape[2] == case.intermediate // case.spec.tp_size + lead
     x = _tokens(case, groups.ep_rank, device)  # [T, H]
     with torch.inference_mode():
         out, ref = sharded(x), full(x)

@@ -37,3 +37,14 @@ def test_decode_configs_fit_shared_memory(monkeypatch, splits):
             up_stage = c.up.block_c * (c.up.block_m + 2 * c.up.block_n) * 2  # a + gate + up tiles, bf16
             down_stage = c.down.block_c * (c.down.block_m + c.down.block_n) * 2
             assert c.up.num_stages * up_stage <= limit and c.down.num_stages * down_stage <= limit, c.describe()
+
+
+@pytest.mark.parametrize("group", [128, 64, 32, 16])
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_fp8_steps_stay_inside_the_weight_blocks(monkeypatch, T, group):
+    """A checkpoint with blocks narrower than 128 columns gets C steps that fit them (both GEMMs), as
+    run_experts requires: each step reads one weight-block scale."""
+    monkeypatch.setattr(configs, "_device_limits", lambda device: (132, 232448))
+    c = choose_config(T, 8, 128, 2048, 768, torch.device("cuda"), torch.float8_e4m3fn, fp8_group=group)
+    assert group % c.up.block_c == 0 and group % c.down.block_c == 0 and c.up.block_n % c.down.block_c == 0
+    assert c.up.block_c == min(group, 128)  # no narrower than the group needs

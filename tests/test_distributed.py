@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
-from helpers import assert_close, random_expert_weights
+from helpers import assert_close, random_expert_weights, random_ids
 
 from moe_triton import (
     Activation,
@@ -22,8 +22,10 @@ from moe_triton import (
     ExpertWeights,
     FusedMoE,
     Placement,
+    WeightFormat,
     fused_experts,
     fused_experts_torch,
+    run_experts,
 )
 from moe_triton.parallel import (
     Collective,
@@ -32,11 +34,13 @@ from moe_triton.parallel import (
     ReduceOver,
     Reduction,
     TokenDispatch,
+    block_lead,
     compact_slots,
     localize_ids,
     new_parallel_groups,
     post_experts_reduction,
     scattered_rows,
+    shard_expert_weights,
     shard_experts,
     torch_experts,
 )
@@ -164,6 +168,83 @@ def test_tp_shard_slices_gate_and_up_separately():
     assert shard_experts(w13, w2, ParallelSpec(tp_size=2), 1)[0].flatten().tolist() == [2, 3, 6, 7]
 
 
+# ---- FP8: scales cut with their weights -------------------------------------------------------
+
+FP8_SHARD_FORMATS = {"block32": WeightFormat.fp8_block(32, 32), "block16x32": WeightFormat.fp8_block(16, 32),
+                     "channel": WeightFormat.fp8_channel(), "tensor-static": WeightFormat.fp8_tensor(static_input=True)}
+
+
+def fp8_experts(fmt, E, H, I, activation=Activation(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    native = ExpertWeights(*random_expert_weights(g, E, H, I, activation.gated), activation.gated)
+    fp8 = native.to_format(WeightFormat.fp8_tensor() if fmt.static_input else fmt)
+    return ExpertWeights(fp8.w13, fp8.w2, fp8.gated, fmt, fp8.w13_scale, fp8.w2_scale,
+                         torch.tensor([3.0 / 448]) if fmt.static_input else None)
+
+
+@pytest.mark.parametrize("ep,tp,I", [(1, 2, 64), (1, 2, 48), (2, 1, 40), (1, 4, 72), (2, 2, 48)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("activation", [Activation(), RELU2], ids=lambda a: a.kind.name)
+@pytest.mark.parametrize("name", list(FP8_SHARD_FORMATS))
+def test_fp8_shards_hold_exactly_their_slice_of_the_dequantized_weights(name, activation, ep, tp, I):
+    """Every shard dequantizes to its slice of the full dequantized weights, bit for bit, behind
+    block_lead zero columns (I/tp = 24 or 18 starts inside a 32-wide block); the shards' outputs sum
+    to the full layer's."""
+    fmt, E, H = FP8_SHARD_FORMATS[name], 4, 32
+    full = fp8_experts(fmt, E, H, I, activation)
+    w13, w2 = full.dequantized()
+    spec, halves = ParallelSpec(ep, tp), 2 if activation.gated else 1
+    x, ids, weights = torch.randn(9, H).half(), random_ids(9, 2, E, seed=I).int(), torch.rand(9, 2)
+    total = torch.zeros(9, H)
+    for rank in range(spec.world_size):
+        shard = shard_expert_weights(full, spec, rank)
+        ep_rank, tp_rank = spec.coords(rank)
+        lead, cols = block_lead(fmt, I, spec, rank), I // tp
+        first, experts = tp_rank * cols, slice(ep_rank * (E // ep), (ep_rank + 1) * (E // ep))
+        assert shard.intermediate_size == lead + cols and shard.format == fmt and shard.input_scale is full.input_scale
+        assert lead == (first % 32 if fmt.block else 0)
+        s13, s2 = shard.dequantized()
+        for local, glob in zip(s13.chunk(halves, 1), w13.chunk(halves, 1)):
+            assert not local[:, :lead].any() and torch.equal(local[:, lead:], glob[experts, first:first + cols])
+        assert not s2[:, :, :lead].any() and torch.equal(s2[:, :, lead:], w2[experts, :, first:first + cols])
+        local_ids = localize_ids(ids, ep_rank * (E // ep), E // ep)
+        total += torch_experts(x.float(), ExpertWeights(s13, s2, activation.gated), *compact_slots(local_ids, weights, E // ep),
+                               activation=activation)
+    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32, scale=2)
+
+
+def test_fp8_tp_shards_on_triton_sum_to_the_unsharded_fp8_layer():
+    """I/tp a multiple of the epilogue's 32-column activation groups: every rank quantizes exactly the
+    intermediate values the unsharded layer does, so the sum differs only in fp16 rounding of the partials."""
+    full = fp8_experts(WeightFormat.fp8_block(32, 32), 4, 32, 64)
+    x, ids, weights = torch.randn(7, 32).half(), random_ids(7, 2, 4, seed=1).int(), torch.rand(7, 2)
+    spec = ParallelSpec(tp_size=2)
+    total = sum(run_experts(x, shard_expert_weights(full, spec, rank), ids, weights).float() for rank in range(2))
+    assert_close(total, run_experts(x, full, ids, weights).float(), torch.float16, scale=2)
+
+
+@pytest.mark.parametrize("ep,tp", [(1, 2), (2, 1)])
+def test_fused_moe_cuts_fp8_scales_when_it_loads_a_full_state_dict(ep, tp):
+    from moe_triton.parallel import ParallelGroups
+
+    fmt, spec = WeightFormat.fp8_block(32, 32), ParallelSpec(ep, tp)
+    full = FusedMoE(4, 2, 32, 48, weight_format=fmt, placement=Placement("torch"), dtype=torch.float16)
+    experts = fp8_experts(fmt, 4, 32, 48)
+    with torch.no_grad():
+        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"), ("gate_up_proj_scale", "w13_scale"),
+                            ("down_proj_scale", "w2_scale")):
+            getattr(full, name).copy_(getattr(experts, field))
+    for rank in range(2):
+        groups = ParallelGroups(spec, rank, None, None, None)  # loading needs no collective
+        sharded = FusedMoE(4, 2, 32, 48, weight_format=fmt, placement=Placement("torch", parallel=groups),
+                           dtype=torch.float16)
+        sharded.load_state_dict(full.state_dict())
+        expected = shard_expert_weights(experts, spec, rank)
+        for field in ("w13", "w2", "w13_scale", "w2_scale"):
+            actual = getattr(sharded.expert_weights(), field)
+            assert actual.view(torch.uint8).equal(getattr(expected, field).view(torch.uint8)), field
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(E=6, ep=4), "ep_size"), (dict(I=10, tp=4), "tp_size"), (dict(rows=7), "rows"),
 ], ids=["experts", "intermediate", "w13_rows"])
@@ -234,6 +315,19 @@ for world_size, specs in {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2),
     CASES[world_size] += [Case(spec, (5,) if not spec.all_to_all else (5, 0, 3, 2)[:spec.ep_size], **LAYER)
                           for spec in specs]
 CASES[2].append(Case(ParallelSpec(ep_size=2), (4, 3), module="fused_moe", activation=RELU2, backend="torch"))
+# FP8 layers, float16 activations (FP8 takes no float32 on the kernels): I/tp = 32 keeps the intermediate's
+# 32-column quantization groups where the unsharded layer has them, so Triton shards sum to its output
+# up to fp16 rounding; I/tp = 24 starts rank 1 inside a 32-wide block (block_lead zero columns), run on
+# the dequantizing torch reference, which shows the scales were cut exactly.
+FP8_LAYER = dict(module="fused_moe", dtype=torch.float16, hidden=32)
+CASES[2] += [
+    Case(ParallelSpec(tp_size=2), (5,), intermediate=64, weight_format=WeightFormat.fp8_block(32, 32), **FP8_LAYER),
+    Case(ParallelSpec(tp_size=2), (5,), intermediate=48, weight_format=WeightFormat.fp8_block(32, 32), backend="torch",
+         **FP8_LAYER),
+    Case(ParallelSpec(ep_size=2), (5, 3), intermediate=24, weight_format=WeightFormat.fp8_channel(), **FP8_LAYER),
+    Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (4,), intermediate=64, activation=RELU2,
+         weight_format=WeightFormat.fp8_tensor(static_input=True), **FP8_LAYER),
+]
 MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)], 4: [ParallelSpec(ep_size=2, tp_size=2)]}
 
 

@@ -14,6 +14,7 @@ import functools
 
 import pytest
 import torch
+from helpers import assert_close
 
 from moe_triton import (
     ExpertWeights,
@@ -25,6 +26,7 @@ from moe_triton import (
     RoutingSpec,
     WeightFormat,
     fused_experts_torch,
+    route_torch,
     run_experts,
 )
 from moe_triton.activation import SILU_AND_MUL, Activation, ActivationKind, activation_torch
@@ -156,6 +158,18 @@ def test_fp8_layer_defaults_to_the_torch_reference_on_cpu_and_runs_triton_on_req
         ours, reference = triton(x).float(), auto(x).float()
     rms = ((ours - reference).square().mean() / reference.square().mean()).sqrt()
     assert rms <= FP8_RMS_TOL
+
+
+def test_fp8_layer_in_float32_runs_on_the_dequantizing_torch_reference():
+    """A float32 model of an FP8 checkpoint on CPU: the torch reference takes float32 activations (it
+    dequantizes; no FP8 GEMM), and computes exactly what the dequantized weights give."""
+    layer = load_random_fp8(fp8_module(dtype=torch.float32))
+    assert layer.backend == "torch"
+    x = torch.randn(5, 72, generator=torch.Generator().manual_seed(1))
+    weights = layer.expert_weights()
+    ids, topk_weights = route_torch(x @ layer.gate_weight.T, layer.routing)
+    with torch.no_grad():
+        assert_close(layer(x), fused_experts_torch(x, *weights.dequantized(), ids, topk_weights), torch.float32)
 
 
 @pytest.mark.parametrize("backend,platform,dtype,reason", [

@@ -108,6 +108,9 @@ class BackendSpec:
     runner: type  # the ExpertsRunner subclass that runs it (backends/runners.py)
     weight_formats: frozenset[Fp8Scaling | None] = frozenset({None})  # WeightFormat.fp8 values it runs (None: unquantized)
     fp8_min_sm: int | None = None  # FP8 weights need this compute capability (FP8 tensor cores); None: any
+    # The activation dtypes it runs FP8 experts with: bf16/fp16 for FP8 GEMMs; the torch reference,
+    # which dequantizes, takes float32 too (a float32 model of an FP8 checkpoint on CPU).
+    fp8_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     # The dtypes it computes correctly on CPU under the Triton interpreter (on_cpu="interpreter");
     # None: all of `dtypes`. A per-platform dtype rule: the interpreter's bf16 tl.dot is wrong.
     interpreter_dtypes: tuple[torch.dtype, ...] | None = None
@@ -127,7 +130,7 @@ _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloa
 SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
     BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89,
                 interpreter_dtypes=INTERPRETER_DOT_DTYPES, **_OURS),
-    BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, **_OURS),
+    BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, fp8_dtypes=_FLOATS, **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
                 intermediate_multiple=128, hidden_multiple=128, fused_router=True, runner=TrtllmRunner,
                 **_FLASHINFER),
@@ -208,8 +211,9 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
     if layer.format.fp8 not in spec.weight_formats:
         return f"it does not run {layer.format} experts"
     if layer.format.fp8 is not None:
-        if layer.dtype == torch.float32:
-            return "FP8 experts take bfloat16 or float16 activations, not float32"
+        if layer.dtype not in spec.fp8_dtypes:
+            names = " or ".join(str(dtype).removeprefix("torch.") for dtype in spec.fp8_dtypes)
+            return f"FP8 experts take {names} activations here, not {str(layer.dtype).removeprefix('torch.')}"
         if spec.fp8_min_sm is not None and platform.sm is not None and platform.sm < spec.fp8_min_sm:
             return (f"FP8 experts need FP8 tensor cores (SM{spec.fp8_min_sm} or newer); dequantize them to "
                     "bfloat16 (ExpertWeights.dequantized()) for an unquantized layer, or use backend='torch'")

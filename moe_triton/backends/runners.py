@@ -165,7 +165,4 @@ def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placemen
     runner = spec.runner(spec, layer, placement.resolution_context())
     if placement.parallel is None:
         return runner
-    if layer.format.fp8 is not None:
-        raise ValueError(f"{layer.format} experts cannot be sharded by moe_triton.parallel yet (their scales are not "
-                         "cut with the weights); place them on one device")
     return ParallelRunner(runner, placement.parallel)

@@ -10,7 +10,7 @@
 
     spec.py     ParallelSpec (ep_size, tp_size, TokenDispatch, OutputLayout), post_experts_reduction
     groups.py   ParallelGroups / new_parallel_groups, reduce_partials
-    shard.py    shard_experts, shard_state (cut on load), localize_ids, compact_slots
+    shard.py    shard_experts, shard_expert_weights (scales too), shard_state (cut on load), localize_ids, ...
     all_to_all.py  dispatch, combine
     experts.py  parallel_experts (functional), ParallelExperts (module), torch_experts
 
@@ -20,13 +20,13 @@ Launch with torchrun; see docs/DISTRIBUTED.md.
 from .all_to_all import Dispatched, DispatchPlan, combine, dispatch
 from .experts import LocalExperts, ParallelExperts, parallel_experts, torch_experts
 from .groups import ParallelGroups, new_parallel_groups, reduce_partials, scattered_rows
-from .shard import compact_slots, local_sizes, localize_ids, shard_experts, shard_state
+from .shard import block_lead, compact_slots, local_sizes, localize_ids, shard_expert_weights, shard_experts, shard_state
 from .spec import Collective, OutputLayout, ParallelSpec, ReduceOver, Reduction, TokenDispatch, post_experts_reduction
 
 __all__ = [
     "DispatchPlan", "Dispatched", "combine", "dispatch",
     "LocalExperts", "ParallelExperts", "parallel_experts", "torch_experts",
     "ParallelGroups", "new_parallel_groups", "reduce_partials", "scattered_rows",
-    "compact_slots", "local_sizes", "localize_ids", "shard_experts", "shard_state",
+    "block_lead", "compact_slots", "local_sizes", "localize_ids", "shard_expert_weights", "shard_experts", "shard_state",
     "Collective", "OutputLayout", "ParallelSpec", "ReduceOver", "Reduction", "TokenDispatch", "post_experts_reduction",
 ]

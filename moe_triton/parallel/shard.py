@@ -5,23 +5,44 @@ TP cuts I: rank tp_rank owns columns [tp_rank * I/tp, (tp_rank + 1) * I/tp) of e
 taken from the gate half and from the up half of w13 = [gate; up] separately, so the local w13 is
 again [gate slice; up slice] and the gated activation pairs the right rows. The slice is taken
 before any backend padding: a backend pads I/tp as it would pad any I (7688 / 8 = 961).
+
+FP8 scales are cut with their weights: per-row scales (CHANNEL, TENSOR) with their rows, every
+scale with its expert. BLOCK scales stay on the checkpoint's block grid: a slice that starts inside
+a block (I/tp = 961 with 128-wide blocks) is preceded by `block_lead` zero columns of I, which puts
+its first column at the same place in its first local block as in the global one. Then each local
+block is exactly one global block, and the shard keeps that block's scale: every weight keeps its
+own scale (exact), and the zero columns add act(0) * 0 = 0 (the padding argument of padding.py).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..activation import SILU_AND_MUL, Activation
+from ..weights import FP8_DTYPE, NATIVE, ExpertWeights, WeightFormat
 from .spec import ParallelSpec
 
 
-def local_sizes(num_experts: int, intermediate_size: int, spec: ParallelSpec) -> tuple[int, int]:
-    """(E / ep_size, I / tp_size), or a ValueError saying which does not divide."""
+def local_sizes(num_experts: int, intermediate_size: int, spec: ParallelSpec, rank: int = 0,
+                weight_format: WeightFormat = NATIVE) -> tuple[int, int]:
+    """(E / ep, I / tp + block_lead) on rank `rank`, or a ValueError saying which does not divide."""
     if num_experts % spec.ep_size:
         raise ValueError(f"E={num_experts} experts do not split evenly over ep_size={spec.ep_size} ranks")
     if intermediate_size % spec.tp_size:
         raise ValueError(f"intermediate size I={intermediate_size} does not split evenly "
                          f"over tp_size={spec.tp_size} ranks")
-    return num_experts // spec.ep_size, intermediate_size // spec.tp_size
+    lead = block_lead(weight_format, intermediate_size, spec, rank)
+    return num_experts // spec.ep_size, intermediate_size // spec.tp_size + lead
+
+
+def block_lead(weight_format: WeightFormat, intermediate_size: int, spec: ParallelSpec, rank: int) -> int:
+    """Zero columns of I in front of rank `rank`'s TP slice that keep its BLOCK scales on the global
+    block grid (the slice's start modulo both block sides); 0 for other formats and aligned slices."""
+    if weight_format.block is None:
+        return 0
+    start = spec.coords(rank)[1] * (intermediate_size // spec.tp_size)
+    return start % math.lcm(*weight_format.block)
 
 
 def shard_experts(w13: torch.Tensor, w2: torch.Tensor, spec: ParallelSpec, rank: int, *,
@@ -34,22 +55,48 @@ def shard_experts(w13: torch.Tensor, w2: torch.Tensor, spec: ParallelSpec, rank:
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
         raise ValueError(f"w13 (E, 2I, H) and w2 (E, H, I) must be 3-D with equal E, "
                          f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
-    num_experts, rows, _ = w13.shape
-    intermediate = w2.shape[2]
+    rows, intermediate = w13.shape[1], w2.shape[2]
     if rows != (2 * intermediate if activation.gated else intermediate):
         raise ValueError(f"w13 has {rows} rows but w2 has I={intermediate}: expected "
                          f"{'2I [gate; up]' if activation.gated else 'I'} rows for {activation.kind.name}")
-    experts_per_rank, cols_per_rank = local_sizes(num_experts, intermediate, spec)
+    local_sizes(w13.shape[0], intermediate, spec)  # says which does not divide
+    shard = shard_expert_weights(ExpertWeights(w13, w2, activation.gated), spec, rank)
+    return shard.w13, shard.w2
+
+
+def shard_expert_weights(weights: ExpertWeights, spec: ParallelSpec, rank: int) -> ExpertWeights:
+    """Rank `rank`'s fresh, contiguous shard of full expert weights in any format, scales cut with
+    their weights (see the module docstring): E/ep experts, I/tp + block_lead columns of I."""
+    E, I = weights.num_experts, weights.intermediate_size
+    experts_per_rank, cols_per_rank = local_sizes(E, I, spec)
     ep_rank, tp_rank = spec.coords(rank)
+    lead = block_lead(weights.format, I, spec, rank)
+    first = tp_rank * cols_per_rank - lead  # on the block grid
+    cols = slice(first, first + lead + cols_per_rank)
+    halves = 2 if weights.gated else 1
     experts = slice(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
-    cols = slice(tp_rank * cols_per_rank, (tp_rank + 1) * cols_per_rank)
-    w13, w2 = w13[experts], w2[experts]
-    if activation.gated:
-        gate, up = w13[:, :intermediate], w13[:, intermediate:]
-        w13_local = torch.cat([gate[:, cols], up[:, cols]], dim=1)  # [E/ep, 2I/tp, H]
-    else:
-        w13_local = w13[:, cols].clone(memory_format=torch.contiguous_format)  # [E/ep, I/tp, H]
-    return w13_local, w2[:, :, cols].clone(memory_format=torch.contiguous_format)  # [E/ep, H, I/tp]
+    w13 = _halves(weights.w13[experts], halves, cols, lead)  # [E/ep, halves * I', H]
+    w2 = _lead_zeroed(weights.w2[experts, :, cols], lead, dim=2)  # [E/ep, H, I']
+    s13, s2 = weights.w13_scale, weights.w2_scale
+    if weights.format.block is not None:  # whole blocks: the local grid is a window of the global one
+        block_n, block_c = weights.format.block
+        s13 = _halves(s13[experts], halves, slice(first // block_n, -(-cols.stop // block_n)), 0)
+        s2 = s2[experts, :, first // block_c: -(-cols.stop // block_c)].contiguous()
+    elif s13 is not None:  # a scale per row: cut with the rows
+        s13, s2 = _halves(s13[experts], halves, cols, 0), s2[experts].contiguous()
+    return ExpertWeights(w13, w2, weights.gated, weights.format, s13, s2, weights.input_scale)
+
+
+def _halves(t: torch.Tensor, halves: int, rows: slice, lead: int) -> torch.Tensor:
+    """`rows` of each half of t [E, halves * n, ...] ([gate; up]), the first `lead` of each zeroed."""
+    return torch.cat([_lead_zeroed(part[:, rows], lead, dim=1) for part in t.chunk(halves, dim=1)], dim=1)
+
+
+def _lead_zeroed(t: torch.Tensor, lead: int, dim: int) -> torch.Tensor:
+    t = t.clone(memory_format=torch.contiguous_format)
+    if lead:  # zero bytes are +0.0 in every float format, e4m3 included
+        (t.view(torch.uint8) if t.dtype == FP8_DTYPE else t).narrow(dim, 0, lead).zero_()
+    return t
 
 
 def localize_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
@@ -73,17 +120,23 @@ def compact_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     return topk_ids.gather(1, order), topk_weights.gather(1, order)  # [T, E/ep] each
 
 
-def shard_state(state: dict[str, torch.Tensor], names: tuple[str, str], local_shapes: tuple[torch.Size, torch.Size],
-                num_experts: int, spec: ParallelSpec, rank: int, activation: Activation) -> None:
-    """Replace full-size expert tensors `state[names[0]]` (E, 2I, H) and `state[names[1]]` (E, H, I)
-    by rank `rank`'s shard, in place; a state already holding shards (`local_shapes`), lacking the
-    names, or malformed (the caller's shape check names it) is left as it is."""
-    if not all(name in state for name in names):
+def shard_state(state: dict[str, torch.Tensor], names: dict[str, str], local: ExpertWeights,
+                sizes: tuple[int, int], spec: ParallelSpec, rank: int) -> None:
+    """Replace full-size expert tensors in `state` by rank `rank`'s shard, in place. `names` maps
+    ExpertWeights fields (w13, w2, w13_scale, ...) to state keys, `local` is the shard's layout (its
+    format and gating), `sizes` the whole layer's (E, I). A state lacking the weights, holding other
+    sizes (shards already), or malformed (the caller's shape check names the tensor) is left as it is."""
+    present = {field: state[key] for field, key in names.items() if key in state}
+    if "w13" not in present or "w2" not in present:
         return
-    w13, w2 = (state[name] for name in names)
-    if (w13.shape, w2.shape) == tuple(local_shapes):
-        return  # already this rank's shard
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != num_experts:
+    w13, w2 = present["w13"], present["w2"]
+    if w13.dim() != 3 or w2.dim() != 3 or (w13.shape[0], w2.shape[2]) != tuple(sizes):
         return
-    state[names[0]], state[names[1]] = shard_experts(w13, w2, spec, rank, activation=activation)
-
+    try:
+        full = ExpertWeights(gated=local.gated, format=local.format, **present)
+    except ValueError:
+        return
+    shard = shard_expert_weights(full, spec, rank)
+    for field, key in names.items():
+        if key in state:
+            state[key] = getattr(shard, field)
