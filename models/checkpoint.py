@@ -1,7 +1,8 @@
 """Checkpoint loading: safetensors (single file or sharded with an index) into a model whose
 parameter names mirror transformers'. Each family declares its renames as a table of regexes;
 the per-expert Hub layout (`experts.N.gate_proj.weight`, ...) is fused here into the
-transformers-5 layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+transformers-5 layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), FP8
+scales with their weights (fp8.py: FusedMoE's scale layout; FP8 linears dequantized).
 """
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from ..backends.quantization import CheckpointFormat
 from ..layer import FusedMoE
+from . import fp8
 
-# experts.N.<proj>.weight -> (prefix, expert index, proj)
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# experts.N.<proj>.<kind> -> (prefix, expert index, proj, kind): the weight or one of its FP8 scales
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                         r"\.(?P<kind>weight|weight_scale_inv|weight_scale|input_scale)$")
 
 
 def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -53,42 +57,46 @@ def _shard_names(index: Path) -> list[str]:
     return sorted(set(names))
 
 
-def fuse_per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fuse_per_expert(tensors: dict[str, torch.Tensor],
+                    checkpoint: CheckpointFormat = CheckpointFormat()) -> dict[str, torch.Tensor]:
     """Stack per-expert gate/up/down weights into gate_up_proj [E, 2I, H] and down_proj [E, H, I]
-    (up_proj [E, I, H] alone for non-gated experts); other tensors pass through."""
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    (up_proj [E, I, H] alone for non-gated experts), their FP8 scales into FusedMoE's scale layout
+    (fp8.expert_scales); other tensors pass through."""
+    groups: dict[str, dict[tuple[str, str], dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     fused = {}
     for name, tensor in tensors.items():
         match = _PER_EXPERT.match(name)
         if match is None:
             fused[name] = tensor
         else:
-            groups[match["prefix"]][match["proj"]][int(match["expert"])] = tensor
-    for prefix, projs in groups.items():
-        num_experts = max(max(by_expert) for by_expert in projs.values()) + 1  # every projection has them all
-        stack = {proj: _stack(prefix, proj, by_expert, num_experts) for proj, by_expert in projs.items()}
-        if "gate_proj" in stack:
-            if "up_proj" not in stack:
+            groups[match["prefix"]][match["proj"], match["kind"]][int(match["expert"])] = tensor
+    for prefix, parts in groups.items():
+        num_experts = max(max(by_expert) for by_expert in parts.values()) + 1  # every projection has them all
+        stack = {key: _stack(prefix, *key, by_expert, num_experts) for key, by_expert in parts.items()}
+        weights = {proj: stack.pop((proj, kind)) for proj, kind in list(stack) if kind == "weight"}
+        fused.update(fp8.expert_scales(prefix, stack, {proj: w.shape[1:] for proj, w in weights.items()}, checkpoint))
+        if "gate_proj" in weights:
+            if "up_proj" not in weights:
                 raise ValueError(f"{prefix}: gate_proj weights without up_proj weights")
-            gate, up = stack.pop("gate_proj"), stack.pop("up_proj")
+            gate, up = weights.pop("gate_proj"), weights.pop("up_proj")
             if gate.shape != up.shape:
                 raise ValueError(f"{prefix}.N.gate_proj.weight have shape {tuple(gate.shape[1:])} but "
                                  f"{prefix}.N.up_proj.weight {tuple(up.shape[1:])}")
             fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
-        for proj, weight in stack.items():
+        for proj, weight in weights.items():
             fused[f"{prefix}.{proj}"] = weight
     return fused
 
 
-def _stack(prefix: str, proj: str, by_expert: dict[int, torch.Tensor], num_experts: int) -> torch.Tensor:
+def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor], num_experts: int) -> torch.Tensor:
     missing = sorted(set(range(num_experts)) - set(by_expert))
     if missing:
-        raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.weight")
+        raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.{kind}")
     first = by_expert[0]
     for e, tensor in sorted(by_expert.items()):
         if tensor.shape != first.shape or tensor.dtype != first.dtype:
-            raise ValueError(f"tensor {prefix}.{e}.{proj}.weight has shape {tuple(tensor.shape)} ({tensor.dtype}); "
-                             f"{prefix}.0.{proj}.weight has {tuple(first.shape)} ({first.dtype})")
+            raise ValueError(f"tensor {prefix}.{e}.{proj}.{kind} has shape {tuple(tensor.shape)} ({tensor.dtype}); "
+                             f"{prefix}.0.{proj}.{kind} has {tuple(first.shape)} ({first.dtype})")
     return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
@@ -103,12 +111,15 @@ def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> 
 
 
 def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
-              ignore: tuple[str, ...] = ()) -> None:
+              ignore: tuple[str, ...] = (), checkpoint: CheckpointFormat = CheckpointFormat(),
+              dtype: torch.dtype = torch.float32) -> None:
     """Copy the checkpoint into `model`'s parameters and persistent buffers; every mismatch is an
-    error naming the tensor (missing, unexpected, or of the wrong shape)."""
+    error naming the tensor (missing, unexpected, of the wrong shape, FP8 where the model is not).
+    `checkpoint` says how the checkpoint stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
-    tensors = rename(fuse_per_expert(rename(tensors, renames)), renames)
+    tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint), renames)
+    tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint), checkpoint, dtype)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # under a parallel placement: this rank's experts only
@@ -119,12 +130,14 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     if unexpected:
         raise ValueError(f"unexpected tensor in checkpoint: {unexpected[0]} ({len(unexpected)} in all)")
     if missing:
-        raise ValueError(f"missing tensor in checkpoint: {missing[0]} ({len(missing)} in all)")
+        raise ValueError(f"missing tensor in checkpoint: {missing[0]} ({len(missing)} in all)"
+                         + fp8.missing_hint(missing[0], checkpoint))
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
         if tensor.dtype.is_floating_point != state[name].dtype.is_floating_point:  # never cast ints into weights
             raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {state[name].dtype}")
+        fp8.check_fp8_dtype(name, tensor, state[name].dtype)
     with torch.no_grad():
         for name, target in state.items():
             target.copy_(tensors[name])

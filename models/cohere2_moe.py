@@ -96,7 +96,7 @@ def cohere2_moe_block(config, placement: Placement) -> FusedMoE:
     return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
                     routing=routing, activation=Activation.from_hidden_act(config.hidden_act), shared_experts=shared,
                     shared_combination=SharedCombination(config.shared_expert_combination_strategy),
-                    placement=placement)
+                    weight_format=placement.context.experts_format(), placement=placement)
 
 
 class Cohere2MoeDecoderLayer(nn.Module):
@@ -138,7 +138,8 @@ class Cohere2MoeModel(nn.Module):
 class Cohere2MoeForCausalLM(CausalLM):
     renames = [
         (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
+        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),  # FP8: + scales
+        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
     ]
 
     def __init__(self, config, placement: Placement = Placement()):

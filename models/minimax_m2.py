@@ -40,7 +40,8 @@ class MiniMaxM2Attention(nn.Module):
 def minimax_m2_block(config, placement: Placement) -> FusedMoE:
     routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True, correction_bias=True)
     return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act), placement=placement)
+                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act),
+                    weight_format=placement.context.experts_format(), placement=placement)
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
@@ -76,11 +77,12 @@ class MiniMaxM2Model(nn.Module):
 class MiniMaxM2ForCausalLM(CausalLM):
     renames = [
         (r"\.block_sparse_moe\.", ".mlp."),  # the Hub layout (Mixtral-style w1 / w3 / w2 experts)
-        (r"\.experts\.(\d+)\.w1\.weight$", r".experts.\1.gate_proj.weight"),
-        (r"\.experts\.(\d+)\.w3\.weight$", r".experts.\1.up_proj.weight"),
-        (r"\.experts\.(\d+)\.w2\.weight$", r".experts.\1.down_proj.weight"),
+        (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),  # .weight, and FP8: .weight_scale_inv
+        (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+        (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
         (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
+        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),
+        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
     ]
 
     def __init__(self, config, placement: Placement = Placement()):

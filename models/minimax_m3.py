@@ -39,7 +39,8 @@ class MiniMaxM3MoeBlock(FusedMoE):
     renames = [
         (r"^gate\.weight$", "gate_weight"),
         (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
-        (r"^experts\.(gate_up_proj|down_proj)$", r"\1"),
+        (r"^experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r"\1\2"),
+        (r"^experts\.input_scale$", "input_scale"),
     ]
 
     def __init__(self, config, placement: Placement = Placement()):
@@ -47,4 +48,5 @@ class MiniMaxM3MoeBlock(FusedMoE):
                               routed_scaling_factor=float(config.routed_scaling_factor))
         super().__init__(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
                          config.intermediate_size, routing=routing, activation=clamped_swiglu(config),
-                         shared_experts=MiniMaxM3SharedMLP(config), placement=placement)
+                         shared_experts=MiniMaxM3SharedMLP(config), weight_format=placement.context.experts_format(),
+                         placement=placement)

@@ -32,8 +32,9 @@ class NemotronHMoeBlock(FusedMoE):
     renames = [
         (r"^gate\.weight$", "gate_weight"),
         (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
-        (r"^experts\.up_proj$", "gate_up_proj"),  # non-gated: w13 holds up only
-        (r"^experts\.down_proj$", "down_proj"),
+        (r"^experts\.up_proj(_scale|_scale_inv)?$", r"gate_up_proj\1"),  # non-gated: w13 holds up only
+        (r"^experts\.down_proj(_scale|_scale_inv)?$", r"down_proj\1"),
+        (r"^experts\.input_scale$", "input_scale"),
         (r"^fc1_latent_proj\.", "expert_input_proj."),
         (r"^fc2_latent_proj\.", "expert_output_proj."),
     ]
@@ -50,5 +51,5 @@ class NemotronHMoeBlock(FusedMoE):
             shared_experts=NemotronHMLP(config, config.moe_shared_expert_intermediate_size),
             expert_input_proj=nn.Linear(config.hidden_size, latent, bias=config.mlp_bias) if latent else None,
             expert_output_proj=nn.Linear(latent, config.hidden_size, bias=config.mlp_bias) if latent else None,
-            placement=placement,
+            weight_format=placement.context.experts_format(), placement=placement,
         )

@@ -56,7 +56,8 @@ class Qwen3MoeMLP(nn.Module):
 def qwen3_moe_block(config, placement: Placement) -> FusedMoE:
     return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
                     routing=RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
-                    activation=Activation.from_hidden_act(config.hidden_act), placement=placement)
+                    activation=Activation.from_hidden_act(config.hidden_act),
+                    weight_format=placement.context.experts_format(), placement=placement)
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -93,7 +94,8 @@ class Qwen3MoeModel(nn.Module):
 class Qwen3MoeForCausalLM(CausalLM):
     renames = [
         (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", r".mlp.\1"),
+        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),  # FP8: + scales
+        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
     ]
 
     def __init__(self, config, placement: Placement = Placement()):

@@ -15,6 +15,7 @@ import torch
 from .. import checks
 from .. import platform as platforms
 from ..backends.catalog import ModelContext
+from ..backends.quantization import checkpoint_format
 from ..layer import FusedMoE
 from ..placement import Placement
 from .checkpoint import load_into, read_safetensors
@@ -99,10 +100,11 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
         dtype = checks.float_dtype("load_model", "config.json's dtype (or pass dtype=)",
                                    getattr(config, "dtype", None) or torch.float32)
     context = ModelContext.from_config(raw_config, path)
+    checkpoint = checkpoint_format(context.quant_config)  # FP8: how the tensors and their scales are stored
     placement = Placement(backend, context, parallel)
     with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
         model = cls(config, placement)
-    load_into(model, read_safetensors(path), model.renames, model.ignore)
+    load_into(model, read_safetensors(path), model.renames, model.ignore, checkpoint, dtype)
     for layer in model.modules():
         if isinstance(layer, FusedMoE):
             layer.prepare_weights()  # pads I / builds FlashInfer weights where the resolved backend needs it

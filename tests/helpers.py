@@ -5,6 +5,8 @@ Test files import from here, never from conftest.py or from one another. Importi
 imports moe_triton, so TRITON_INTERPRET must be settled first: pytest imports conftest.py (which sets
 it) before any test module, and distributed_harness.py sets it itself before importing this.
 """
+import contextlib
+
 import torch
 
 from moe_triton.backends.quantization import QuantFormat
@@ -245,3 +247,101 @@ def ct_fp8(strategy: str, block=None, targets=("Linear",), ignore=("lm_head",)) 
 MODELOPT_FP8_FILE = {"producer": {"name": "modelopt", "version": "0.19.0"},
                      "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
 MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]}
+
+
+# ---- FP8 checkpoints written by transformers' own quantizer ------------------------------------------
+
+@contextlib.contextmanager
+def fp8_quantizer_on_cpu():
+    """transformers' FineGrainedFP8 quantizer refuses to quantize without an accelerator
+    (FineGrainedFP8HfQuantizer.validate_environment: "No GPU or XPU found"). The quantization itself
+    (finegrained_fp8.Fp8Quantize: per-block amax / 448, cast to e4m3, scale_inv = amax / 448) is plain
+    torch on the CPU tensors it loads, and we only save what it writes, never run its FP8 forward (that
+    fetches a kernel from the Hub). So the one name that check consults is patched, in that module only,
+    for the duration: `is_torch_xpu_available` answers True. Nothing else in transformers sees it."""
+    from unittest import mock
+
+    from transformers.quantizers import quantizer_finegrained_fp8
+
+    with mock.patch.object(quantizer_finegrained_fp8, "is_torch_xpu_available", lambda: True):
+        yield
+
+
+def transformers_fp8_checkpoint(model, path, block, modules_to_not_convert=None):
+    """`model` (a tiny transformers causal LM) quantized on load by transformers' FineGrainedFP8Config and
+    written by its save_pretrained to `path`, in the layout transformers writes. Returns (`path`, the
+    quantized model's state dict: transformers 5's fused names, `experts.gate_up_proj` [E, 2I, H] e4m3
+    beside `experts.gate_up_proj_scale_inv`)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=modules_to_not_convert)
+    with tempfile.TemporaryDirectory() as unquantized:
+        model.save_pretrained(unquantized)
+        with fp8_quantizer_on_cpu():
+            fp8 = AutoModelForCausalLM.from_pretrained(unquantized, quantization_config=config, dtype=torch.float32)
+        fp8.save_pretrained(path)
+    return path, {name: t.detach().clone() for name, t in fp8.state_dict().items()}
+
+
+def per_expert_fp8_layout(state: dict) -> dict:
+    """The published per-expert layout (Qwen3-*-FP8, DeepSeek-V3) of FP8 tensors that hold fused expert weights
+    or fused scale grids (transformers 5 writes `experts.gate_up_proj_scale_inv`, one grid over [gate; up]):
+    experts.N.{gate,up,down}_proj.weight and .weight_scale_inv. Needs I % block_n == 0 to split the grid."""
+    out = {}
+    for name, t in state.items():
+        base, _, leaf = name.rpartition(".")
+        if not base.endswith("experts") or leaf not in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv",
+                                                        "down_proj_scale_inv"):
+            out[name] = t
+            continue
+        kind = "weight_scale_inv" if leaf.endswith("_scale_inv") else "weight"
+        projs = ("gate_proj", "up_proj") if leaf.startswith("gate_up") else ("down_proj",)
+        for e in range(t.shape[0]):
+            for proj, part in zip(projs, t[e].chunk(len(projs), dim=0)):
+                out[f"{base}.{e}.{proj}.{kind}"] = part.contiguous()
+    return out
+
+
+def save_checkpoint(tensors: dict, config_dir, path, shards: int = 1):
+    """`tensors` as model.safetensors (or `shards` files and an index) beside config_dir's config.json."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(config_dir) / "config.json", path / "config.json")
+    names = sorted(tensors)
+    if shards == 1:
+        save_file({k: tensors[k].contiguous() for k in names}, path / "model.safetensors", metadata={"format": "pt"})
+        return path
+    files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards] for i in range(shards)}
+    for file, keys in files.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, path / file, metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: file for file, keys in files.items() for k in keys}}))
+    return path
+
+
+def fp8_quantize(w: torch.Tensor, strategy: str, block=(128, 128)):
+    """w (N, C) -> (e4m3 (N, C), float32 scale) as compressed-tensors and ModelOpt define them
+    (scale = max|w| / 448 over the tensor, each row, or each block; dequantized = q * scale), written
+    out here with torch ops, independently of moe_triton. Scale shapes as compressed-tensors stores
+    them (initialize.py): tensor (1,), channel (N, 1), block (ceil(N / bn), ceil(C / bc))."""
+    w = w.float()
+    if strategy == "tensor":
+        scale = (w.abs().max() / 448).reshape(1)
+        per_element = scale
+    elif strategy == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        per_element = scale
+    else:
+        bn, bc = block
+        scale = torch.stack([torch.stack([w[r:r + bn, c:c + bc].abs().max() for c in range(0, w.shape[1], bc)])
+                             for r in range(0, w.shape[0], bn)]) / 448
+        per_element = scale.repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+    return (w / per_element).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()

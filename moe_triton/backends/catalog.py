@@ -22,7 +22,7 @@ from ..platform import FLASHINFER_MIN_VERSION, INTERPRETER_DOT_DTYPES, Platform,
 from ..routing import RoutingSpec
 from ..weights import NATIVE, Fp8Scaling, WeightFormat
 from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
-from .quantization import QuantFormat, experts_quantization
+from .quantization import QuantFormat, checkpoint_format, experts_quantization
 from .runners import TorchRunner, TritonRunner
 
 
@@ -47,7 +47,7 @@ ALL_TO_ALL_BACKENDS = ("naive", "allgather_reducescatter", "pplx", "deepep", "de
 
 @dataclass(frozen=True)
 class ModelContext:
-    """What the model (not the layer) tells backend choice."""
+    """What the model (not the layer) tells backend choice, and the MoE layers a model family builds."""
 
     architecture: str | None = None  # config.architectures[0], e.g. "Cohere2MoeForCausalLM"
     quant_config: object = None  # the checkpoint's quantization_config, as read from config.json
@@ -68,6 +68,12 @@ class ModelContext:
         if quant is None and model_dir is not None and (model_dir / "hf_quant_config.json").exists():
             quant = _modelopt_file(model_dir / "hf_quant_config.json")
         return cls(architectures[0], quant, all_to_all, lora)
+
+
+    def experts_format(self) -> WeightFormat:
+        """The routed experts' WeightFormat under the checkpoint's quantization config (what a family builds
+        its FusedMoE layers with); a ValueError naming the config key when the FP8 kernels cannot run it."""
+        return checkpoint_format(self.quant_config).experts
 
 
 def _modelopt_file(path: Path):

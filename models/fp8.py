@@ -1,0 +1,166 @@
+"""FP8 checkpoints: the experts' scales into FusedMoE's layout, FP8 linears outside the experts dequantized.
+
+    per expert (the Hub layout)   experts.N.{gate,up,down}_proj.weight (e4m3) + .weight_scale_inv (fp8:
+                                  DeepSeek, Qwen3-FP8, MiniMax-M2) or .weight_scale (compressed-tensors,
+                                  ModelOpt), + .input_scale with static activations
+    fused (transformers 5)        experts.gate_up_proj (e4m3) + experts.gate_up_proj_scale_inv (one grid over
+                                  the concatenated [gate; up] rows), experts.down_proj + _scale_inv
+    -> FusedMoE                   gate_up_proj_scale, down_proj_scale, input_scale in the shapes of
+                                  ExpertWeights (weights.py): BLOCK the gate grid then the up grid;
+                                  CHANNEL and TENSOR a scale per row (gate and up each their own)
+
+The experts stay FP8: nothing here rounds or rescales them. A static input scale is one scalar, the
+largest of the experts' gate and up input scales (they all see the layer's input); the down
+projections' input scales are not used, as the second GEMM quantizes its input dynamically, per row
+and tile (expert_gemm.py). Linears outside the experts stored in FP8 (attention projections in
+DeepSeek-style checkpoints, shared experts) are dequantized to the model dtype at load: the model
+runs them as ordinary linears. Modules the quantization config leaves out load as stored.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..backends.quantization import CheckpointFormat
+from ..weights import FP8_DTYPE, Fp8Scaling, per_tensor_rows
+
+INPUT_SCALE = "input_scale"
+# Calibrated FP8 KV-cache scales (ModelOpt's kv_cache_quant_algo): the cache here keeps the model dtype.
+_KV_CACHE_SCALES = (".k_scale", ".v_scale")
+
+
+def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor], weights: dict[str, torch.Size],
+                  checkpoint: CheckpointFormat) -> dict[str, torch.Tensor]:
+    """Per-expert scales stacked over experts, {(proj, kind): [E, ...]}, of the experts under `prefix`
+    whose per-expert weights have `weights[proj]` = (N, C) -> FusedMoE's `{prefix}.gate_up_proj_scale`
+    (`up_proj_scale` when non-gated), `{prefix}.down_proj_scale` and `{prefix}.input_scale`, in float32.
+    Scales the checkpoint's format does not name are returned as they are (the loader then names them)."""
+    fmt, kind = checkpoint.experts, checkpoint.weight_scale
+    if fmt.fp8 is None or not any(k == kind for _, k in scales):
+        return {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items()}
+    out = {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items() if k not in (kind, INPUT_SCALE)}
+    per_proj = {proj: _checked(prefix, proj, kind, scales.get((proj, kind)), weights[proj], checkpoint)
+                for proj in weights}
+    gated = "gate_proj" in per_proj
+    halves = [per_proj[p] for p in (("gate_proj", "up_proj") if gated else ("up_proj",))]
+    rows = sum(weights[p][0] for p in (("gate_proj", "up_proj") if gated else ("up_proj",)))
+    if fmt.fp8 is Fp8Scaling.BLOCK:
+        w13_scale, w2_scale = torch.cat(halves, dim=1), per_proj["down_proj"]
+    elif fmt.fp8 is Fp8Scaling.CHANNEL:
+        w13_scale, w2_scale = torch.cat([s.flatten(1) for s in halves], dim=1), per_proj["down_proj"].flatten(1)
+    else:  # TENSOR: gate and up each keep their own scale, stored per row
+        w13_scale = per_tensor_rows(torch.stack([s.flatten() for s in halves], dim=1) if gated else halves[0].flatten(), rows)
+        w2_scale = per_tensor_rows(per_proj["down_proj"].flatten(), weights["down_proj"][0])
+    out[f"{prefix}.{'gate_up_proj' if gated else 'up_proj'}_scale"] = w13_scale
+    out[f"{prefix}.down_proj_scale"] = w2_scale
+    if fmt.static_input:
+        inputs = [_checked(prefix, proj, INPUT_SCALE, scales.get((proj, INPUT_SCALE)), None, checkpoint)
+                  for proj in (("gate_proj", "up_proj") if gated else ("up_proj",))]
+        out[f"{prefix}.input_scale"] = torch.stack([s.max() for s in inputs]).max().reshape(1)
+    return out
+
+
+def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weight: torch.Size | None,
+             checkpoint: CheckpointFormat) -> torch.Tensor:
+    """A stacked per-expert scale [E, ...], checked against its weight's (N, C) and returned in float32."""
+    name, fmt = f"{prefix}.0.{proj}.{kind}", checkpoint.experts
+    if weight is None:  # an input scale: one per expert
+        expected = [(), (1,)]
+    elif fmt.block is not None:
+        expected = [(-(-weight[0] // fmt.block[0]), -(-weight[1] // fmt.block[1]))]
+    else:
+        expected = [(weight[0], 1), (weight[0],)] if fmt.fp8 is Fp8Scaling.CHANNEL else [(), (1,)]
+    if scale is None:
+        raise ValueError(f"missing tensor {name}: {fmt} experts ({checkpoint.method}) need it beside "
+                         f"{prefix}.0.{proj}.weight, shape {' or '.join(map(str, expected))}")
+    if tuple(scale.shape[1:]) not in expected or not scale.dtype.is_floating_point:
+        raise ValueError(f"tensor {name} is a {scale.dtype} tensor of shape {tuple(scale.shape[1:])}; {fmt} experts "
+                         f"({checkpoint.method}) expect a float scale of shape {' or '.join(map(str, expected))}"
+                         + (f" for their {tuple(weight)} weight" if weight is not None else ""))
+    return scale.float()
+
+
+def fused_scales(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat) -> dict[str, torch.Tensor]:
+    """The fused layout's scale grids (`X.gate_up_proj_scale_inv`, `X.down_proj_scale_inv` beside the FP8
+    weights X.gate_up_proj, X.down_proj) -> FusedMoE's `X.gate_up_proj_scale`, `X.down_proj_scale`."""
+    out = dict(tensors)
+    for name in [n for n in tensors if n.endswith("_proj_scale_inv")]:
+        weight_name = name.removesuffix("_scale_inv")
+        weight = tensors.get(weight_name)
+        if weight is None or weight.dim() != 3 or weight.dtype != FP8_DTYPE:
+            continue
+        out[f"{weight_name}_scale"] = _fused_grid(name, out.pop(name), weight, tensors, checkpoint)
+    return out
+
+
+def _fused_grid(name: str, scale: torch.Tensor, weight: torch.Tensor, tensors: dict, checkpoint: CheckpointFormat):
+    fmt = checkpoint.experts
+    if fmt.block is None:
+        raise ValueError(f"tensor {name}: a fused scale grid needs block-scaled experts; the quantization config "
+                         f"gives {fmt} (expected per-expert .{checkpoint.weight_scale} tensors)")
+    E, rows, cols = weight.shape
+    down = tensors.get(name.rsplit(".", 1)[0] + ".down_proj")
+    gated = down is not None and down.dim() == 3 and rows == 2 * down.shape[2] and not name.endswith(".down_proj_scale_inv")
+    block_n = fmt.block[0]
+    if gated and (rows // 2) % block_n:
+        raise ValueError(f"tensor {name}: one scale grid over the concatenated [gate; up] rows, but I={rows // 2} is not "
+                         f"a multiple of block_n={block_n}, so block row {rows // 2 // block_n} holds gate and up rows "
+                         "together and cannot be split into a gate grid and an up grid; expected I % block_n == 0, "
+                         f"or per-expert gate_proj / up_proj .{checkpoint.weight_scale} tensors")
+    expected = fmt.scale_shape(E, rows, cols, 2 if gated else 1)
+    if tuple(scale.shape) != expected or not scale.dtype.is_floating_point:
+        raise ValueError(f"tensor {name} is a {scale.dtype} tensor of shape {tuple(scale.shape)}; expected a float "
+                         f"scale grid of shape {expected} for {fmt} experts of shape {tuple(weight.shape)}")
+    return scale.float()
+
+
+def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
+                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every FP8 `X.weight` outside the experts (2-D) times its scale `X.<weight_scale>`, in `dtype`; their
+    static input scales and FP8 KV-cache scales dropped. A FP8 weight without a scale is an error."""
+    out = {name: t for name, t in tensors.items() if not name.endswith(_KV_CACHE_SCALES)}
+    for name in [n for n, t in tensors.items() if n.endswith(".weight") and t.dtype == FP8_DTYPE and t.dim() == 2]:
+        module = name.removesuffix("weight")
+        scale_name = module + checkpoint.weight_scale
+        if checkpoint.method is None or scale_name not in out:
+            why = "config.json has no quantization_config" if checkpoint.method is None else f"{scale_name} is missing"
+            raise ValueError(f"tensor {name} is {FP8_DTYPE} but {why}: expected its scale {scale_name} "
+                             f"({checkpoint.method or 'fp8'} checkpoints)")
+        out[name] = dequantize_weight(scale_name, out.pop(name), out.pop(scale_name), checkpoint).to(dtype)
+        out.pop(module + INPUT_SCALE, None)
+    return out
+
+
+def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor, checkpoint: CheckpointFormat):
+    """An FP8 weight (N, C) and its per-tensor, per-row or block scale -> float32 (N, C)."""
+    N, C = weight.shape
+    grids = {block: (-(-N // block[0]), -(-C // block[1])) for block in checkpoint.linear_blocks}
+    scale = scale.float()
+    if scale.numel() == 1:
+        return weight.float() * scale.reshape(())
+    if tuple(scale.shape) in ((N, 1), (N,)):
+        return weight.float() * scale.reshape(N, 1)
+    for (block_n, block_c), grid in grids.items():
+        if tuple(scale.shape) == grid:
+            per_element = scale.repeat_interleave(block_n, 0)[:N].repeat_interleave(block_c, 1)[:, :C]
+            return weight.float() * per_element
+    expected = [(1,), (N, 1), *grids.values()]
+    raise ValueError(f"tensor {scale_name} has shape {tuple(scale.shape)}; expected one of {expected} (per tensor, per "
+                     f"row{', or the grid of ' + ' / '.join(map(str, grids)) + ' blocks' if grids else ''}) for its "
+                     f"({N}, {C}) FP8 weight")
+
+
+def check_fp8_dtype(name: str, tensor: torch.Tensor, expected: torch.dtype) -> None:
+    """FP8 parameters take FP8 tensors and the others never do: a cast either way would drop the scale."""
+    if (tensor.dtype == FP8_DTYPE) != (expected == FP8_DTYPE):
+        raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {expected} (the experts' format is read "
+                         "from config.json's quantization_config)")
+
+
+def missing_hint(name: str, checkpoint: CheckpointFormat) -> str:
+    """What a missing FusedMoE scale would have been called in the checkpoint."""
+    if name.endswith("_proj_scale"):
+        return (f": the scales of {checkpoint.experts} experts, expected as experts.N.<proj>.{checkpoint.weight_scale} "
+                "per expert, or as one fused experts.<proj>_scale_inv grid")
+    if name.endswith(".input_scale"):
+        return f": {checkpoint.experts} experts take a static input scale, expected as experts.N.<proj>.input_scale"
+    return ""
