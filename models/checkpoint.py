@@ -102,12 +102,13 @@ def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor]
 
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
     """Apply every (pattern, replacement) regex rule, in order, to every tensor name."""
-    renamed = {}
-    for name, tensor in tensors.items():
-        for pattern, replacement in renames:
-            name = re.sub(pattern, replacement, name)
-        renamed[name] = tensor
-    return renamed
+    return {renamed(name, renames): tensor for name, tensor in tensors.items()}
+
+
+def renamed(name: str, renames: list[tuple[str, str]]) -> str:
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
 
 
 def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
@@ -118,8 +119,9 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     `checkpoint` says how the checkpoint stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
+    origins = {renamed(renamed(name, renames), renames): name for name in tensors}  # for errors: the checkpoint's names
     tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint), renames)
-    tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint), checkpoint, dtype)
+    tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint, dtype, origins)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # under a parallel placement: this rank's experts only

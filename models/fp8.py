@@ -79,27 +79,30 @@ def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weig
     return scale.float()
 
 
-def fused_scales(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat) -> dict[str, torch.Tensor]:
+def fused_scales(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
+                 origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """The fused layout's scale grids (`X.gate_up_proj_scale_inv`, `X.down_proj_scale_inv` beside the FP8
-    weights X.gate_up_proj, X.down_proj) -> FusedMoE's `X.gate_up_proj_scale`, `X.down_proj_scale`."""
+    weights X.gate_up_proj, X.down_proj) -> FusedMoE's `X.gate_up_proj_scale`, `X.down_proj_scale`.
+    `origins` maps a name to the checkpoint's, for errors."""
     out = dict(tensors)
     for name in [n for n in tensors if n.endswith("_proj_scale_inv")]:
         weight_name = name.removesuffix("_scale_inv")
         weight = tensors.get(weight_name)
         if weight is None or weight.dim() != 3 or weight.dtype != FP8_DTYPE:
             continue
-        out[f"{weight_name}_scale"] = _fused_grid(name, out.pop(name), weight, tensors, checkpoint)
+        out[f"{weight_name}_scale"] = _fused_grid(name, out.pop(name), weight, tensors, checkpoint, origins or {})
     return out
 
 
-def _fused_grid(name: str, scale: torch.Tensor, weight: torch.Tensor, tensors: dict, checkpoint: CheckpointFormat):
-    fmt = checkpoint.experts
+def _fused_grid(key: str, scale: torch.Tensor, weight: torch.Tensor, tensors: dict, checkpoint: CheckpointFormat,
+                origins: dict[str, str]):
+    name, fmt = origins.get(key, key), checkpoint.experts
     if fmt.block is None:
         raise ValueError(f"tensor {name}: a fused scale grid needs block-scaled experts; the quantization config "
                          f"gives {fmt} (expected per-expert .{checkpoint.weight_scale} tensors)")
     E, rows, cols = weight.shape
-    down = tensors.get(name.rsplit(".", 1)[0] + ".down_proj")
-    gated = down is not None and down.dim() == 3 and rows == 2 * down.shape[2] and not name.endswith(".down_proj_scale_inv")
+    down = tensors.get(key.rsplit(".", 1)[0] + ".down_proj")
+    gated = down is not None and down.dim() == 3 and rows == 2 * down.shape[2] and not key.endswith(".down_proj_scale_inv")
     block_n = fmt.block[0]
     if gated and (rows // 2) % block_n:
         raise ValueError(f"tensor {name}: one scale grid over the concatenated [gate; up] rows, but I={rows // 2} is not "
@@ -113,19 +116,21 @@ def _fused_grid(name: str, scale: torch.Tensor, weight: torch.Tensor, tensors: d
     return scale.float()
 
 
-def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
-                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat, dtype: torch.dtype,
+                       origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Every FP8 `X.weight` outside the experts (2-D) times its scale `X.<weight_scale>`, in `dtype`; their
     static input scales and FP8 KV-cache scales dropped. A FP8 weight without a scale is an error."""
+    origins = origins or {}
     out = {name: t for name, t in tensors.items() if not name.endswith(_KV_CACHE_SCALES)}
     for name in [n for n, t in tensors.items() if n.endswith(".weight") and t.dtype == FP8_DTYPE and t.dim() == 2]:
         module = name.removesuffix("weight")
         scale_name = module + checkpoint.weight_scale
+        original, original_scale = origins.get(name, name), origins.get(scale_name, scale_name)
         if checkpoint.method is None or scale_name not in out:
-            why = "config.json has no quantization_config" if checkpoint.method is None else f"{scale_name} is missing"
-            raise ValueError(f"tensor {name} is {FP8_DTYPE} but {why}: expected its scale {scale_name} "
+            why = "config.json has no quantization_config" if checkpoint.method is None else f"{original_scale} is missing"
+            raise ValueError(f"tensor {original} is {FP8_DTYPE} but {why}: expected its scale {original_scale} "
                              f"({checkpoint.method or 'fp8'} checkpoints)")
-        out[name] = dequantize_weight(scale_name, out.pop(name), out.pop(scale_name), checkpoint).to(dtype)
+        out[name] = dequantize_weight(original_scale, out.pop(name), out.pop(scale_name), checkpoint).to(dtype)
         out.pop(module + INPUT_SCALE, None)
     return out
 

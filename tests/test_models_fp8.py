@@ -30,8 +30,11 @@ import re
 import pytest
 import torch
 from helpers import (
+    DEEPSEEK_FP8,
     MINIMAX_M2_FP8,
     assert_close,
+    ct_fp8,
+    fp8_quantize,
     per_expert_fp8_layout,
     prompt,
     randomize_,
@@ -41,8 +44,8 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
-from moe_triton import FusedMoE, WeightFormat
-from moe_triton.models import load_model
+from moe_triton import FusedMoE, ModelContext, Placement, WeightFormat
+from moe_triton.models import default_dtype, load_model
 from moe_triton.weights import FP8_DTYPE
 
 LOGITS_TOL = 0.05
@@ -100,19 +103,26 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def fp8_checkpoint(request, tmp_path_factory):
-    """(family, {layout: directory}) of one tiny random model quantized by transformers."""
-    make, seed, block, keep, published = FAMILIES[request.param]
+def build_fp8_checkpoint(family, root):
+    """{layout: directory} of one tiny random model quantized by transformers."""
+    make, seed, block, keep, published = FAMILIES[family]
     torch.manual_seed(0)
     model = randomize_(make().eval(), seed=seed)
-    root = tmp_path_factory.mktemp(f"{request.param}-fp8")
     written, fused = transformers_fp8_checkpoint(model, root / "transformers", block, keep)
     state = load_file(written / "model.safetensors")
-    layouts = {"transformers": written, "published": save_checkpoint(published(state), written, root / "published"),
-               "sharded": save_checkpoint(published(state), written, root / "sharded", shards=3),
-               "fused": save_checkpoint(fused, written, root / "fused")}
-    return request.param, layouts
+    return {"transformers": written, "published": save_checkpoint(published(state), written, root / "published"),
+            "sharded": save_checkpoint(published(state), written, root / "sharded", shards=3),
+            "fused": save_checkpoint(fused, written, root / "fused")}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def fp8_checkpoint(request, tmp_path_factory):
+    return request.param, build_fp8_checkpoint(request.param, tmp_path_factory.mktemp(f"{request.param}-fp8"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_fp8(tmp_path_factory):
+    return build_fp8_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3-fp8"))
 
 
 def dequantized_reference(path):
@@ -184,3 +194,160 @@ def test_fp8_kernels_match_transformers_logits_and_greedy_tokens(fp8_checkpoint)
     assert margin > MARGIN_FACTOR * worst, f"top-2 margin {margin:.3g} vs FP8 logit error {worst:.3g}: pick another seed"
     assert len(set(generated[:, ids.shape[1]:].flatten().tolist())) > 2, "degenerate generation: pick another seed"
     assert torch.equal(ours.generate(ids, max_new_tokens=8), generated)
+
+
+# ---- bad FP8 checkpoints: one error naming the tensor and what was expected ----------------------
+
+def edited(layouts, tmp_path, edit, layout="published"):
+    source = layouts[layout]
+    state = load_file(source / "model.safetensors")
+    edit(state)
+    return save_checkpoint(state, source, tmp_path / "edited")
+
+
+def expert_key(state, proj="gate_proj", kind="weight_scale_inv", expert=1):
+    return next(k for k in sorted(state) if k.endswith(f"experts.{expert}.{proj}.{kind}"))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda s: s.pop(expert_key(s)), r"missing tensor .*experts\.1\.gate_proj\.weight_scale_inv"),
+    (lambda s: s.update({expert_key(s): torch.ones(3, 3)}),
+     r"experts\.1\.gate_proj\.weight_scale_inv has shape \(3, 3\).*experts\.0\.gate_proj\.weight_scale_inv has \(1, 2\)"),
+    (lambda s: [s.update({k: torch.ones(2, 2)}) for k in list(s) if re.search(r"layers\.0\..*gate_proj\.weight_scale_inv", k)],
+     r"tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight_scale_inv is a torch\.float32 tensor of shape \(2, 2\); "
+     r"fp8 e4m3, 32x32 block scales.* expect a float scale of shape \(1, 2\) for their \(32, 64\) weight"),
+    (lambda s: [s.pop(k) for k in list(s) if re.search(r"layers\.0\..*experts\.\d+\.up_proj\.weight_scale_inv", k)],
+     r"missing tensor model\.layers\.0\.mlp\.experts\.0\.up_proj\.weight_scale_inv: fp8 e4m3, 32x32 block scales.*"
+     r"shape \(1, 2\)"),
+    (lambda s: s.pop("model.layers.0.self_attn.q_proj.weight_scale_inv"),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.weight is torch\.float8_e4m3fn but "
+     r"model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv is missing"),
+    (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(3, 2)}),
+     r"tensor model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv has shape \(3, 2\); expected one of "
+     r"\[\(1,\), \(64, 1\), \(2, 2\)\]"),
+    (lambda s: [s.update({k: v.float()}) for k, v in list(s.items()) if re.search(r"experts\.\d+\.down_proj\.weight$", k)],
+     r"tensor model\.layers\.\d\.mlp\.down_proj is torch\.float32, the model expects torch\.float8_e4m3fn"),
+], ids=["missing-scale", "one-scale-misshapen", "scales-misshapen", "no-up-scales", "linear-scale-missing",
+        "linear-scale-misshapen", "bf16-experts"])
+def test_bad_fp8_checkpoints_name_the_tensor(qwen3_fp8, tmp_path, edit, match):
+    with pytest.raises(ValueError, match=match):
+        load_model(edited(qwen3_fp8, tmp_path, edit))
+
+
+def test_a_fused_gate_up_grid_that_cannot_be_split_is_refused(tmp_path):
+    """I = 48 with 32-row blocks: transformers quantizes the fused [gate; up] (96 rows) in three block rows,
+    the middle one holding gate rows 32..47 and up rows 0..15 under one scale."""
+    torch.manual_seed(0)
+    path, fused = transformers_fp8_checkpoint(randomize_(qwen3_moe(moe_intermediate_size=48).eval(), seed=1),
+                                              tmp_path / "written", (32, 32))
+    assert fused["model.layers.0.mlp.experts.gate_up_proj_scale_inv"].shape == (8, 3, 2)
+    for source in (path, save_checkpoint(fused, path, tmp_path / "fused")):
+        with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.experts\.gate_up_proj_scale_inv: one scale "
+                                             r"grid over the concatenated \[gate; up\] rows, but I=48 is not a multiple "
+                                             r"of block_n=32"):
+            load_model(source)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_refused(qwen3_fp8, tmp_path):
+    layouts = qwen3_fp8
+    config = json.loads((layouts["published"] / "config.json").read_text())
+    path = save_checkpoint(load_file(layouts["published"] / "model.safetensors"), layouts["published"], tmp_path / "x")
+    config.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.\d\.self_attn\.\w_proj\.weight is torch\.float8_e4m3fn but "
+                                         r"config\.json has no quantization_config"):
+        load_model(path, dtype=torch.bfloat16)
+    config["quantization_config"] = {**DEEPSEEK_FP8, "weight_block_size": [32, 32], "activation_scheme": "static"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="activation_scheme='static': expected 'dynamic'"):
+        load_model(path)
+
+
+# ---- compressed-tensors: the three FP8 strategies, written from the published names ---------------
+
+# compressed-tensors' names (compressors/quantized_compressors/naive_quantized.py: compression_param_names;
+# quantization/lifecycle/initialize.py: "{base}_scale" with base "weight" / "input"): every quantized
+# Linear X stores X.weight (e4m3), X.weight_scale and, with static activations, X.input_scale. Zero points
+# of symmetric schemes are not saved (quantized_compressors/base.py: _skip_zp).
+CT_STRATEGIES = {"tensor": ct_fp8("tensor", ignore=["lm_head", "re:.*mlp.gate$"]),
+                 "channel": ct_fp8("channel", ignore=["lm_head", "re:.*mlp.gate$"]),
+                 "block": ct_fp8("block", block=(32, 32), ignore=["lm_head", "re:.*mlp.gate$"])}
+
+
+@pytest.fixture(scope="module", params=list(CT_STRATEGIES))
+def ct_checkpoint(request, tmp_path_factory):
+    """(strategy, compressed-tensors checkpoint, the same weights dequantized as an unquantized checkpoint)."""
+    torch.manual_seed(0)
+    model = randomize_(qwen3_moe().eval(), seed=1)
+    root = tmp_path_factory.mktemp(f"ct-{request.param}")
+    model.save_pretrained(root / "unquantized")
+    quantized, dequantized = {}, {}
+    g = torch.Generator().manual_seed(2)
+    for name, w in load_file(root / "unquantized" / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if not name.endswith("proj.weight"):  # the router (mlp.gate), norms, embeddings and the head stay
+            quantized[name] = dequantized[name] = w
+            continue
+        q, scale = fp8_quantize(w, request.param, (32, 32))
+        quantized |= {name: q, f"{module}.weight_scale": scale.to(torch.bfloat16).float()}  # scales as bf16 write them
+        if request.param == "tensor":  # calibrated static input scales, a different one per module
+            quantized[f"{module}.input_scale"] = torch.rand(1, generator=g) * 0.01 + 4 / 448
+        dequantized[name] = fp8_dequantize(q, quantized[f"{module}.weight_scale"], request.param, (32, 32))
+    config = json.loads((root / "unquantized" / "config.json").read_text())
+    path = save_checkpoint(quantized, root / "unquantized", root / "ct")
+    (path / "config.json").write_text(json.dumps(config | {"quantization_config": CT_STRATEGIES[request.param]}))
+    return request.param, path, save_checkpoint(dequantized, root / "unquantized", root / "dequantized")
+
+
+def fp8_dequantize(q, scale, strategy, block):
+    """compressed-tensors' definition: q * scale, the scale broadcast over its tensor, row or block."""
+    if strategy == "block":
+        bn, bc = block
+        scale = scale.repeat_interleave(bn, 0)[: q.shape[0]].repeat_interleave(bc, 1)[:, : q.shape[1]]
+    return q.float() * scale
+
+
+def test_compressed_tensors_strategies_load_and_match(ct_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    strategy, path, dequantized = ct_checkpoint
+    fmt = {"tensor": WeightFormat.fp8_tensor(static_input=True), "channel": WeightFormat.fp8_channel(),
+           "block": WeightFormat.fp8_block(32, 32)}[strategy]
+    ours = load_model(path, dtype=torch.float32)
+    assert all(layer.weight_format == fmt for layer in moe_layers(ours))
+    if strategy == "tensor":  # gate and up keep their own per-tensor scales; one static input scale, the largest
+        layer = moe_layers(ours)[0]
+        state = load_file(path / "model.safetensors")
+        gate, up = (state[f"model.layers.0.mlp.experts.3.{p}_proj.weight_scale"] for p in ("gate", "up"))
+        assert gate != up and torch.equal(layer.gate_up_proj_scale[3], torch.cat([gate.expand(32), up.expand(32)]))
+        inputs = [v for k, v in state.items() if re.search(r"layers\.0\.mlp\.experts\.\d+\.(gate|up)_proj\.input_scale", k)]
+        assert layer.input_scale.item() == max(v.item() for v in inputs)
+    reference = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    ids = prompt()
+    ours.setup(2, 32)
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert_close(ours.prefill(ids), expected, torch.float32, scale=5)
+    kernels = load_model(path, dtype=torch.float16, backend="triton")
+    kernels.setup(2, 32)
+    assert relative_error(kernels.prefill(ids), expected) < LOGITS_TOL
+
+
+# ---- Cohere2-MoE's rule keeps FP8 off trtllm-gen: FP8 runs on the Triton kernels there and on SM90 ----
+
+@pytest.mark.parametrize("sm", [(10, 0), (9, 0)], ids=["sm100", "sm90"])
+def test_cohere2_moe_fp8_runs_on_triton_fp8_on_blackwell_and_hopper(sm):
+    from transformers import Cohere2MoeConfig
+
+    from moe_triton.models.cohere2_moe import cohere2_moe_block
+    from moe_triton.platform import Platform
+
+    config = Cohere2MoeConfig(hidden_size=128, intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                              num_shared_experts=1)
+    context = ModelContext("Cohere2MoeForCausalLM", {**DEEPSEEK_FP8})
+    platform = Platform("cuda", sm, "0.7.2.post1")
+    with torch.device("meta"), default_dtype(torch.bfloat16):  # as load_model builds it: shapes only
+        layer = cohere2_moe_block(config, Placement(context=context, platform=platform))
+    assert layer.weight_format == WeightFormat.fp8_block(128, 128) and layer.backend == "triton"
+    assert layer.resolution.rule == "cohere2_moe"
+    assert ("rejects this FP8 MoE format" in layer.resolution.reason) == (sm == (10, 0))
