@@ -338,6 +338,33 @@ def test_sharded_model_matches_the_whole_checkpoint(pools, qwen3_checkpoint, wor
     pools(world_size).run(Case(spec, tokens, module="model", checkpoint=qwen3_checkpoint))
 
 
+@pytest.fixture(scope="module")
+def qwen3_fp8_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE quantized by transformers' FineGrainedFP8 (32 x 32 blocks, I = 32) in the
+    published per-expert layout: at tp 2, rank 1's slice starts inside a block (block_lead 16)."""
+    from helpers import per_expert_fp8_layout, randomize_, save_checkpoint, transformers_fp8_checkpoint
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    root = tmp_path_factory.mktemp("qwen3_fp8")
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    model = randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1)
+    written, _ = transformers_fp8_checkpoint(model, root / "written", (32, 32))
+    return str(save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, root / "fp8"))
+
+
+@pytest.mark.parametrize("spec", [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)],
+                         ids=lambda s: f"ep{s.ep_size}xtp{s.tp_size}")
+def test_sharded_fp8_model_matches_the_whole_checkpoint(pools, qwen3_fp8_checkpoint, spec):
+    """load_model(parallel=...) of an FP8 checkpoint: each rank cuts its experts and their block scales
+    (float32 on the dequantizing torch reference, so the whole checkpoint's logits exactly)."""
+    tokens = (7, 4) if spec.all_to_all else (6,)
+    pools(2).run(Case(spec, tokens, module="model", checkpoint=qwen3_fp8_checkpoint, backend="torch"))
+
+
 def test_fused_moe_rejects_a_scattered_output():
     from moe_triton.parallel import ParallelGroups
 

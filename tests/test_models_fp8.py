@@ -32,6 +32,7 @@ import torch
 from helpers import (
     DEEPSEEK_FP8,
     MINIMAX_M2_FP8,
+    MODELOPT_FP8,
     assert_close,
     ct_fp8,
     fp8_quantize,
@@ -45,6 +46,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from moe_triton import FusedMoE, ModelContext, Placement, WeightFormat
+from moe_triton.backends.quantization import checkpoint_format
 from moe_triton.models import default_dtype, load_model
 from moe_triton.weights import FP8_DTYPE
 
@@ -351,3 +353,120 @@ def test_cohere2_moe_fp8_runs_on_triton_fp8_on_blackwell_and_hopper(sm):
     assert layer.weight_format == WeightFormat.fp8_block(128, 128) and layer.backend == "triton"
     assert layer.resolution.rule == "cohere2_moe"
     assert ("rejects this FP8 MoE format" in layer.resolution.reason) == (sm == (10, 0))
+
+
+# ---- NemotronH's MoE block in ModelOpt per-tensor FP8, I = 7688 / 8 = 961 -------------------------
+
+def nemotron_h(intermediate, experts=4):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    config = NemotronHConfig(hidden_size=32, moe_intermediate_size=intermediate, moe_shared_expert_intermediate_size=24,
+                             n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True)
+    torch.manual_seed(0)
+    return config, randomize_(NemotronHMoE(config).eval(), seed=4)
+
+
+def modelopt_layout(block, x):
+    """ModelOpt's FP8 export of a NemotronH MoE block (ModelOpt's unified HF checkpoint: names as in the
+    original, per-tensor float32 `weight_scale` and static `input_scale` scalars beside each quantized
+    Linear's e4m3 `weight`; vLLM's ModelOpt docs: "FP8: per-tensor weight scale (+ optional static
+    activation scale)"), experts per expert; the router as it is. Input scales are calibrated on `x`
+    (max |input| / 448, a little above for the experts, each its own). Returns (tensors, the dequantized
+    state for transformers' block)."""
+    tensors, dequantized = {}, {}
+    g = torch.Generator().manual_seed(5)
+    for name, w in block.state_dict().items():
+        if name.startswith("gate."):
+            tensors[name] = dequantized[name] = w
+            continue
+        per_expert = name.startswith("experts.")
+        weights = w.unbind(0) if per_expert else [w]
+        names = [name.replace("experts.", f"experts.{e}.") for e in range(len(weights))] if per_expert else [
+            name.removesuffix(".weight")]
+        parts = []
+        for module, weight in zip(names, weights):
+            q, scale = fp8_quantize(weight, "tensor")
+            tensors |= {f"{module}.weight": q, f"{module}.weight_scale": scale.reshape(()),
+                        f"{module}.input_scale": (x.abs().max() / 448 * (1 + 0.1 * torch.rand((), generator=g)))}
+            parts.append(q.float() * scale)
+        dequantized[name] = torch.stack(parts) if per_expert else parts[0]
+    return tensors, dequantized
+
+
+def nemotron_fp8_block(config, tensors, backend="auto", dtype=torch.float32):
+    from moe_triton.models.checkpoint import load_into
+    from moe_triton.models.nemotron_h import NemotronHMoeBlock
+
+    with default_dtype(dtype):
+        ours = NemotronHMoeBlock(config, Placement(backend, ModelContext(quant_config=MODELOPT_FP8)))
+    load_into(ours, tensors, ours.renames, checkpoint=checkpoint_format(MODELOPT_FP8), dtype=dtype)
+    ours.prepare_weights()
+    return ours
+
+
+@pytest.fixture(scope="module")
+def nemotron_961():
+    config, reference = nemotron_h(961)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
+    tensors, dequantized = modelopt_layout(reference, x)
+    reference.load_state_dict(dequantized)
+    with torch.no_grad():
+        expected = reference(x)
+    return config, tensors, x, expected
+
+
+def test_nemotron_h_modelopt_fp8_block_matches_transformers(nemotron_961):
+    config, tensors, x, expected = nemotron_961
+    ours = nemotron_fp8_block(config, tensors)
+    assert ours.weight_format == WeightFormat.fp8_tensor(static_input=True) and ours.gate_up_proj.dtype == FP8_DTYPE
+    inputs = [v for k, v in tensors.items() if re.fullmatch(r"experts\.\d+\.up_proj\.input_scale", k)]
+    assert ours.input_scale.item() == max(inputs).item()  # w13's input scales, the largest; w2's are not used
+    with torch.no_grad():
+        assert_close(ours(x), expected, torch.float32, scale=5)
+    kernels = nemotron_fp8_block(config, tensors, backend="triton", dtype=torch.float16)  # static input scale
+    with torch.no_grad():
+        assert relative_error(kernels(x.half()), expected) < LOGITS_TOL
+
+
+def test_nemotron_h_i961_padded_for_a_16_aligned_backend_gives_the_same_output(nemotron_961, monkeypatch):
+    """The field's case: I = 961 on a backend whose kernels need I % 16 == 0 (CUTLASS, which cannot run
+    here): a stand-in backend with that multiple pads up_proj and its per-row scales to 976."""
+    from dataclasses import replace
+
+    from moe_triton.backends import SPECS
+
+    monkeypatch.setitem(SPECS, "torch_pad16", replace(SPECS["torch"], backend="torch_pad16", intermediate_multiple=16))
+    config, tensors, x, expected = nemotron_961
+    unpadded, padded = nemotron_fp8_block(config, tensors, "torch"), nemotron_fp8_block(config, tensors, "torch_pad16")
+    assert unpadded.gate_up_proj.shape == (4, 961, 32) and padded.gate_up_proj.shape == (4, 976, 32)
+    assert padded.gate_up_proj_scale.shape == (4, 976) and padded.down_proj.shape == (4, 32, 976)
+    assert not padded.gate_up_proj[:, 961:].view(torch.uint8).any() and not padded.down_proj[:, :, 961:].view(torch.uint8).any()
+    with torch.no_grad():
+        out = padded(x)
+        assert_close(out, unpadded(x), torch.float32)
+        assert_close(out, expected, torch.float32, scale=5)
+
+
+def test_nemotron_h_7688_over_8_ranks_is_961_each_and_padded_sums_to_the_whole():
+    """moe_intermediate_size 7688 at tensor-parallel 8: each rank's slice (961, per-tensor scales cut with
+    their rows) padded to 976, and the eight partial outputs sum to the whole layer's."""
+    from moe_triton import fused_experts_torch
+    from moe_triton.activation import Activation, ActivationKind
+    from moe_triton.backends.padding import pad_expert_weights
+    from moe_triton.parallel import ParallelSpec, shard_expert_weights
+
+    config, reference = nemotron_h(7688, experts=2)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
+    tensors, _ = modelopt_layout(reference, x)
+    whole = nemotron_fp8_block(config, tensors).expert_weights()
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(1))
+    relu2 = Activation(ActivationKind.RELU2)
+    total = torch.zeros(6, 32)
+    for rank in range(8):
+        shard = pad_expert_weights(shard_expert_weights(whole, ParallelSpec(tp_size=8), rank), 16)
+        assert shard.intermediate_size == 976 and shard.w13_scale.shape == (2, 976)
+        total += fused_experts_torch(x, *shard.dequantized(), ids, weights, activation=relu2)
+    assert_close(total, fused_experts_torch(x, *whole.dequantized(), ids, weights, activation=relu2), torch.float32, scale=2)
