@@ -145,7 +145,8 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     # P^2 <= E keeps the expected number of shared experts under one half.
     layout = LayoutKind.PER_PAIR if num_tokens == 1 or num_pairs**2 <= num_experts else LayoutKind.SORTED
     if device.type != "cuda":  # Triton interpreter: few large programs run fastest
-        return MoEConfig(GemmConfig(16, 32, 32, group_m=1), GemmConfig(16, 32, 32, group_m=1), layout)
+        step = min(32, fp8_group) if dtype.itemsize == 1 else 32
+        return MoEConfig(GemmConfig(16, 32, step, group_m=1), GemmConfig(16, 32, step, group_m=1), layout)
     element_size = dtype.itemsize
     block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8=element_size == 1)
     up = _for_element_size(_gemm_config(block_m, c=hidden_size, fused_gate=True), element_size)

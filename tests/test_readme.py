@@ -1,4 +1,5 @@
 """The README's front door stays true: CI runs the README's test command verbatim."""
+import contextlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def test_readme_drop_in_snippets_run_and_match_transformers(tmp_path):
         expected = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager")(ids).logits
 
     scope = {"path": path}
-    exec(readme_snippet('experts_implementation="moe_triton"'), scope)
+    exec(readme_snippet('from_pretrained(path, experts_implementation="moe_triton")'), scope)
     assert scope["model"].config._experts_implementation == "moe_triton"
     with torch.no_grad():
         assert_close(scope["model"](ids).logits, expected, torch.float32, scale=10)
@@ -72,9 +73,65 @@ def test_readme_compile_snippet_runs_in_one_graph(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile_(model, backend="aot_eager", **kwargs))
     input_ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(7))
     scope = {"path": all_sparse_qwen3_moe_checkpoint(tmp_path), "input_ids": input_ids}
-    exec(readme_snippet('experts_implementation="moe_triton"') + readme_snippet("torch.compile(model"), scope)
+    exec(readme_snippet('from_pretrained(path, experts_implementation="moe_triton")') + readme_snippet("torch.compile(model"),
+         scope)
     with torch.no_grad():
         expected = scope["model"](input_ids, use_cache=False).logits
     assert torch.equal(scope["logits"], expected)
     torch._dynamo.reset()
 
+
+def test_readme_fp8_drop_in_snippet_runs_transformers_fp8_experts_on_our_kernels(tmp_path, monkeypatch):
+    """The snippet on an FP8 checkpoint (experts quantized by transformers' own FineGrainedFP8, float16):
+    on CPU as a user gets it (transformers dequantizes; our unquantized kernels), and as on an FP8 GPU,
+    where transformers keeps its FP8Experts (emulated with helpers.fp8_quantizer_on_cpu, whose one patch
+    lets transformers keep FP8 without a GPU) and our FP8 kernels run them, under the interpreter. Both
+    against transformers' dequantize=True model: float16 rounding, and FP8's activation roundings
+    (tests/test_models_fp8.py: 0.05 relative)."""
+    import json
+
+    import torch
+    from helpers import (
+        fp8_quantizer_on_cpu,
+        per_expert_fp8_layout,
+        randomize_,
+        relative_error,
+        save_checkpoint,
+        transformers_fp8_checkpoint,
+    )
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    import moe_triton.integrations.transformers as integration
+
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    written, _ = transformers_fp8_checkpoint(randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1), tmp_path / "written",
+                                             (32, 32), ["lm_head", r"model\.layers\.\d+\.self_attn"])  # experts only
+    # the published per-expert layout (Qwen3-*-FP8), which transformers' dequantize=True loads correctly
+    fp8_path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, tmp_path / "fp8")
+    stored = json.loads((fp8_path / "config.json").read_text())
+    (fp8_path / "config.json").write_text(json.dumps(stored | {"dtype": "float16"}))  # the interpreter's dtype
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(
+            fp8_path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32)(ids).logits
+
+    calls = []
+    real = integration.moe_triton_fp8_experts_forward
+    monkeypatch.setattr(integration, "moe_triton_fp8_experts_forward", lambda *a: calls.append(1) or real(*a))
+    integration.register_experts_implementation()  # re-registered: the spy is what transformers calls
+    for on_fp8_gpu in (False, True):
+        scope = {"fp8_path": fp8_path}
+        with fp8_quantizer_on_cpu() if on_fp8_gpu else contextlib.nullcontext():
+            exec(readme_snippet("fp8_path"), scope)
+        experts = scope["model"].model.layers[0].mlp.experts
+        assert (type(experts).__name__ == "FP8Experts") == on_fp8_gpu
+        assert (experts.gate_up_proj.dtype == torch.float8_e4m3fn) == on_fp8_gpu
+        with torch.no_grad():
+            logits = scope["model"](ids).logits
+        assert relative_error(logits, expected) < (0.05 if on_fp8_gpu else 2e-3)
+        assert len(calls) == (2 if on_fp8_gpu else 0)  # one call per MoE layer, FP8 only on the FP8 path
+    integration.register_experts_implementation()

@@ -1,11 +1,16 @@
 """transformers integration: the `"moe_triton"` experts implementation and `from_transformers`.
 
-Importing `moe_triton` registers `"moe_triton"` in transformers' `ExpertsInterface`, so
+Importing `moe_triton` registers `"moe_triton"` in transformers' `ExpertsInterface`, and in its
+`FP8ExpertsInterface` (integrations/finegrained_fp8.py) for FP8 checkpoints, so
 
     import moe_triton
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton")
 
-runs our kernels inside an unmodified transformers model (the experts' weights are used in place).
+runs our kernels inside an unmodified transformers model (the experts' weights are used in place):
+its experts as they are, or its `FP8Experts` (gate_up_proj / down_proj in e4m3 beside
+gate_up_proj_scale_inv / down_proj_scale_inv, `block_size`, `activation_scheme`) on our FP8 kernels.
+transformers builds FP8Experts only on an FP8-capable GPU; elsewhere it dequantizes on load and the
+plain implementation runs.
 
 `from_transformers(block)` builds a `FusedMoE` sharing a transformers sparse-MoE block's tensors;
 each supported block has one small adapter below, registered by its class name.
@@ -24,7 +29,7 @@ from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
 from ..placement import Placement
 from ..routing import RoutingSpec, Scoring, SelectOn
-from ..weights import ExpertWeights
+from ..weights import ExpertWeights, WeightFormat, per_tensor_rows
 
 # transformers activation classes (ACT2FN values) -> our activation kinds
 _ACTIVATION_BY_CLASS = {
@@ -40,8 +45,11 @@ _ACTIVATION_BY_CLASS = {
 
 def experts_activation(experts: nn.Module) -> Activation:
     """The `Activation` a transformers experts module applies between its two projections."""
-    if hasattr(experts, "swiglu_limit") and hasattr(experts, "swiglu_alpha"):  # MiniMax-M3's clamped swiglu
-        return Activation(ActivationKind.CLAMPED_SWIGLU, float(experts.swiglu_limit), float(experts.swiglu_alpha))
+    limit, alpha = getattr(experts, "swiglu_limit", None), getattr(experts, "swiglu_alpha", None)
+    if limit is not None and alpha is not None:  # MiniMax-M3's clamped swiglu (FP8Experts holds None otherwise)
+        return Activation(ActivationKind.CLAMPED_SWIGLU, float(limit), float(alpha))
+    if getattr(experts, "gate_softcap", None) is not None or getattr(experts, "limit", None) is not None:
+        raise ValueError(f"{type(experts).__name__} soft-caps or clamps its gate, which moe_triton does not implement")
     act_name = type(getattr(experts, "act_fn", None)).__name__
     if act_name not in _ACTIVATION_BY_CLASS:
         raise ValueError(f"{type(experts).__name__}.act_fn is {act_name}, which moe_triton does not implement; "
@@ -75,10 +83,48 @@ def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, t
     return run_experts(x, weights, top_k_index, top_k_weights, activation=activation)
 
 
+def moe_triton_fp8_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """FP8ExpertsInterface entry: transformers' FP8Experts on our FP8 kernels; (T, H) bf16/fp16 in and out."""
+    activation = experts_activation(experts)
+    weights = fp8_expert_weights(experts, activation.gated)
+    return run_experts(hidden_states, weights, top_k_index, top_k_weights, activation=activation)
+
+
+def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
+    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over [gate; up], split
+    only where I is a multiple of block_n), or per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]),
+    with the static input scale, the largest of `gate_up_proj_activation_scale`."""
+    if getattr(experts, "has_bias", False):
+        raise ValueError(f"{type(experts).__name__} has expert biases, which moe_triton does not implement")
+    prefix = "gate_up_proj" if gated else "up_proj"
+    w13, s13 = getattr(experts, prefix), getattr(experts, f"{prefix}_scale_inv")
+    w2, s2 = experts.down_proj, experts.down_proj_scale_inv
+    E, rows, H = w13.shape
+    static = getattr(experts, "activation_scheme", "dynamic") == "static"
+    block = getattr(experts, "block_size", None)
+    if block is not None:
+        if static or (gated and (rows // 2) % block[0]):
+            raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with activation_scheme "
+                             f"{experts.activation_scheme!r} and I={w2.shape[2]}: moe_triton runs block scales with "
+                             "dynamic activations and a [gate; up] grid it can split (I % block_n == 0)")
+        fmt, s13, s2 = WeightFormat.fp8_block(*block), s13.float(), s2.float()
+    else:  # per tensor
+        fmt = WeightFormat.fp8_tensor(static_input=static)
+        s13 = per_tensor_rows(s13.float().reshape(E, -1) if s13[0].numel() == 2 else s13.float().reshape(E), rows)
+        s2 = per_tensor_rows(s2.float().reshape(E), H)
+    input_scale = experts.gate_up_proj_activation_scale.float().max().reshape(1) if static else None
+    return ExpertWeights(w13, w2, gated, fmt, s13, s2, input_scale)
+
+
 def register_experts_implementation(name: str = "moe_triton") -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(name, moe_triton_experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # a transformers without FP8 experts
+        return
+    FP8ExpertsInterface.register(name, moe_triton_fp8_experts_forward)
 
 
 # ---- from_transformers: one adapter per sparse-MoE block class -------------------------------
