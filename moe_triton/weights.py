@@ -237,6 +237,15 @@ class ExpertWeights:
                              self.input_scale)
 
 
+def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """One linear's weight (N, C) -> (e4m3 (N, C), float32 scale: (ceil(N / bn), ceil(C / bc)) for BLOCK,
+    (N,) per row, (1,) per tensor), as `ExpertWeights.to_format` quantizes each expert."""
+    if w.dim() != 2 or fmt.fp8 is None or fmt.static_input:
+        raise ValueError(f"quantize_weight takes a 2-D weight and a dynamic FP8 format, got {_describe(w)}, {fmt}")
+    q, scale = _quantize(w[None].float(), fmt, 1)
+    return q[0], scale[0] if fmt.fp8 is not Fp8Scaling.TENSOR else scale[0, :1]
+
+
 def per_tensor_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
     """Per-tensor scales -> the per-row form ExpertWeights stores: [E] -> [E, rows], or [E, 2] (gate,
     up) -> [E, rows] with the first rows / 2 rows on the gate's scale. Exact: each row keeps its own."""

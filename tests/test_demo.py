@@ -17,16 +17,37 @@ def test_demo_runs_end_to_end_and_matches_transformers(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "RANDOM weights" in out and "experts backend: triton" in out and "interpreter" in out
+    assert "experts format: unquantized (on triton)" in out
     assert "tokens match transformers' generate: yes" in out
     assert "generate" in out and "prefill" in out
     assert "[1/4] loading" in out and "[4/4] generating the same tokens with transformers" in out  # no silent phases
     assert (tmp_path / "cache" / "moe-triton").exists()  # built once, cached
 
 
+def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tmp_path):
+    """--quant fp8: the built-in model written as an FP8 checkpoint, its experts on the Triton FP8 kernels
+    (interpreted, float16), within FP8's logit error of transformers on the dequantized checkpoint. Then
+    --model on that checkpoint: float32 on CPU, the experts dequantized by the torch reference, so the
+    greedy tokens equal transformers' exactly."""
+    result = run_cli("demo", "--quant", "fp8", "--tokens", "4", "--batch", "1", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "experts backend: triton" in out and "experts format: fp8 e4m3, 16x16 block scales" in out
+    assert "relative error" in out and "(FP8 bound 0.05): ok" in out and "tokens equal to transformers' generate" in out
+    checkpoint = tmp_path / "cache" / "moe-triton" / "cohere2-moe-tiny-random-fp8-v1"
+    result = run_cli("demo", "--model", str(checkpoint), "--tokens", "4", "--batch", "1", tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "experts format: fp8 e4m3, 16x16 block scales, dynamic per-token-group activations (on torch)" in result.stdout
+    assert "tokens match transformers' generate: yes" in result.stdout
+
+
 @pytest.mark.parametrize("setup,match", [
     (lambda d: None, "not a checkpoint directory"),
     (lambda d: (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'),
      "unsupported architecture"),
+    (lambda d: (d / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", '
+                                              '"quantization_config": {"quant_method": "awq"}}'),
+     "quant_method='awq': expected 'fp8'"),
 ])
 def test_demo_errors_are_one_line(tmp_path, setup, match):
     model = tmp_path / "model"
@@ -36,3 +57,12 @@ def test_demo_errors_are_one_line(tmp_path, setup, match):
     assert result.returncode == 2
     assert match in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.startswith("moe-triton demo:")]) == 1
+
+
+def test_demo_quant_fp8_with_a_model_is_refused_in_one_line(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = run_cli("demo", "--quant", "fp8", "--model", str(model), tmp_path=tmp_path, env_extra={"TRITON_INTERPRET": "1"})
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--quant fp8 builds the built-in model in FP8" in result.stderr and len(result.stderr.strip().splitlines()) == 1

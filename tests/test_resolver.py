@@ -266,3 +266,25 @@ def test_on_this_gpu_auto_never_picks_trtllm_and_explicit_requests_fail_at_const
     if platform.flashinfer is None:
         with pytest.raises(ValueError, match="FlashInfer is not installed"):
             FusedMoE(8, 2, 128, 96, placement=Placement("flashinfer_cutlass"), dtype=torch.bfloat16, device="cuda")
+
+
+def test_cli_resolve_shows_the_format_of_every_config_group(tmp_path, capsys):
+    from helpers import CT_SCHEMES, MINIMAX_M2_FP8, NVFP4_WEIGHTS, compressed
+
+    model = write_config(tmp_path, MINIMAX, MINIMAX_M2_FP8)
+    assert main(["resolve", str(model), "--platform", "sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "  quantization_config: fp8 e4m3, 128x128 block scales, dynamic per-token-group activations" in out
+    assert "experts held:  fp8 e4m3, 128x128 block scales, dynamic per-token-group activations (load_model)" in out
+    mixed = compressed({"attn": {"targets": ["re:.*self_attn.*"], "weights": NVFP4_WEIGHTS, "format": "nvfp4-pack-quantized"},
+                        "experts": {"targets": ["re:.*mlp.experts.*"], "weights": CT_SCHEMES["channel"][0],
+                                    "input_activations": CT_SCHEMES["channel"][1]}})
+    model = write_config(tmp_path, COHERE2[0], mixed)
+    assert main(["resolve", str(model), "--platform", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert "  config_groups.attn: not run here:" in out and "expected FP8 weights" in out
+    assert "  config_groups.experts: targets ['re:.*mlp.experts.*']: fp8 e4m3, per-channel scales" in out
+    assert "experts held:  fp8 e4m3, per-channel scales, dynamic per-token activations (load_model)" in out
+    model = write_config(tmp_path, COHERE2[0], {"quant_method": "awq", "bits": 4})
+    assert main(["resolve", str(model), "--platform", "sm90"]) == 0
+    assert "experts held:  not loadable: quantization_config.quant_method='awq'" in capsys.readouterr().out

@@ -104,6 +104,7 @@ def _read_config(path: Path) -> tuple[dict, Path | None]:
 def resolve_backend(args) -> int:
     from .. import platform as platforms
     from ..backends import ModelContext, experts_quantization, resolve
+    from ..backends.quantization import config_group_formats
 
     try:
         config, model_dir = _read_config(Path(args.model))
@@ -119,6 +120,9 @@ def resolve_backend(args) -> int:
         where = f"{platform} (this machine; FlashInfer {platform.flashinfer or 'not installed'})"
     print(f"model:         {context.architecture} ({args.model})")
     print(f"quantization:  {experts_quantization(context.quant_config)}")
+    for group, detail in config_group_formats(context.quant_config):
+        print(f"  {group}: {detail}")
+    print(f"experts held:  {_experts_format(context)}")
     print(f"platform:      {where}")
     print(f"all-to-all:    {context.all_to_all or 'none'}   LoRA: {'on' if context.lora else 'off'}")
     print(f"requested:     {resolution.requested}")
@@ -127,6 +131,14 @@ def resolve_backend(args) -> int:
     print(f"reason:        {resolution.reason}")
     print("(the layer also checks its own dtype, hidden size, activation and routing when it is built)")
     return 0
+
+
+def _experts_format(context) -> str:
+    """The format load_model holds the experts in, or why it cannot load them."""
+    try:
+        return f"{context.experts_format()} (load_model)"
+    except ValueError as error:
+        return f"not loadable: {error}"
 
 
 def probe_backends(args) -> int:
@@ -163,9 +175,9 @@ def demo(args) -> int:
     if args.model is not None and not (args.model / "config.json").exists():
         print(f"moe-triton demo: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    options = DemoOptions(model=args.model, backend=args.backend, batch=args.batch, tokens=args.tokens,
-                          graphs=not args.no_graphs, overlap=not args.no_overlap)
     try:
+        options = DemoOptions(model=args.model, backend=args.backend, batch=args.batch, tokens=args.tokens,
+                              graphs=not args.no_graphs, overlap=not args.no_overlap, quant=args.quant)
         return run_demo(options)
     except Exception as error:  # one clear line for users; the traceback on request
         if args.debug:
@@ -234,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--tokens", type=_positive_int, default=16, help="new tokens per sequence")
     demo_parser.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
     demo_parser.add_argument("--no-overlap", action="store_true", help="no alternate streams in captured decode")
+    demo_parser.add_argument("--quant", choices=["fp8"],
+                             help="the built-in model as an FP8 checkpoint (block-scaled), experts on the FP8 kernels")
     demo_parser.add_argument("--debug", action="store_true", help="show tracebacks")
     demo_parser.set_defaults(run=demo)
     bench_parser = commands.add_parser("bench", help="time the expert layer on a built-in shape")

@@ -3,6 +3,13 @@ check the tokens against transformers' own generation, and print what ran where 
 
 The built-in checkpoint is a narrow Cohere2-MoE (the parallel block, so overlap has something
 to overlap) with RANDOM weights: its tokens mean nothing; that they equal transformers' does.
+
+`--quant fp8` writes the same model as an FP8 checkpoint in the DeepSeek / Qwen3-FP8 layout (every
+linear but the router and the head in e4m3 with 16 x 16 block `weight_scale_inv`) and runs its
+experts on the Triton FP8 kernels: on a GPU in bfloat16, on CPU under the interpreter in float16.
+The reference is transformers on the same checkpoint, dequantized (FineGrainedFP8Config(dequantize
+=True)): FP8 also rounds the experts' activations, so the check is that the logits stay within
+FP8's error (FP8_LOGITS_TOL) and the tokens are reported, not required to match.
 """
 from __future__ import annotations
 
@@ -15,6 +22,11 @@ from pathlib import Path
 import torch
 
 DEMO_NAME = "cohere2-moe-tiny-random-v2"
+FP8_DEMO_NAME = "cohere2-moe-tiny-random-fp8-v1"
+FP8_BLOCK = (16, 16)  # the tiny model's sizes (64, 48, 32) are multiples: transformers' dequantizer needs that
+# Two activation roundings in e4m3 (the layer input and the intermediate), each at most 2^-4 relative,
+# RMS 0.036: 0.05 relative on the experts' output bounds the logits (tests/test_models_fp8.py).
+FP8_LOGITS_TOL = 0.05
 
 
 @dataclass(frozen=True)
@@ -26,17 +38,22 @@ class DemoOptions:
     graphs: bool = True
     overlap: bool = True
     prompt_length: int = 8
+    quant: str | None = None  # "fp8": the built-in model as an FP8 checkpoint
 
     def __post_init__(self):
+        if self.quant not in (None, "fp8"):
+            raise ValueError(f"DemoOptions.quant must be None or 'fp8', got {self.quant!r}")
+        if self.quant is not None and self.model is not None:
+            raise ValueError("--quant fp8 builds the built-in model in FP8; a --model checkpoint runs in its own format")
         for name in ("batch", "tokens", "prompt_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"DemoOptions.{name} must be an integer >= 1, got {value!r}")
 
 
-def cache_dir() -> Path:
+def cache_dir(name: str = DEMO_NAME) -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "moe-triton" / DEMO_NAME
+    return Path(root) / "moe-triton" / name
 
 
 def build_demo_checkpoint(path: Path) -> Path:
@@ -65,6 +82,34 @@ def build_demo_checkpoint(path: Path) -> Path:
     return path
 
 
+def build_fp8_demo_checkpoint(path: Path, source: Path) -> Path:
+    """`source` (the built-in checkpoint, per-expert Hub layout) as an FP8 checkpoint, once: each linear's
+    weight (the experts' one by one) in e4m3 beside its block `weight_scale_inv`, as DeepSeek-V3 and
+    Qwen3-*-FP8 store them; the router (`mlp.gate`), embeddings, norms and the head as they are."""
+    if (path / "config.json").exists():
+        return path
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ..weights import WeightFormat, quantize_weight
+
+    fmt = WeightFormat.fp8_block(*FP8_BLOCK)
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        if name.endswith("_proj.weight"):  # q/k/v/o, the shared experts' and every expert's gate/up/down
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_weight(tensor, fmt)
+        else:
+            tensors[name] = tensor
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["gate", "lm_head"]}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def _timed(fn):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -75,28 +120,58 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def resolution_line(resolution) -> str:
-    """The demo's line on the experts backend; it says so when auto fell back to the torch reference."""
+def resolution_line(resolution, weight_format=None) -> str:
+    """The demo's lines on the experts: their backend (saying so when auto fell back to the torch
+    reference) and, next to it, the format their weights are held in."""
     line = f"experts backend: {resolution}"
     if resolution.torch_fallback:
         line += "\n  (fallback: the Triton kernels do not run here; the torch reference computes the experts)"
+    if weight_format is not None:
+        line += f"\nexperts format: {weight_format} (on {resolution.backend})"
     return line
 
 
-def run_demo(options: DemoOptions, print_=print) -> int:
-    from transformers import AutoModelForCausalLM
+def _reference(path: Path, dtype, device):
+    """transformers' model on the same checkpoint; an FP8 one dequantized (transformers' own FP8 kernel
+    comes from the Hub at run time, which need not be reachable, and only runs on a GPU)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+    from ..backends import ModelContext
+    from ..backends.quantization import checkpoint_format
+
+    quant = ModelContext.from_config(json_config(path), path).quant_config
+    extra = {}
+    if checkpoint_format(quant).method == "fp8":
+        extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
+
+
+def json_config(path: Path) -> dict:
+    import json
+
+    return json.loads((path / "config.json").read_text())
+
+
+def run_demo(options: DemoOptions, print_=print) -> int:
     from ..models import load_model
     from ..platform import interpreter_enabled
 
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    fp8 = options.quant == "fp8"
     path = options.model or build_demo_checkpoint(cache_dir())
-    # The built-in model is tiny: float32 keeps its greedy tokens comparable with transformers'.
+    if fp8:
+        path = build_fp8_demo_checkpoint(cache_dir(FP8_DEMO_NAME), path)
+    # The built-in model is tiny: float32 keeps its greedy tokens comparable with transformers'. FP8
+    # experts take bf16 on a GPU; on CPU float16, the dtype the interpreter's FP8 kernels run in.
     dtype = torch.float32 if options.model is None or not on_gpu else torch.bfloat16
+    if fp8:
+        dtype = torch.bfloat16 if on_gpu else torch.float16
+    backend = "triton" if fp8 and options.backend == "auto" else options.backend  # FP8 kernels, also on CPU
     where = torch.cuda.get_device_name() if on_gpu else (
         "CPU, Triton kernels in the interpreter (slow, a correctness path)" if interpreter_enabled() else "CPU")
-    print_(f"model: {path}{'  (built-in: RANDOM weights, the tokens mean nothing)' if options.model is None else ''}")
+    built_in = "  (built-in: RANDOM weights, the tokens mean nothing)" if options.model is None else ""
+    print_(f"model: {path}{built_in}{'  FP8: experts on the Triton FP8 kernels' if fp8 else ''}")
     print_(f"device: {where}, dtype {str(dtype).removeprefix('torch.')}")
     steps = 5 if on_gpu and options.graphs and options.overlap else 4
 
@@ -105,10 +180,11 @@ def run_demo(options: DemoOptions, print_=print) -> int:
         sys.stdout.flush()
 
     phase(1, "loading the checkpoint through moe_triton.models")
-    model = load_model(path, dtype=dtype, device=device, backend=options.backend)
+    model = load_model(path, dtype=dtype, device=device, backend=backend)
     model.use_graphs, model.use_overlap = options.graphs and on_gpu, options.overlap and on_gpu
     layer = next(m for m in model.modules() if hasattr(m, "resolution"))
-    print_(resolution_line(layer.resolution))
+    print_(resolution_line(layer.resolution, layer.weight_format))
+    fp8_kernels = layer.weight_format.fp8 is not None and layer.backend != "torch"  # activations rounded to e4m3 too
 
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (options.batch, options.prompt_length), generator=g).to(device)
@@ -121,9 +197,15 @@ def run_demo(options: DemoOptions, print_=print) -> int:
     _, prefill_seconds = _timed(lambda: model.prefill(prompt))
 
     phase(4, "generating the same tokens with transformers, the reference")
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    # FP8 kernels are compared with what the FP8 weights stand for: the dequantized checkpoint, in float32 on CPU
+    reference = _reference(path, torch.float32 if fp8_kernels and not on_gpu else dtype, device)
     expected = reference.generate(prompt, max_new_tokens=options.tokens, do_sample=False)
     match = torch.equal(ours, expected)
+    if fp8_kernels:
+        with torch.no_grad():
+            logits, reference_logits = model.prefill(prompt), reference(prompt).logits.float()
+        error = ((logits - reference_logits).norm() / reference_logits.norm()).item()
+        agree = (ours[:, options.prompt_length:] == expected[:, options.prompt_length:]).float().mean().item()
 
     rows = [("generate", options.batch * options.tokens / seconds, seconds * 1e3)]
     rows.append(("prefill", options.batch * options.prompt_length / prefill_seconds, prefill_seconds * 1e3))
@@ -140,5 +222,12 @@ def run_demo(options: DemoOptions, print_=print) -> int:
     print_(f"{'stage':<24}{'tokens/s':>12}{'ms':>12}")
     for name, rate, ms in rows:
         print_(f"{name:<24}{rate:>12.1f}{ms:>12.2f}")
+    if fp8_kernels:
+        within = error < FP8_LOGITS_TOL
+        print_(f"prefill logits vs transformers on the dequantized checkpoint: relative error {error:.4f} "
+               f"(FP8 bound {FP8_LOGITS_TOL}): {'ok' if within else 'TOO LARGE'}")
+        print_(f"tokens equal to transformers' generate: {agree:.0%} ({options.batch} x {options.tokens} tokens; "
+               "FP8's activation rounding may flip a near tie)")
+        return 0 if within else 1
     print_(f"tokens match transformers' generate: {'yes' if match else 'NO'} ({options.batch} x {options.tokens} tokens)")
     return 0 if match else 1
