@@ -470,3 +470,26 @@ def test_nemotron_h_7688_over_8_ranks_is_961_each_and_padded_sums_to_the_whole()
         assert shard.intermediate_size == 976 and shard.w13_scale.shape == (2, 976)
         total += fused_experts_torch(x, *shard.dequantized(), ids, weights, activation=relu2)
     assert_close(total, fused_experts_torch(x, *whole.dequantized(), ids, weights, activation=relu2), torch.float32, scale=2)
+
+
+# ---- on the GPU (pytest -m gpu; not run in this session) ------------------------------------------
+
+# bf16 everywhere else adds to FP8's activation error: test_models.py allows 3e-2 for bf16 alone.
+GPU_LOGITS_TOL = LOGITS_TOL + 3e-2
+
+
+@pytest.mark.gpu
+def test_fp8_checkpoint_on_the_gpu_matches_transformers_and_decodes_through_graphs(fp8_checkpoint):
+    family, layouts = fp8_checkpoint
+    ours = load_model(layouts["published"], dtype=torch.bfloat16, device="cuda")
+    assert all(layer.backend == "triton" and layer.gate_up_proj.dtype == FP8_DTYPE for layer in moe_layers(ours))
+    reference = dequantized_reference(layouts["published"]).cuda()
+    ids = prompt().cuda()
+    ours.setup(2, 32)
+    with torch.no_grad():
+        assert relative_error(ours.prefill(ids), reference(ids).logits) < GPU_LOGITS_TOL
+    graphed = ours.generate(ids, max_new_tokens=8)
+    assert ours.graphs is not None and ours.graphs.stats.num_graphs > 0
+    ours.use_graphs = False
+    ours.setup(2, 32)
+    assert torch.equal(ours.generate(ids, max_new_tokens=8), graphed)  # graph replay is bit-stable

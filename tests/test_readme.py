@@ -101,6 +101,7 @@ def test_readme_fp8_drop_in_snippet_runs_transformers_fp8_experts_on_our_kernels
     )
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 
     import moe_triton.integrations.transformers as integration
 
@@ -119,10 +120,9 @@ def test_readme_fp8_drop_in_snippet_runs_transformers_fp8_experts_on_our_kernels
         expected = AutoModelForCausalLM.from_pretrained(
             fp8_path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32)(ids).logits
 
-    calls = []
+    calls = []  # the spy is what transformers calls
     real = integration.moe_triton_fp8_experts_forward
-    monkeypatch.setattr(integration, "moe_triton_fp8_experts_forward", lambda *a: calls.append(1) or real(*a))
-    integration.register_experts_implementation()  # re-registered: the spy is what transformers calls
+    monkeypatch.setitem(FP8ExpertsInterface._global_mapping, "moe_triton", lambda *a: calls.append(1) or real(*a))
     for on_fp8_gpu in (False, True):
         scope = {"fp8_path": fp8_path}
         with fp8_quantizer_on_cpu() if on_fp8_gpu else contextlib.nullcontext():
@@ -134,4 +134,3 @@ def test_readme_fp8_drop_in_snippet_runs_transformers_fp8_experts_on_our_kernels
             logits = scope["model"](ids).logits
         assert relative_error(logits, expected) < (0.05 if on_fp8_gpu else 2e-3)
         assert len(calls) == (2 if on_fp8_gpu else 0)  # one call per MoE layer, FP8 only on the FP8 path
-    integration.register_experts_implementation()
