@@ -57,11 +57,11 @@ def _shard_names(index: Path) -> list[str]:
     return sorted(set(names))
 
 
-def fuse_per_expert(tensors: dict[str, torch.Tensor],
-                    checkpoint: CheckpointFormat = CheckpointFormat()) -> dict[str, torch.Tensor]:
+def fuse_per_expert(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat = CheckpointFormat(),
+                    origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Stack per-expert gate/up/down weights into gate_up_proj [E, 2I, H] and down_proj [E, H, I]
     (up_proj [E, I, H] alone for non-gated experts), their FP8 scales into FusedMoE's scale layout
-    (fp8.expert_scales); other tensors pass through."""
+    (fp8.expert_scales); other tensors pass through. `origins` maps names to the checkpoint's, for errors."""
     groups: dict[str, dict[tuple[str, str], dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
     fused = {}
     for name, tensor in tensors.items():
@@ -72,9 +72,10 @@ def fuse_per_expert(tensors: dict[str, torch.Tensor],
             groups[match["prefix"]][match["proj"], match["kind"]][int(match["expert"])] = tensor
     for prefix, parts in groups.items():
         num_experts = max(max(by_expert) for by_expert in parts.values()) + 1  # every projection has them all
-        stack = {key: _stack(prefix, *key, by_expert, num_experts) for key, by_expert in parts.items()}
+        stack = {key: _stack(prefix, *key, by_expert, num_experts, origins or {}) for key, by_expert in parts.items()}
         weights = {proj: stack.pop((proj, kind)) for proj, kind in list(stack) if kind == "weight"}
-        fused.update(fp8.expert_scales(prefix, stack, {proj: w.shape[1:] for proj, w in weights.items()}, checkpoint))
+        shapes = {proj: w.shape[1:] for proj, w in weights.items()}
+        fused.update(fp8.expert_scales(prefix, stack, shapes, checkpoint, origins or {}))
         if "gate_proj" in weights:
             if "up_proj" not in weights:
                 raise ValueError(f"{prefix}: gate_proj weights without up_proj weights")
@@ -88,15 +89,21 @@ def fuse_per_expert(tensors: dict[str, torch.Tensor],
     return fused
 
 
-def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor], num_experts: int) -> torch.Tensor:
+def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor], num_experts: int,
+           origins: dict[str, str]) -> torch.Tensor:
+    first = min(by_expert)
+    known = origins.get(f"{prefix}.{first}.{proj}.{kind}", f"{prefix}.{first}.{proj}.{kind}")
+
+    def name(e: int) -> str:  # as the checkpoint names it (MiniMax: block_sparse_moe.experts.N.w1...)
+        return known.replace(f"experts.{first}.", f"experts.{e}.", 1)
+
     missing = sorted(set(range(num_experts)) - set(by_expert))
     if missing:
-        raise ValueError(f"missing tensor {prefix}.{missing[0]}.{proj}.{kind}")
-    first = by_expert[0]
+        raise ValueError(f"missing tensor {name(missing[0])}")
     for e, tensor in sorted(by_expert.items()):
-        if tensor.shape != first.shape or tensor.dtype != first.dtype:
-            raise ValueError(f"tensor {prefix}.{e}.{proj}.{kind} has shape {tuple(tensor.shape)} ({tensor.dtype}); "
-                             f"{prefix}.0.{proj}.{kind} has {tuple(first.shape)} ({first.dtype})")
+        if tensor.shape != by_expert[0].shape or tensor.dtype != by_expert[0].dtype:
+            raise ValueError(f"tensor {name(e)} has shape {tuple(tensor.shape)} ({tensor.dtype}); "
+                             f"{name(0)} has {tuple(by_expert[0].shape)} ({by_expert[0].dtype})")
     return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
@@ -120,7 +127,7 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
     origins = {renamed(renamed(name, renames), renames): name for name in tensors}  # for errors: the checkpoint's names
-    tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint), renames)
+    tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint, origins), renames)
     tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint, dtype, origins)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     for name, module in model.named_modules():

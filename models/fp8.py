@@ -29,16 +29,17 @@ _KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
 def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor], weights: dict[str, torch.Size],
-                  checkpoint: CheckpointFormat) -> dict[str, torch.Tensor]:
+                  checkpoint: CheckpointFormat, origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Per-expert scales stacked over experts, {(proj, kind): [E, ...]}, of the experts under `prefix`
     whose per-expert weights have `weights[proj]` = (N, C) -> FusedMoE's `{prefix}.gate_up_proj_scale`
     (`up_proj_scale` when non-gated), `{prefix}.down_proj_scale` and `{prefix}.input_scale`, in float32.
-    Scales the checkpoint's format does not name are returned as they are (the loader then names them)."""
-    fmt, kind = checkpoint.experts, checkpoint.weight_scale
+    Scales the checkpoint's format does not name are returned as they are (the loader then names them);
+    errors name the checkpoint's tensors (`origins`: name -> the checkpoint's name)."""
+    fmt, kind, origins = checkpoint.experts, checkpoint.weight_scale, origins or {}
     if fmt.fp8 is None or not any(k == kind for _, k in scales):
         return {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items()}
     out = {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items() if k not in (kind, INPUT_SCALE)}
-    per_proj = {proj: _checked(prefix, proj, kind, scales.get((proj, kind)), weights[proj], checkpoint)
+    per_proj = {proj: _checked(prefix, proj, kind, scales.get((proj, kind)), weights[proj], checkpoint, origins)
                 for proj in weights}
     gated = "gate_proj" in per_proj
     halves = [per_proj[p] for p in (("gate_proj", "up_proj") if gated else ("up_proj",))]
@@ -53,16 +54,17 @@ def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor], weig
     out[f"{prefix}.{'gate_up_proj' if gated else 'up_proj'}_scale"] = w13_scale
     out[f"{prefix}.down_proj_scale"] = w2_scale
     if fmt.static_input:
-        inputs = [_checked(prefix, proj, INPUT_SCALE, scales.get((proj, INPUT_SCALE)), None, checkpoint)
+        inputs = [_checked(prefix, proj, INPUT_SCALE, scales.get((proj, INPUT_SCALE)), None, checkpoint, origins)
                   for proj in (("gate_proj", "up_proj") if gated else ("up_proj",))]
         out[f"{prefix}.input_scale"] = torch.stack([s.max() for s in inputs]).max().reshape(1)
     return out
 
 
 def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weight: torch.Size | None,
-             checkpoint: CheckpointFormat) -> torch.Tensor:
+             checkpoint: CheckpointFormat, origins: dict[str, str]) -> torch.Tensor:
     """A stacked per-expert scale [E, ...], checked against its weight's (N, C) and returned in float32."""
-    name, fmt = f"{prefix}.0.{proj}.{kind}", checkpoint.experts
+    weight_name = origins.get(f"{prefix}.0.{proj}.weight", f"{prefix}.0.{proj}.weight")
+    name, fmt = weight_name.removesuffix("weight") + kind, checkpoint.experts  # as the checkpoint names it
     if weight is None:  # an input scale: one per expert
         expected = [(), (1,)]
     elif fmt.block is not None:
@@ -71,7 +73,7 @@ def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weig
         expected = [(weight[0], 1), (weight[0],)] if fmt.fp8 is Fp8Scaling.CHANNEL else [(), (1,)]
     if scale is None:
         raise ValueError(f"missing tensor {name}: {fmt} experts ({checkpoint.method}) need it beside "
-                         f"{prefix}.0.{proj}.weight, shape {' or '.join(map(str, expected))}")
+                         f"{weight_name}, shape {' or '.join(map(str, expected))}")
     if tuple(scale.shape[1:]) not in expected or not scale.dtype.is_floating_point:
         raise ValueError(f"tensor {name} is a {scale.dtype} tensor of shape {tuple(scale.shape[1:])}; {fmt} experts "
                          f"({checkpoint.method}) expect a float scale of shape {' or '.join(map(str, expected))}"

@@ -236,6 +236,20 @@ def test_bad_fp8_checkpoints_name_the_tensor(qwen3_fp8, tmp_path, edit, match):
         load_model(edited(qwen3_fp8, tmp_path, edit))
 
 
+@pytest.mark.parametrize("edit,match", [
+    (lambda s: s.pop("model.layers.0.block_sparse_moe.experts.1.w3.weight_scale_inv"),
+     r"missing tensor model\.layers\.0\.block_sparse_moe\.experts\.1\.w3\.weight_scale_inv$"),
+    (lambda s: [s.pop(k) for k in list(s) if re.search(r"layers\.0\..*w3\.weight_scale_inv", k)],
+     r"missing tensor model\.layers\.0\.block_sparse_moe\.experts\.0\.w3\.weight_scale_inv: .* beside "
+     r"model\.layers\.0\.block_sparse_moe\.experts\.0\.w3\.weight, shape \(1, 1\)"),
+], ids=["one-expert", "every-expert"])
+def test_errors_name_the_checkpoint_s_own_tensors(tmp_path_factory, tmp_path, edit, match):
+    """MiniMax-M2's experts are w1 / w3 / w2 under block_sparse_moe: the loader's messages say so."""
+    layouts = build_fp8_checkpoint("minimax_m2", tmp_path_factory.mktemp("minimax-fp8"))
+    with pytest.raises(ValueError, match=match):
+        load_model(edited(layouts, tmp_path, edit))
+
+
 def test_a_fused_gate_up_grid_that_cannot_be_split_is_refused(tmp_path):
     """I = 48 with 32-row blocks: transformers quantizes the fused [gate; up] (96 rows) in three block rows,
     the middle one holding gate rows 32..47 and up rows 0..15 under one scale."""
