@@ -98,6 +98,8 @@ class StaticKVCache:
         shape = (max_batch + 1, num_kv_heads, max_seq, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        for tensor in self.keys + self.values:  # a compiled step (reduce-overhead) may write them in place, in its graph
+            torch._dynamo.mark_static_address(tensor)
         self.max_batch, self.max_seq = max_batch, max_seq
 
     @property

@@ -37,9 +37,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormalize=True), seed=0):
-    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, weight_format=fmt, dtype=torch.float16,
-                     shared_experts=torch.nn.Linear(H, H).half() if shared else None,
+def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormalize=True), seed=0, device="cpu"):
+    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, weight_format=fmt, dtype=torch.float16, device=device,
+                     shared_experts=torch.nn.Linear(H, H, device=device).half() if shared else None,
                      shared_combination=SharedCombination.AVERAGE, placement=Placement("triton"))
     g = torch.Generator().manual_seed(seed)
     native = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5)
@@ -86,7 +86,7 @@ def test_layer_compiles_into_one_graph_for_every_token_count(variant):
 def test_inductor_and_reduce_overhead_compile_the_layer_on_the_gpu():
     """Inductor's own codegen around our ops (on CPU it costs ~40 s of C++ compile: the GPU run has it),
     and mode="reduce-overhead" (CUDA graphs through compile)."""
-    layer = make_layer(shared=True).cuda()
+    layer = make_layer(shared=True, device="cuda")
     batches = [x.cuda() for x in token_batches()]
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
