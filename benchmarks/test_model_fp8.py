@@ -13,7 +13,7 @@ E (1 - (1 - K/E)^batch) of them, with their scales; the LM head) plus the KV cac
 reads (SDPA over the whole static cache row: max_seq positions of every sequence, K and V).
 Targets (issue 14): FP8 step <= 0.6x the bf16 step at batch 1, and <= 1.3x its own floor.
 
-Written without a GPU: NOT RUN yet, no results are claimed. Run on the H200:
+Results (H200): docs/PERFORMANCE.md, "FP8 checkpoints: a real-size decode step". Run on the H200:
     python -m pytest benchmarks/test_model_fp8.py -m gpu --benchmark-only --bench-table fp8-model.md
 """
 import gc
