@@ -486,7 +486,7 @@ def test_nemotron_h_7688_over_8_ranks_is_961_each_and_padded_sums_to_the_whole()
     assert_close(total, fused_experts_torch(x, *whole.dequantized(), ids, weights, activation=relu2), torch.float32, scale=2)
 
 
-# ---- on the GPU (pytest -m gpu; not run in this session) ------------------------------------------
+# ---- on the GPU (pytest -m gpu) -------------------------------------------------------------------
 
 # bf16 everywhere else adds to FP8's activation error: test_models.py allows 3e-2 for bf16 alone.
 GPU_LOGITS_TOL = LOGITS_TOL + 3e-2
@@ -507,3 +507,21 @@ def test_fp8_checkpoint_on_the_gpu_matches_transformers_and_decodes_through_grap
     ours.use_graphs = False
     ours.setup(2, 32)
     assert torch.equal(ours.generate(ids, max_new_tokens=8), graphed)  # graph replay is bit-stable
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("multiple", [1, 16], ids=["I961", "I961-padded-to-976"])
+def test_nemotron_h_modelopt_fp8_on_the_gpu_padded_or_not(nemotron_961, monkeypatch, multiple):
+    """The ModelOpt per-tensor block on the Triton FP8 kernels in bf16 (static input scale), as loaded
+    and padded for a 16-aligned backend (a Triton stand-in with that multiple), against transformers."""
+    from dataclasses import replace
+
+    from moe_triton.backends import SPECS
+
+    monkeypatch.setitem(SPECS, "triton_pad", replace(SPECS["triton"], backend="triton_pad", intermediate_multiple=multiple))
+    config, tensors, x, expected = nemotron_961
+    with torch.device("cuda"):
+        ours = nemotron_fp8_block(config, tensors, "triton_pad", torch.bfloat16)
+    assert ours.gate_up_proj.shape == (4, 976 if multiple == 16 else 961, 32) and ours.gate_up_proj.is_cuda
+    with torch.no_grad():
+        assert relative_error(ours(x.cuda().bfloat16()).float().cpu(), expected) < GPU_LOGITS_TOL
