@@ -37,9 +37,10 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormalize=True), seed=0, device="cpu"):
-    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, weight_format=fmt, dtype=torch.float16, device=device,
-                     shared_experts=torch.nn.Linear(H, H, device=device).half() if shared else None,
+def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormalize=True), seed=0, device="cpu",
+               dtype=torch.float16):
+    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, weight_format=fmt, dtype=dtype, device=device,
+                     shared_experts=torch.nn.Linear(H, H, device=device).to(dtype) if shared else None,
                      shared_combination=SharedCombination.AVERAGE, placement=Placement("triton"))
     g = torch.Generator().manual_seed(seed)
     native = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5)
@@ -56,9 +57,9 @@ def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormal
     return layer
 
 
-def token_batches():
+def token_batches(device="cpu", dtype=torch.float16):
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(T, H, generator=g).half() for T in TOKENS]
+    batches = [torch.randn(T, H, generator=g).to(device, dtype) for T in TOKENS]
     for x in batches:  # the token count is a dynamic size, 1 included (no 0/1 specialisation)
         torch._dynamo.decorators.mark_unbacked(x, 0)
     return batches
@@ -83,18 +84,51 @@ def test_layer_compiles_into_one_graph_for_every_token_count(variant):
 
 
 @pytest.mark.gpu
-def test_inductor_and_reduce_overhead_compile_the_layer_on_the_gpu():
-    """Inductor's own codegen around our ops (on CPU it costs ~40 s of C++ compile: the GPU run has it),
-    and mode="reduce-overhead" (CUDA graphs through compile)."""
-    layer = make_layer(shared=True, device="cuda")
-    batches = [x.cuda() for x in token_batches()]
-    for mode in ("default", "reduce-overhead"):
-        torch._dynamo.reset()
-        compiled = torch.compile(layer, fullgraph=True, mode=mode)
-        with torch.no_grad():
-            for _ in range(3):  # reduce-overhead records its graph on a later call
-                for x in batches:
-                    assert_close(compiled(x), layer(x).float(), torch.float16)
+def test_the_layer_compiles_exports_and_runs_reduce_overhead_on_the_gpu_in_bf16():
+    """The CPU checks again on the H200, in bf16 (refused under the interpreter) and with inductor's own
+    codegen (on CPU it costs ~40 s of C++ compile): one graph, one compilation over T in {1, 3, 17},
+    export; then mode="reduce-overhead" (CUDA graphs through compile)."""
+    layer = make_layer(shared=True, device="cuda", dtype=torch.bfloat16)
+    batches = token_batches("cuda", torch.bfloat16)
+    explanation = torch._dynamo.explain(layer)(batches[1])
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        for x in batches:
+            assert_close(compiled(x), layer(x).float(), torch.bfloat16)  # inductor may fuse the shared expert
+    assert counters["stats"]["unique_graphs"] == 1
+    program = torch.export.export(layer, (batches[2],), dynamic_shapes=({0: torch.export.Dim("T")},))
+    torch._dynamo.reset()
+    overhead = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for x in batches:
+            assert torch.equal(program.module()(x), layer(x))
+        for _ in range(3):  # reduce-overhead records its graph on a later call
+            for x in batches:
+                assert_close(overhead(x), layer(x).float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_transformers_model_with_moe_triton_experts_compiles_on_the_gpu_in_bf16(tmp_path):
+    from helpers import all_sparse_qwen3_moe_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    path = all_sparse_qwen3_moe_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton", dtype=torch.bfloat16,
+                                                 device_map="cuda").eval()
+    forward = lambda i: model(i, use_cache=False).logits  # noqa: E731
+    explanation = torch._dynamo.explain(forward)(torch.randint(0, 97, (1, 7), device="cuda"))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(forward, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for length in (1, 3, 17):
+            ids = torch.randint(0, 97, (2, length), device="cuda", generator=torch.Generator("cuda").manual_seed(length))
+            assert_close(compiled(ids), forward(ids).float(), torch.bfloat16, scale=2)  # two layers of bf16
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_functional_entry_points_compile():
