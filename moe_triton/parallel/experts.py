@@ -1,8 +1,9 @@
 """The experts of one MoE layer across ranks: EP dispatch/combine and TP partial sums around a local pipeline.
 
     x [T, H], global ids [T, K], weights [T, K]           (routing ran on this rank, replicated router)
-      -> ALL_TO_ALL EP: dispatch -> local experts -> combine      (all_to_all.py)
-         otherwise:     localize ids -> local experts             (shard.py; TP and REPLICATED EP)
+      -> ALL_TO_ALL EP, eager:     dispatch -> local experts -> combine           (all_to_all.py)
+         ALL_TO_ALL EP, capturing: dispatch_gathered -> local experts -> combine_gathered
+         otherwise:                localize ids -> local experts        (shard.py; TP and REPLICATED EP)
       -> post-experts reduction: none / all-reduce / reduce-scatter  (spec.post_experts_reduction)
 
 The local pipeline is any function with fused_experts' signature (the resolver's pick for the
@@ -18,9 +19,10 @@ from torch import nn
 
 from ..activation import SILU_AND_MUL, Activation
 from ..fused_moe import run_experts
+from ..graphs.capture import is_capture_mode
 from ..reference import fused_experts_torch
 from ..weights import ExpertWeights
-from .all_to_all import combine, dispatch
+from .all_to_all import combine, combine_gathered, dispatch, dispatch_gathered
 from .groups import ParallelGroups, reduce_partials
 from .shard import compact_slots, local_sizes, localize_ids, shard_experts
 from .spec import post_experts_reduction
@@ -54,6 +56,8 @@ def parallel_experts(
     topk_ids (T, K) hold global ids, those outside [0, E) filtered. `experts` runs the local
     pipeline, e.g. `functools.partial(run_experts, activation=...)` or a runner's `experts`.
     A collective over `groups`: every rank calls it, with T = 0 where it has no tokens.
+    Under all-to-all EP, a CUDA-graph capture (graphs' capture mode) takes the gathered dispatch,
+    which needs the same T on every EP rank and reads nothing on the host (all_to_all.py).
     """
     if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
         raise ValueError(f"hidden_states must be (T, H) and topk_ids (T, K) with the same T, "
@@ -63,7 +67,13 @@ def parallel_experts(
                          f"got {tuple(topk_weights.shape)}")
     spec = groups.spec
     num_local = weights.num_experts
-    if spec.all_to_all:
+    if spec.all_to_all and is_capture_mode():  # fixed shapes, no host read: the decode graphs' way
+        sent = dispatch_gathered(hidden_states, topk_ids, topk_weights, groups.ep)
+        ids = localize_ids(sent.topk_ids, groups.ep_rank * num_local, num_local)  # [W * T, K]
+        ids, slot_weights = compact_slots(ids, sent.topk_weights, num_local)  # [W * T, min(K, E/ep)]
+        y = experts(sent.hidden_states, weights, ids, slot_weights)  # [W * T, H], this rank's experts only
+        out = combine_gathered(y, groups.ep)  # [T, H], summed over EP
+    elif spec.all_to_all:
         sent = dispatch(hidden_states, topk_ids, topk_weights, num_local, groups.ep)
         ids, slot_weights = compact_slots(sent.topk_ids, sent.topk_weights, num_local)  # [Tr, min(K, E/ep)]
         y = experts(sent.hidden_states, weights, ids, slot_weights)  # [Tr, H]

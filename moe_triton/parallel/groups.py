@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .spec import Collective, ParallelSpec, ReduceOver, Reduction
 
 # torch 2.13 renamed reduce_scatter_tensor (now deprecated); torch 2.11, on the H200 image, has only the old name.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -77,5 +77,5 @@ def _reduce_scatter_rows(out: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     if chunk * size != num_tokens:  # the collective needs equal chunks: pad with zero rows, dropped below
         out = F.pad(out, (0, 0, 0, chunk * size - num_tokens))  # [W * chunk, H]
     mine = out.new_empty(chunk, hidden)  # [chunk, H]
-    _reduce_scatter(mine, out.contiguous(), group=group)
+    reduce_scatter_single(mine, out.contiguous(), group=group)
     return mine[: len(scattered_rows(num_tokens, size, index))]  # [<= chunk, H]
