@@ -50,6 +50,9 @@ class GraphConfig:
     warmup_runs: int = 2  # eager runs per bucket before its capture (compiles, settles the allocator)
     copy_output: bool = True  # return a copy; False returns a view the next replay overwrites
     show_progress: bool = True
+    # The step holds a collective whose peers run their own copy of it (expert-parallel dispatch):
+    # every call replays the largest bucket, with no rows too, so each rank's graph meets its peers'.
+    lockstep: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,14 +123,21 @@ class DecodeGraphRunner:
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's output for this batch: replayed from the bucket's graph, or eager when the
         batch is larger than every bucket or graphs are off. A batch of 0 launches nothing once
-        graphs exist (an empty output of the captured shape); before that it runs the step."""
+        graphs exist (an empty output of the captured shape); before that it runs the step.
+        Lockstep: always the largest bucket's graph, a batch of 0 included; a larger batch is an error."""
         batch_size = self._check(inputs)
-        bucket = bucket_for(batch_size, tuple(self.graphs))
-        if batch_size == 0 and self.graphs:
-            template = next(iter(self.graphs.values()))[1]
-            return template.new_empty((0, *template.shape[1:]))
-        if bucket is None or batch_size == 0:
-            return self.step(inputs)
+        if self.config.lockstep and self.graphs:
+            bucket = max(self.graphs)
+            if batch_size > bucket:  # an eager step here would leave the peers waiting inside their graphs
+                raise ValueError(f"a batch of {batch_size} is larger than the {bucket} rows captured for this "
+                                 "lockstep (expert-parallel) step: call setup() with a larger max_batch on every rank")
+        else:
+            bucket = bucket_for(batch_size, tuple(self.graphs))
+            if batch_size == 0 and self.graphs:
+                template = next(iter(self.graphs.values()))[1]
+                return template.new_empty((0, *template.shape[1:]))
+            if bucket is None or batch_size == 0:
+                return self.step(inputs)
         for name, value in inputs.items():
             buffer = self.static[name]
             buffer[:batch_size].copy_(value)

@@ -88,20 +88,24 @@ class CausalLM(nn.Module):
 
     def setup(self, max_batch: int, max_seq: int, batch_sizes: tuple[int, ...] | None = None) -> None:
         """Allocate the KV cache and, on CUDA, capture the decode graphs for batches up to max_batch
-        (the serving engines' buckets, or `batch_sizes`)."""
+        (the serving engines' buckets, or `batch_sizes`). Under all-to-all expert parallelism every
+        rank must call it with the same max_batch: one graph of max_batch rows, replayed in lockstep."""
         parameter = next(self.parameters())
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq, config.num_key_value_heads, head_dim,
                                    parameter.dtype, parameter.device)
         self.graphs = None
-        # Expert-parallel all-to-all reads split sizes on the host: such a model decodes eagerly.
-        capturable = all(layer.runner.graph_capturable for layer in self.modules() if isinstance(layer, FusedMoE))
+        runners = [layer.runner for layer in self.modules() if isinstance(layer, FusedMoE)]
+        capturable = all(runner.graph_capturable for runner in runners)
+        # Expert-parallel ranks decode their own sequences, but their graphs hold a dispatch to each
+        # other: one bucket (max_batch, the same on every rank), replayed by every rank at every step.
+        lockstep = any(runner.lockstep for runner in runners)
         if self.use_graphs and capturable and parameter.device.type == "cuda":
             inputs = {"token_ids": StaticInput(), "positions": StaticInput(),
                       "slots": StaticInput(pad_value=self.cache.dummy_slot)}
-            self.graphs = DecodeGraphRunner(self.decode_step, inputs,
-                                            GraphConfig(batch_sizes=batch_sizes or default_batch_sizes(max_batch)))
+            sizes = (max_batch,) if lockstep else batch_sizes or default_batch_sizes(max_batch)
+            self.graphs = DecodeGraphRunner(self.decode_step, inputs, GraphConfig(batch_sizes=sizes, lockstep=lockstep))
             self.graphs.capture()
 
     @torch.no_grad()

@@ -59,6 +59,7 @@ class ExpertsRunner:
     """Our routing kernel, then `experts`; a backend overrides what it does differently."""
 
     graph_capturable = True  # the whole forward can be captured in a CUDA graph
+    lockstep = False  # its forward holds collectives that peers with other tokens must join in the same call
 
     def __init__(self, spec: BackendSpec, layer: LayerTraits, context: ModelContext):
         self.spec, self.layer, self.context = spec, layer, context
@@ -117,14 +118,16 @@ class TorchRunner(ExpertsRunner):
 
 class ParallelRunner(ExpertsRunner):
     """A backend's runner on this rank's shard, inside moe_triton.parallel's dispatch and reductions.
-    Not compile-safe: the all-to-all dispatch reads split sizes on the host, and the collectives
-    have not been traced; torch.compile / torch.export of a sharded layer fails, saying so."""
+    Not compile-safe: the eager all-to-all dispatch reads split sizes on the host, and the
+    collectives have not been traced; torch.compile / torch.export of a sharded layer fails, saying so.
+    Graph-capturable: inside a capture the all-to-all dispatch takes its gathered, fixed-capacity
+    form (parallel/all_to_all.py); its EP ranks, each with its own tokens, must then step in lockstep."""
 
     def __init__(self, local: ExpertsRunner, groups: ParallelGroups):
         super().__init__(local.spec, local.layer, local.context)
         self.local, self.groups = local, groups
-        # all-to-all dispatch reads split sizes on the host: that mode cannot be captured
-        self.graph_capturable = local.graph_capturable and not groups.spec.all_to_all
+        self.graph_capturable = local.graph_capturable
+        self.lockstep = groups.spec.all_to_all
 
     def prepare(self, weights):
         return self.local.prepare(weights)
