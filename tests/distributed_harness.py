@@ -42,6 +42,7 @@ from moe_triton import (  # noqa: E402
     route,
     run_experts,
 )
+from moe_triton.graphs import capture_mode  # noqa: E402
 from moe_triton.parallel import (  # noqa: E402
     Collective,
     ParallelExperts,
@@ -78,6 +79,8 @@ class Case:
     module: str = "experts"  # what runs sharded: "experts" (ParallelExperts), "fused_moe", "model"
     checkpoint: str | None = None  # module="model": a checkpoint directory; tokens are then prompt lengths
     weight_format: WeightFormat = NATIVE  # module="fused_moe": the experts quantized to this format
+    captured: bool = False  # run in graphs' capture mode (all-to-all EP: the gathered dispatch); on CUDA also
+    #                         capture it in a CUDA graph and replay. Unequal tokens: the ValueError is checked
 
     def __str__(self):
         s = self.spec
@@ -85,7 +88,7 @@ class Case:
                  "T" + "-".join(map(str, self.tokens)), f"E{self.num_experts}K{self.top_k}",
                  str(self.dtype).removeprefix("torch."), self.backend, self.activation.kind.name.lower(),
                  "filtered" if self.filtered else "", "huge" if self.huge else "",
-                 self.module if self.module != "experts" else "",
+                 self.module if self.module != "experts" else "", "captured" if self.captured else "",
                  str(self.weight_format).split(",")[1].strip().replace(" ", "-") if self.weight_format.fp8 else ""]
         return "-".join(p for p in parts if p)
 
@@ -131,8 +134,9 @@ def run_case(case: Case, groups, device: torch.device) -> None:
     local = run_experts if case.backend == "triton" else torch_experts
     experts = partial(local, activation=case.activation)
     layer = ParallelExperts.from_full(w13, w2, groups, activation=case.activation, experts=experts, device=device)
-    with torch.inference_mode():
-        out = layer(x, topk_ids, topk_weights)
+    out = _call(case, lambda: layer(x, topk_ids, topk_weights))
+    if out is None:
+        return
     reduction = post_experts_reduction(case.spec)
     if reduction.collective is Collective.REDUCE_SCATTER:
         group = groups.group(reduction.over)
@@ -177,10 +181,43 @@ def run_fused_moe_case(case: Case, groups, device: torch.device) -> None:
     lead = block_lead(case.weight_format, case.intermediate, case.spec, groups.rank)
     assert sharded.down_proj.shape[2] == case.intermediate // case.spec.tp_size + lead
     x = _tokens(case, groups.ep_rank, device)  # [T, H]
+    out = _call(case, lambda: sharded(x))
+    if out is None:
+        return
     with torch.inference_mode():
-        out, ref = sharded(x), full(x)
+        ref = full(x)
     assert out.dtype == case.dtype
     _compare(out, ref.float(), case.dtype)
+
+
+def _call(case: Case, forward):
+    """forward() under inference mode; a captured case runs it in capture mode, and on CUDA also
+    replays it from a CUDA graph (which must equal the eager call bit for bit). None when the case
+    expects the gathered dispatch's ValueError (unequal tokens per rank) and every rank got it."""
+    with torch.inference_mode():
+        if not case.captured:
+            return forward()
+        with capture_mode():
+            try:
+                eager = forward()  # outside a capture: the rows-per-rank rule is checked here
+            except ValueError as error:
+                assert len(set(case.tokens)) > 1 and "same number of rows on every EP rank" in str(error), error
+                return None
+            assert len(set(case.tokens)) == 1, "unequal rows per EP rank must be refused"
+            if not eager.is_cuda:
+                return eager
+            side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                forward()
+            current.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = forward()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), "the replayed graph differs from the eager gathered call"
+        return captured
 
 
 def run_model_case(case: Case, groups, device: torch.device) -> None:
@@ -195,7 +232,9 @@ def run_model_case(case: Case, groups, device: torch.device) -> None:
     prompt = torch.randint(0, model.config.vocab_size, (2, case.tokens[group]), generator=g).to(device)
     for lm in (model, whole):
         lm.setup(max_batch=2, max_seq=32)
-    assert (model.graphs is not None) == (device.type == "cuda" and not case.spec.all_to_all)
+    assert (model.graphs is not None) == (device.type == "cuda")  # all-to-all EP too: gathered, in lockstep
+    if model.graphs is not None:
+        assert model.graphs.config.lockstep == case.spec.all_to_all
     with torch.inference_mode():
         _compare(model.prefill(prompt), whole.prefill(prompt).float(), case.dtype)
     assert torch.equal(model.generate(prompt, max_new_tokens=5), whole.generate(prompt, max_new_tokens=5))

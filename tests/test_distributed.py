@@ -328,6 +328,24 @@ CASES[2] += [
     Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (4,), intermediate=64, activation=RELU2,
          weight_format=WeightFormat.fp8_tensor(static_input=True), **FP8_LAYER),
 ]
+# The gathered EP dispatch (decode graphs: a fixed capacity, nothing read on the host), run in graphs'
+# capture mode: every EP rank the same rows, all-padding ranks (0 rows) and filtered ids included;
+# unequal rows must be a ValueError on every rank (checked before any payload moves), never a hang.
+CAPTURED = dict(captured=True)
+CASES[2] += [
+    Case(ParallelSpec(ep_size=2), (5, 5), **CAPTURED),
+    Case(ParallelSpec(ep_size=2), (0, 0), **CAPTURED),
+    Case(ParallelSpec(ep_size=2), (6, 6), filtered=True, **CAPTURED),
+    Case(ParallelSpec(ep_size=2), (3, 3), num_experts=4, top_k=3, **CAPTURED),  # K > E/ep
+    Case(ParallelSpec(ep_size=2), (4, 4), **HUGE, **CAPTURED),
+    Case(ParallelSpec(ep_size=2), (5, 3), **CAPTURED),  # refused
+    Case(ParallelSpec(ep_size=2), (4, 4), module="fused_moe", hidden=24, intermediate=12, **CAPTURED),
+]
+CASES[4] += [
+    Case(ParallelSpec(ep_size=4), (3, 3, 3, 3), top_k=4, filtered=True, backend="torch", **CAPTURED),
+    Case(ParallelSpec(ep_size=2, tp_size=2), (4, 4), **CAPTURED),
+    Case(ParallelSpec(ep_size=4), (2, 2, 0, 2), **CAPTURED),  # refused
+]
 MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)], 4: [ParallelSpec(ep_size=2, tp_size=2)]}
 
 
@@ -440,6 +458,13 @@ NCCL_CASES = {
         Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (8,), **NCCL_HUGE),
         Case(ParallelSpec(tp_size=2), (64,), module="fused_moe", **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2), (300, 0), module="fused_moe", **NCCL_SHAPE),
+        # the gathered dispatch, captured in a CUDA graph with NCCL inside and replayed (bit-equal to eager)
+        Case(ParallelSpec(ep_size=2), (64, 64), captured=True, **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (1, 1), captured=True, **dict(NCCL_SHAPE, num_experts=8, top_k=8)),
+        Case(ParallelSpec(ep_size=2), (8, 8), filtered=True, captured=True, **NCCL_SHAPE),
+        Case(ParallelSpec(ep_size=2), (8, 8), captured=True, **NCCL_HUGE),
+        Case(ParallelSpec(ep_size=2), (37, 5), captured=True, **NCCL_SHAPE),  # refused
+        Case(ParallelSpec(ep_size=2), (16, 16), module="fused_moe", captured=True, **NCCL_SHAPE),
     ],
     4: [
         Case(ParallelSpec(tp_size=4), (32,), **NCCL_SHAPE),
@@ -447,6 +472,7 @@ NCCL_CASES = {
         Case(ParallelSpec(ep_size=2, tp_size=2), (256, 0), **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2, tp_size=2, dispatch=REPLICATED), (64,), **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2, tp_size=2), (8, 8), **NCCL_HUGE),
+        Case(ParallelSpec(ep_size=4), (16, 16, 16, 16), captured=True, **NCCL_SHAPE),
     ],
 }
 
@@ -467,8 +493,9 @@ def test_parallel_experts_match_the_reference_nccl(nccl_pools, world_size, case)
     nccl_pools(world_size).run(case)
 
 
-# A whole model with parallel=, float32 (greedy tokens must match exactly): TP decodes through CUDA
-# graphs with the NCCL all-reduce captured; all-to-all EP decodes eagerly (host-side split sizes).
+# A whole model with parallel=, float32 (greedy tokens must match exactly), decoding through CUDA
+# graphs: TP with the NCCL all-reduce captured, all-to-all EP with the gathered dispatch captured
+# (one bucket, every rank replaying it in lockstep, each rank its own prompt).
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("spec", [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)],

@@ -120,6 +120,28 @@ def test_replay_equals_eager_for_every_bucket_and_padded_batch():
 
 
 @pytest.mark.gpu
+def test_a_lockstep_runner_replays_its_one_bucket_for_every_batch_and_refuses_a_larger_one():
+    """Expert-parallel ranks replay the same graph at every step, also with no rows of their own."""
+    calls = []
+    step = moe_stack_step()
+    counted = lambda inputs: calls.append(len(inputs["token_ids"])) or step(inputs)  # noqa: E731
+    runner = DecodeGraphRunner(counted, {"token_ids": StaticInput()},
+                               GraphConfig(batch_sizes=(8,), lockstep=True, show_progress=False))
+    runner.capture()
+    captured_calls = len(calls)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for batch in (0, 1, 5, 8):
+        ids = torch.randint(0, 512, (batch,), device="cuda", generator=g)
+        out = runner({"token_ids": ids})
+        assert out.shape == (batch, 256)
+        if batch:
+            assert_close(out, step({"token_ids": ids}), torch.bfloat16)
+    assert len(calls) == captured_calls  # every batch, 0 included, was a replay: the step never ran eagerly
+    with pytest.raises(ValueError, match="larger than the 8 rows captured for this lockstep"):
+        runner({"token_ids": torch.zeros(9, dtype=torch.int64, device="cuda")})
+
+
+@pytest.mark.gpu
 def test_back_to_back_replays_hold_no_stale_state():
     step = moe_stack_step()
     runner = DecodeGraphRunner(step, {"token_ids": StaticInput()}, GraphConfig(batch_sizes=(8,), show_progress=False))
