@@ -8,9 +8,12 @@ timed phase by phase, from the same public pieces `parallel_experts` composes:
     dispatch (sizes + all-to-all, with its host sync) -> experts (local pipeline) -> combine -> reduce
 
 then end to end through `parallel_experts` itself, and beside it one GPU running the full layer on
-this rank's tokens. Times are medians of each rank, then the slowest rank (the layer waits for it).
-Bytes are what one rank sends; `comm GB/s` is those bytes over the communication time. `experts
-TFLOP/s` counts the rank's routed pairs: 2 * pairs * 3 * H * I/tp.
+this rank's tokens. A second table, at decode sizes, replays CUDA graphs captured in graphs'
+capture mode (all-to-all EP then takes its gathered, capture-safe dispatch): the whole EP layer,
+its dispatch + combine alone, and the TP layer on the same tokens, for issue 19's targets (EP layer
+<= 1.2x TP, dispatch + combine <= 100 µs at <= 64 tokens per rank). Times are medians of each
+rank, then the slowest rank (the layer waits for it). Bytes are what one rank sends; `comm GB/s`
+is those bytes over the communication time. `experts TFLOP/s` counts the rank's routed pairs: 2 * pairs * 3 * H * I/tp.
 
 Without CUDA (a smoke test of this script) it runs on gloo with a tiny float32 shape and the
 torch reference as local experts: Triton's interpreter gets bf16 dots wrong.
@@ -37,12 +40,15 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 from moe_triton import ExpertWeights, fused_experts  # noqa: E402
+from moe_triton.graphs import capture_mode  # noqa: E402
 from moe_triton.parallel import (  # noqa: E402
     ParallelSpec,
     TokenDispatch,
     combine,
+    combine_gathered,
     compact_slots,
     dispatch,
+    dispatch_gathered,
     localize_ids,
     new_parallel_groups,
     parallel_experts,
@@ -185,6 +191,51 @@ def bench_row(shape: LayerShape, mode: str, num_tokens: int, full, device, dtype
     }
 
 
+def captured_seconds(step, reps: int, device) -> float:
+    """Median seconds of replaying a CUDA graph of `step()` captured in capture mode (on CPU: the
+    eager call in capture mode, a smoke test of the same code path)."""
+    with capture_mode():
+        step()  # outside the capture: compiles, connects, checks the rows per rank
+        if device.type != "cuda":
+            return median_seconds(step, reps, device)
+        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            step()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+    return median_seconds(graph.replay, reps, device)
+
+
+def captured_row(shape: LayerShape, num_tokens: int, full, device, dtype, experts, reps: int, groups_by_size):
+    """EP (gathered dispatch) and TP layers captured at `num_tokens` per rank, and EP's dispatch + combine."""
+    world, times = dist.get_world_size(), {}
+    local = lambda x_, w, i, tw: experts(x_, w.w13, w.w2, i, tw)  # noqa: E731
+    for mode in ("ep-a2a", "tp"):
+        spec = MODES[mode](world)
+        sizes = (spec.ep_size, spec.tp_size)
+        if sizes not in groups_by_size:
+            groups_by_size[sizes] = new_parallel_groups(spec)
+        groups = dataclasses.replace(groups_by_size[sizes], spec=spec)
+        shard = ExpertWeights(*shard_experts(*full, spec, groups.rank))
+        seed = 1 + (groups.rank if spec.all_to_all else 0)  # EP: every rank its own tokens; TP: shared
+        inputs = random_inputs(shape, num_tokens, dtype, device, num_variants=1, seed=seed)
+        x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+        times[mode] = captured_seconds(lambda: parallel_experts(x, shard, ids, weights, groups, experts=local),
+                                       reps, device)
+        if spec.all_to_all:
+            times["dispatch+combine"] = captured_seconds(
+                lambda: combine_gathered(dispatch_gathered(x, ids, weights, groups.ep).hidden_states, groups.ep),
+                reps, device)
+    ep, tp, comm = slowest([times["ep-a2a"], times["tp"], times["dispatch+combine"]], device)
+    row_bytes = shape.hidden_size * torch.finfo(dtype).bits // 8
+    return {"tokens/rank": num_tokens, "EP layer µs": f"{ep * 1e6:.0f}", "TP layer µs": f"{tp * 1e6:.0f}",
+            "EP / TP": f"{ep / tp:.2f}", "EP dispatch + combine µs": f"{comm * 1e6:.0f}",
+            "gathered MB/rank": f"{(world - 1) * num_tokens * (row_bytes + 8 * shape.top_k) / 1e6:.3g}"}
+
+
 def markdown(rows: list[dict]) -> list[str]:
     columns = list(rows[0])
     return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -200,6 +251,8 @@ def main() -> None:
                         help="tokens per rank")
     parser.add_argument("--reps", type=int, default=20 if cuda else 3)
     parser.add_argument("--out", default=None, help="also write the markdown tables here (rank 0)")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the captured decode layers (EP gathered vs TP) at tokens <= 256")
     args = parser.parse_args()
 
     if cuda:  # torchrun sets LOCAL_RANK: one GPU per process
@@ -228,6 +281,11 @@ def main() -> None:
                     print(rows[-1], flush=True)
         lines += ["", f"### {shape.name} (E={shape.num_experts}, K={shape.top_k}, H={shape.hidden_size}, "
                       f"I={shape.intermediate_size}) over {world} ranks", ""] + markdown(rows)
+        decode = [n for n in map(int, args.tokens.split(",")) if n <= max(DECODE)]
+        if args.graphs and decode:
+            rows = [captured_row(shape, n, full, device, dtype, experts, args.reps, groups_by_size) for n in decode]
+            how = "CUDA-graph replays" if cuda else "eager calls in capture mode (no CUDA)"
+            lines += ["", f"#### {shape.name}, captured decode: {how}", ""] + markdown(rows)
         del full
     if rank == 0:
         text = "\n".join(lines)
