@@ -1,0 +1,173 @@
+"""Decode attention over the static KV cache, read in place: one new token per sequence against its
+own cache slot, up to its real context length (flash-decoding: a split pass, then a combine).
+
+    q [B, Hq, D]; keys / values [slots + 1, Hkv, S, D] (the cache); slots [B]; positions [B]
+      -> _split_kernel    grid (B, Hkv, splits): the G = Hq / Hkv query heads of one KV head together,
+                          over the program's share of positions (pos - W, pos] (W: sliding window,
+                          else all of 0 .. pos), BLOCK_N keys at a time, online softmax in float32:
+                          partial (max, sum, unnormalised output) per split
+      -> _combine_kernel  grid (B, Hq): the splits' partials rescaled to their common max and summed
+      -> out [B, Hq, D] in q's dtype
+
+What it saves against SDPA over gathered cache rows through a mask: no copy of each sequence's
+K/V rows (`keys[slots]`), no mask, no reads of the cache's unused tail; the bytes read are the
+real context's K and V. The splits divide each sequence's real context, read on the device, so one
+long sequence fills the GPU and nothing is read on the host (graph-capturable).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_triton.platform import INTERPRETER_DOT_DTYPES, interpreter_enabled, triton_can_run_on
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, positions_ptr, part_out_ptr, part_stats_ptr,
+    stride_q_b, stride_q_h, stride_c_slot, stride_c_h, stride_c_s, scale, window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pos = tl.load(positions_ptr + b)
+    start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    # split boundaries on BLOCK_N multiples, each split an equal share of the real context
+    chunk = tl.cdiv(tl.cdiv(pos + 1 - start, SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * chunk
+    hi = tl.minimum(lo + chunk, pos + 1)
+    g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP are padding for tl.dot's 16-row minimum
+    d_ok = d < D
+    q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
+                mask=(g[:, None] < GROUP) & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    row = tl.load(slots_ptr + b).to(tl.int64) * stride_c_slot + kv_head * stride_c_h
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    precision = "ieee" if IEEE else "tf32"
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        tile = row + n[:, None].to(tl.int64) * stride_c_s + d[None, :]
+        k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))  # finite: the first key of every iteration is in range
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+        m = m_new
+    # a split with no keys leaves (-inf, 0, 0): the combine weighs it 0
+    part = (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split  # [BLOCK_G] (b, head, split)
+    g_ok = g < GROUP
+    tl.store(part_out_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(part_stats_ptr + part * 2, m, mask=g_ok)
+    tl.store(part_stats_ptr + part * 2 + 1, total, mask=g_ok)
+
+
+@triton.jit
+def _combine_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_o_b, stride_o_h, HQ,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    b, head = tl.program_id(0), tl.program_id(1)
+    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    part = (b * HQ + head) * SPLITS + s  # [BLOCK_S]
+    s_ok = s < SPLITS
+    m = tl.load(part_stats_ptr + part * 2, mask=s_ok, other=float("-inf"))
+    total = tl.load(part_stats_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    weight = tl.exp(m - tl.max(m, 0))  # [BLOCK_S]; 0 for empty splits
+    acc = tl.load(part_out_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)  # [BLOCK_D]
+    tl.store(out_ptr + b * stride_o_b + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """q (B, Hq, D) of the token at `positions` (B,) of the sequences in cache `slots` (B,), whose
+    keys / values (slots + 1, Hkv, S, D) are already written -> a fresh (B, Hq, D) in q's dtype.
+    A sliding `window` W attends to positions (pos - W, pos], as transformers does."""
+    _check(q, keys, values, slots, positions)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale, window or 0)
+    if not runs_on_triton(q):
+        return decode_attention_torch(q, keys, values, slots, positions, scale, window).to(q.dtype)
+    return _launch(q, keys, values, slots, positions, scale, window or 0)
+
+
+def runs_on_triton(q: torch.Tensor) -> bool:
+    """CUDA, or the interpreter with a dtype whose tl.dot it computes correctly (else the torch reference)."""
+    return triton_can_run_on(q.device) and (q.is_cuda or not interpreter_enabled() or q.dtype in INTERPRETER_DOT_DTYPES)
+
+
+def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
+    """Enough programs for two waves over the SMs (four programs' worth on CPU), at most one per block."""
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(programs, batch * kv_heads), triton.cdiv(max_seq, block_n), 64))
+
+
+def _launch(q, keys, values, slots, positions, scale: float, window: int) -> torch.Tensor:
+    B, Hq, D = q.shape
+    _, Hkv, S, _ = keys.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
+    if B == 0:
+        return out
+    BLOCK_N = 64 if q.is_cuda else 16
+    splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
+    part_out = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)  # unnormalised outputs
+    part_stats = torch.empty(B, Hq, splits, 2, dtype=torch.float32, device=q.device)  # (max, sum) per split
+    group = Hq // Hkv
+    _split_kernel[(B, Hkv, splits)](
+        q, keys, values, slots, positions, part_out, part_stats,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), scale, window,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32,
+    )
+    _combine_kernel[(B, Hq)](part_out, part_stats, out, out.stride(0), out.stride(1), Hq, D=D,
+                             BLOCK_D=triton.next_power_of_2(D), SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+    return out
+
+
+def _check(q, keys, values, slots, positions) -> None:
+    if q.dim() != 3 or keys.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride():
+        raise ValueError(f"q must be (B, Hq, D) and keys / values the same (slots, Hkv, S, D) cache, got "
+                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    B, Hq, D = q.shape
+    if keys.shape[3] != D or Hq % keys.shape[1] or keys.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError(f"q (B, Hq={Hq}, D={D}) needs a cache (slots, Hkv, S, D={D}) with Hq % Hkv == 0 and unit "
+                         f"last strides, got {tuple(keys.shape)}")
+    if keys.dtype != q.dtype or slots.shape != (B,) or positions.shape != (B,):
+        raise ValueError(f"the cache must have q's dtype {q.dtype} and slots / positions shape ({B},), got "
+                         f"{keys.dtype}, {tuple(slots.shape)}, {tuple(positions.shape)}")
+
+
+@torch.library.custom_op("moe_triton::decode_attention", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                         positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    if not runs_on_triton(q):
+        return decode_attention_torch(q, keys, values, slots, positions, scale, window or None).to(q.dtype)
+    return _launch(q, keys, values, slots, positions, scale, window)
+
+
+@_decode_attention_op.register_fake
+def _(q, *args):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                           positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """The reference, float32: each sequence's cache row gathered, masked to its context, softmax."""
+    B, Hq, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    k = keys[slots].float().repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, S, D]
+    v = values[slots].float().repeat_interleave(Hq // Hkv, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q.float(), k) * scale  # [B, Hq, S]
+    columns = torch.arange(S, device=q.device)
+    allowed = columns[None, :] <= positions[:, None]  # [B, S]
+    if window:
+        allowed &= columns[None, :] > positions[:, None] - window
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    v = v.masked_fill(~allowed[:, None, :, None], 0.0)  # what lies outside the context is never read, not even as 0 * x
+    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)  # [B, Hq, D]

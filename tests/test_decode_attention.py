@@ -1,0 +1,93 @@
+"""models/decode_attention.py against its float32 reference (and that against SDPA), under the
+interpreter in float16 / float32 on CPU and compiled on the GPU. The cache is poisoned with NaN
+outside every sequence's context (the unused tail, the other slots, the window's excluded past):
+reading any of it would show."""
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close
+
+from moe_triton.models.decode_attention import decode_attention, decode_attention_torch
+
+CASES = [  # B, Hq, Hkv, D, S, window
+    (2, 4, 2, 16, 32, None),
+    (3, 6, 2, 12, 40, None),  # 3 query heads per KV head, D not a power of two
+    (1, 8, 1, 32, 100, None),  # one sequence: the context split over several programs
+    (2, 4, 4, 16, 48, 7),  # sliding window, no GQA
+    (4, 2, 1, 24, 20, 64),  # a window longer than any context
+]
+
+
+def make_case(B, Hq, Hkv, D, S, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.full((B + 2, Hkv, S, D), float("nan"))  # [slots + 1, Hkv, S, D]; unwritten = NaN
+    values = torch.full_like(keys, float("nan"))
+    slots = torch.randperm(B + 1, generator=g)[:B]  # [B] scattered over the cache, one slot unused
+    positions = torch.randint(0, S, (B,), generator=g)  # [B]
+    positions[0] = S - 1  # one sequence at the cache's end
+    for b in range(B):
+        n = int(positions[b]) + 1
+        keys[slots[b], :, :n] = torch.randn(Hkv, n, D, generator=g)
+        values[slots[b], :, :n] = torch.randn(Hkv, n, D, generator=g)
+    q = torch.randn(B, Hq, D, generator=g)
+    return [t.to(device, dtype) for t in (q, keys, values)] + [slots.to(device), positions.to(device)]
+
+
+def poison_outside_window(keys, values, slots, positions, window):
+    for b in range(len(slots)):
+        past = max(int(positions[b]) - window + 1, 0)
+        keys[slots[b], :, :past] = float("nan")
+        values[slots[b], :, :past] = float("nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,window", CASES)
+def test_decode_attention(B, Hq, Hkv, D, S, window, dtype):
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype)
+    if window:
+        poison_outside_window(keys, values, slots, positions, window)
+    out = decode_attention(q, keys, values, slots, positions, D**-0.5, window)
+    assert out.shape == (B, Hq, D) and out.dtype == dtype
+    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window), dtype)
+
+
+def test_the_reference_is_sdpa_over_the_context():
+    B, Hq, Hkv, D, S = 3, 6, 2, 16, 30
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, torch.float32)
+    ref = decode_attention_torch(q, keys, values, slots, positions, 0.3)
+    for b in range(B):
+        n = int(positions[b]) + 1
+        k, v = keys[slots[b], :, :n], values[slots[b], :, :n]  # [Hkv, n, D]
+        sdpa = F.scaled_dot_product_attention(q[b, :, None], k, v, scale=0.3, enable_gqa=True)[:, 0]  # [Hq, D]
+        torch.testing.assert_close(ref[b], sdpa, rtol=1e-5, atol=1e-5)
+
+
+def test_an_empty_batch_launches_nothing():
+    q, keys, values, slots, positions = make_case(1, 4, 2, 16, 8, torch.float32)
+    out = decode_attention(q[:0], keys, values, slots[:0], positions[:0], 0.25)
+    assert out.shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda q, k, v, s, p: (q[0], k, v, s, p), "q must be"),
+    (lambda q, k, v, s, p: (q, k, v[:, :, :-1], s, p), "q must be"),
+    (lambda q, k, v, s, p: (q[:, :3], k, v, s, p), "Hq % Hkv"),
+    (lambda q, k, v, s, p: (q, k.half(), v.half(), s, p), "dtype"),
+    (lambda q, k, v, s, p: (q, k, v, s[:1], p), "slots / positions"),
+])
+def test_bad_input_is_refused_before_launch(bad, match):
+    args = make_case(2, 4, 2, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        decode_attention(*bad(*args), 0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,window", CASES + [(1, 32, 4, 128, 4096, None), (8, 32, 4, 128, 1104, None),
+                                                          (2, 16, 8, 128, 2048, 512)])
+def test_decode_attention_on_the_gpu(B, Hq, Hkv, D, S, window, dtype):
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype, "cuda")
+    if window:
+        poison_outside_window(keys, values, slots, positions, window)
+    out = decode_attention(q, keys, values, slots, positions, D**-0.5, window)
+    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window), dtype)
