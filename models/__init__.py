@@ -3,7 +3,8 @@
     registry.py     architecture name -> family class; load_model(path) for a checkpoint directory
     checkpoint.py   safetensors reading, per-expert -> fused expert tensors, strict name/shape checks
     fp8.py          FP8 checkpoints: expert scales into FusedMoE's layout, other FP8 linears dequantized
-    layers.py       RMSNorm, rotary, static KV cache, SDPA attention (graph-capturable decode)
+    layers.py       RMSNorm, rotary, static KV cache, attention (SDPA prefill, decode_attention.py decode)
+    decode_attention.py  Triton decode attention reading the cache in place (split + combine kernels)
     causal_lm.py    prefill, decode step, greedy generate (decode through graphs/ on CUDA)
     qwen3_moe.py    Qwen3MoeForCausalLM
     cohere2_moe.py  Cohere2MoeForCausalLM (parallel block; attention || MLP and shared || routed overlap)

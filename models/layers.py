@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..graphs import ForwardMode
+from .decode_attention import decode_attention
 
 
 def head_dim_of(config) -> int:
@@ -117,14 +118,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
         values[batch.slots, :, :L] = v
         mask = _causal_mask(batch.positions[0], batch.positions[0], sliding_window)  # [L, L], same for every row
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-    else:  # decode: one token per sequence against its cache row
+    else:  # decode: one token per sequence against its own cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
         keys[batch.slots, :, position] = k[:, :, 0]
         values[batch.slots, :, position] = v[:, :, 0]
-        columns = torch.arange(cache.max_seq, device=q.device)
-        mask = _causal_mask(position, columns, sliding_window)[:, None, None, :]  # [B, 1, 1, S]
-        out = F.scaled_dot_product_attention(q, keys[batch.slots], values[batch.slots], attn_mask=mask, scale=scaling,
-                                             enable_gqa=True)
+        out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling, sliding_window)  # [B, Hq, D]
+        return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)
 
 
