@@ -24,6 +24,13 @@ from moe_triton.platform import INTERPRETER_DOT_DTYPES, interpreter_enabled, tri
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # float32 caches: full-precision products (the default would round operands to tf32)
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, positions_ptr, part_out_ptr, part_stats_ptr,
     stride_q_b, stride_q_h, stride_c_slot, stride_c_h, stride_c_s, scale, window,
@@ -46,20 +53,19 @@ def _split_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    precision = "ieee" if IEEE else "tf32"
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         tile = row + n[:, None].to(tl.int64) * stride_c_s + d[None, :]
         k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=precision) * scale  # [BLOCK_G, BLOCK_N]
+        s = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: the first key of every iteration is in range
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
     # a split with no keys leaves (-inf, 0, 0): the combine weighs it 0
     part = (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split  # [BLOCK_G] (b, head, split)
