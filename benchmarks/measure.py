@@ -71,3 +71,34 @@ def event_median_seconds(fn: Callable[[], object], iterations: int = 30) -> floa
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e-3)
     return statistics.median(times)
+
+
+# ---- a full-size model (Qwen3-30B-A3B's config), its decode step's bytes -----------------------------
+
+def qwen3_30b_a3b_config(num_layers: int = 48):
+    """Qwen3-30B-A3B's config (48 layers, H=2048, 128 experts of I=768, top-8, 32 / 4 heads of 128)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+                          max_position_embeddings=40960, tie_word_embeddings=False)
+
+
+def decode_step_bytes(config, batch: int, context: int, fp8: bool = False) -> float:
+    """Bytes one decode step must read: per layer attention, router and norms, the experts the batch
+    hits under uniform routing (E (1 - (1 - K/E)^batch) of them, with their 128 x 128 block scales
+    when FP8), the K/V of `context` positions of every sequence; the LM head and embedding rows."""
+    H, I, E, K = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
+    D, Hq, Hkv, L = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    hit = E * (1 - (1 - K / E) ** batch)
+    if fp8:
+        blocks = 2 * -(-I // 128) * -(-H // 128) + -(-H // 128) * -(-I // 128)
+        expert = 3 * I * H + 4 * blocks  # e4m3 weights, float32 block scales
+    else:
+        expert = 3 * I * H * 2
+    attention = (2 * H * Hq * D + 2 * H * Hkv * D) * 2
+    router_norms = E * H * 2 + (2 * H + 2 * D) * 2
+    kv_cache = 2 * batch * Hkv * context * D * 2
+    head = config.vocab_size * H * 2 + batch * H * 2  # LM head, and the embedding rows
+    return L * (hit * expert + attention + router_norms + kv_cache) + head

@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from measure import event_median_seconds
+from measure import event_median_seconds, qwen3_30b_a3b_config
 
 from moe_triton.models import default_dtype  # importing moe_triton registers "moe_triton" in transformers
 
@@ -30,15 +30,6 @@ PROMPT = 64
 CACHE = 1104
 SHORT, LONG = 16, 80
 IMPLEMENTATIONS = ("moe_triton", "grouped_mm", "batched_mm")
-
-
-def qwen3_30b_a3b_config(num_layers: int):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
-                          max_position_embeddings=40960, tie_word_embeddings=False)
 
 
 @torch.no_grad()

@@ -1,0 +1,87 @@
+"""The model's decode step and prefill at full size (issue 16): a Qwen3-30B-A3B-shaped model built
+through moe_triton.models as load_model builds it (48 layers, its real config, random bf16 weights
+drawn on the GPU, ~61 GB), never written to a checkpoint.
+
+- Decode: one step through the model's CUDA graphs at batch 1, 8, 32, 64 with every sequence at
+  context 1k and 8k, against the step's byte floor (measure.decode_step_bytes: every weight the step
+  reads once, the experts the batch hits, the K/V of the real context) over the copy bandwidth B
+  measured in the same run; and the kernels one step launches (torch.profiler over a replay).
+- Prefill: tokens per second for one sequence of 2k and 8k tokens (eager, as prefill runs).
+
+Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
+per layer per decode step.
+
+    python -m pytest benchmarks/test_model_step.py -m gpu --benchmark-only --bench-table model-step.md
+"""
+import pytest
+import torch
+from measure import decode_step_bytes, event_median_seconds, qwen3_30b_a3b_config
+
+from moe_triton.models import default_dtype
+
+BATCHES = (1, 8, 32, 64)
+CONTEXTS = (1024, 8192)
+PREFILL = (2048, 8192)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from moe_triton.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("benchmarks time the GPU")
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
+        model = Qwen3MoeForCausalLM(qwen3_30b_a3b_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    return model.eval()
+
+
+def free(model) -> None:
+    model.cache = model.graphs = None
+    torch.cuda.empty_cache()
+
+
+def kernels_per_step(step) -> int:
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        step()
+        torch.cuda.synchronize()
+    return sum(1 for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context", CONTEXTS, ids=lambda c: f"ctx{c}")
+def test_decode_step(benchmark, model, context, ceilings, record):
+    config, layers = model.config, model.config.num_hidden_layers
+    for batch in BATCHES:
+        free(model)  # the previous cache first: at batch 64 and 8k context the cache alone is ~52 GB
+        model.setup(max_batch=batch, max_seq=context + 8, batch_sizes=(batch,))
+        inputs = {"token_ids": torch.randint(0, config.vocab_size, (batch,), device="cuda"),
+                  "positions": torch.full((batch,), context - 1, device="cuda"),
+                  "slots": torch.arange(batch, device="cuda")}
+        step_s = event_median_seconds(lambda: model.graphs(inputs))
+        floor_s = decode_step_bytes(config, batch, context) / ceilings.bandwidth
+        kernels = kernels_per_step(lambda: model.graphs(inputs))
+        record("Qwen3-30B-A3B-shaped decode step, 48 layers, bf16, through graphs", dict(
+            context=context, batch=batch, step_us=f"{step_s * 1e6:.0f}", floor_us=f"{floor_s * 1e6:.0f}",
+            floor_frac=f"{floor_s / step_s:.2f}", tokens_per_s=f"{batch / step_s:.0f}",
+            kernels_per_layer=f"{kernels / layers:.1f}"))
+    free(model)
+    benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
+
+
+@pytest.mark.gpu
+def test_prefill(benchmark, model, record):
+    for tokens in PREFILL:
+        free(model)
+        model.setup(max_batch=1, max_seq=tokens, batch_sizes=(1,))
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+        with torch.no_grad():
+            seconds = event_median_seconds(lambda: model.prefill(ids), iterations=5)
+        record("Qwen3-30B-A3B-shaped prefill, one sequence, bf16 (eager)", dict(
+            tokens=tokens, prefill_ms=f"{seconds * 1e3:.1f}", tokens_per_s=f"{tokens / seconds:.0f}"))
+    free(model)
+    benchmark.pedantic(lambda: None, rounds=1)
