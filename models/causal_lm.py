@@ -53,6 +53,16 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, L), equal-length prompts starting at position 0 -> logits (B, L, V) float32."""
+        return self.logits(self._prefill(input_ids, slots))
+
+    @torch.no_grad()
+    def prefill_last(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """As prefill, but only the next token's logits (B, V): the LM head over one position, not L
+        (at 8k tokens the full logits alone are 5 GB of float32)."""
+        return self.logits(self._prefill(input_ids, slots)[:, -1])
+
+    def _prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
+        """Fill the cache for the prompts; their final hidden states (B, L, H)."""
         self._check_input_ids(input_ids)
         B, L = input_ids.shape
         if self.cache is None or B > self.cache.max_batch or L > self.cache.max_seq:
@@ -61,8 +71,7 @@ class CausalLM(nn.Module):
                              "with room for them (generate() does it for you)")
         slots = torch.arange(B, device=input_ids.device) if slots is None else slots
         positions = torch.arange(L, device=input_ids.device).expand(B, L)
-        hidden = self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
-        return self.logits(hidden)
+        return self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
 
     @torch.no_grad()
     def decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -118,7 +127,7 @@ class CausalLM(nn.Module):
         if self.cache is None or self.cache.max_batch < B or self.cache.max_seq < L + max_new_tokens:
             self.setup(B, L + max_new_tokens)
         slots = torch.arange(B, device=input_ids.device)
-        tokens = [input_ids, self.prefill(input_ids, slots)[:, -1].argmax(-1, keepdim=True)]
+        tokens = [input_ids, self.prefill_last(input_ids, slots).argmax(-1, keepdim=True)]
         step = self.graphs if self.graphs is not None else self.decode_step
         for i in range(max_new_tokens - 1):
             positions = torch.full((B,), L + i, dtype=torch.int64, device=input_ids.device)

@@ -37,6 +37,16 @@ def test_logits_match_transformers(checkpoint):
     assert_close(ours.prefill(ids), expected, torch.float32, scale=5)
 
 
+def test_prefill_last_is_the_last_position_of_prefill(checkpoint):
+    _, path = checkpoint
+    ours = load_model(path, dtype=torch.float32)
+    ids = prompt()
+    ours.setup(max_batch=2, max_seq=32)
+    last = ours.prefill_last(ids)  # the LM head over one position
+    assert last.shape == (ids.shape[0], ours.config.vocab_size)
+    assert_close(last, ours.prefill(ids)[:, -1], torch.float32)
+
+
 def test_greedy_generation_matches_transformers(checkpoint):
     reference, path = checkpoint
     ours = load_model(path, dtype=torch.float32)
