@@ -1,0 +1,43 @@
+"""models/rms_norm.py against its reference (transformers' RMSNorm arithmetic) and against
+transformers' own module, under the interpreter on CPU and compiled on the GPU."""
+import pytest
+import torch
+from helpers import assert_close
+
+from moe_triton.models.rms_norm import rms_norm, rms_norm_torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 32), (5, 48), (2, 3, 4, 12), (0, 16), (37, 2048)], ids=str)
+def test_rms_norm(shape, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    weight = (1 + torch.randn(shape[-1], generator=g) / 4).to(dtype)
+    out = rms_norm(x, weight, 1e-6)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, rms_norm_torch(x.float(), weight.float(), 1e-6), dtype)
+
+
+def test_a_strided_view_and_transformers_module():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8, 24, generator=g)[:, ::2]  # rows not evenly spaced in memory
+    module = Qwen3MoeRMSNorm(24, eps=1e-5)
+    module.weight.data = torch.randn(24, generator=g)
+    torch.testing.assert_close(rms_norm(x, module.weight, 1e-5), module(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (8, 1, 32, 128), (4096, 4096)], ids=str)
+def test_rms_norm_on_the_gpu(shape, dtype):
+    x = torch.randn(*shape, device="cuda").to(dtype)
+    weight = (1 + torch.randn(shape[-1], device="cuda") / 4).to(dtype)
+    out = rms_norm(x, weight, 1e-6)
+    assert_close(out, rms_norm_torch(x.float(), weight.float(), 1e-6), dtype)
