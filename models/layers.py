@@ -15,6 +15,7 @@ from torch import nn
 
 from ..graphs import ForwardMode
 from .decode_attention import decode_attention
+from .rms_norm import rms_norm
 
 
 def head_dim_of(config) -> int:
@@ -30,10 +31,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)  # one Triton kernel (rms_norm.py)
 
 
 class RotaryEmbedding(nn.Module):
