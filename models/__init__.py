@@ -6,6 +6,7 @@
     layers.py       RMSNorm, rotary, static KV cache, attention (SDPA prefill, decode_attention.py decode)
     decode_attention.py  Triton decode attention reading the cache in place (split + combine kernels)
     rms_norm.py     RMSNorm in one Triton kernel
+    rotary.py       rotary embedding (rotate-half / interleaved, partial) in one Triton kernel
     causal_lm.py    prefill, decode step, greedy generate (decode through graphs/ on CUDA)
     qwen3_moe.py    Qwen3MoeForCausalLM
     cohere2_moe.py  Cohere2MoeForCausalLM (parallel block; attention || MLP and shared || routed overlap)

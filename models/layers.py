@@ -16,6 +16,7 @@ from torch import nn
 from ..graphs import ForwardMode
 from .decode_attention import decode_attention
 from .rms_norm import rms_norm
+from .rotary import apply_rotary  # noqa: F401  (the families import it from here, with the other pieces)
 
 
 def head_dim_of(config) -> int:
@@ -55,27 +56,6 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq
         emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
-    """Cohere's rotation: pairs (x0, x1), (x2, x3), ... -> (-x1, x0), (-x3, x2), ..."""
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """x (B, heads, L, D); cos/sin (B, L, D_rot). A partial rotary applies to the first D_rot dims."""
-    rotate = rotate_interleaved if interleaved else rotate_half
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rot_dim = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    x_rot = x_rot * cos + rotate(x_rot) * sin
-    return torch.cat((x_rot, x_pass), dim=-1) if x_pass.numel() else x_rot
 
 
 @dataclass
