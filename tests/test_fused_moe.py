@@ -203,6 +203,28 @@ def test_layer_bf16(real_layer, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 512])
+@pytest.mark.parametrize("activation", [Activation(ActivationKind.RELU2), Activation(ActivationKind.GELU_TANH_AND_MUL),
+                                        Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=7.0, swiglu_alpha=1.702)],
+                         ids=lambda a: a.kind.name)
+def test_activations_bf16_and_nan_rows(real_layer, activation, T):
+    """The non-SiLU epilogues compiled, at real size; a NaN token stays in its own row (relu^2 and the
+    clamped swiglu once dropped it through max / min: tests/test_errors.py has the CPU case)."""
+    shape, w13, w2 = real_layer
+    if not activation.gated:
+        w13 = w13[:, : shape.intermediate_size].contiguous()  # [E, I, H]: relu^2 has no gate half
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
+    x, ids, weights = inputs.hidden_states[0].clone(), inputs.topk_ids[0], inputs.topk_weights[0]
+    out = fused_experts(x, w13, w2, ids, weights, activation=activation)
+    assert not out.isnan().any()
+    assert relative_error(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation)) < 1e-2
+    x[0, 0] = float("nan")
+    poisoned = fused_experts(x, w13, w2, ids, weights, activation=activation)
+    assert poisoned[0].isnan().all() and not poisoned[1:].isnan().any()
+    assert torch.equal(poisoned[1:], out[1:])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", GPU_TOKENS)
 def test_stages_bf16(real_layer, T, poisoned_empty):
     shape, w13, w2 = real_layer
