@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_triton.platform import INTERPRETER_DOT_DTYPES, interpreter_enabled, triton_can_run_on
+from moe_triton.platform import triton_computes_exactly
 
 
 @triton.jit
@@ -104,8 +104,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
 
 def runs_on_triton(q: torch.Tensor) -> bool:
-    """CUDA, or the interpreter with a dtype whose tl.dot it computes correctly (else the torch reference)."""
-    return triton_can_run_on(q.device) and (q.is_cuda or not interpreter_enabled() or q.dtype in INTERPRETER_DOT_DTYPES)
+    """CUDA, or the interpreter in a dtype it computes correctly; else the torch reference runs."""
+    return triton_computes_exactly(q.device, q.dtype)
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:

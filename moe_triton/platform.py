@@ -36,6 +36,14 @@ def triton_can_run_on(device: torch.device) -> bool:
 INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
 
 
+def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether Triton kernels on `device` compute in `dtype` as compiled ones do: CUDA, or the interpreter
+    in float16 / float32. The interpreter's bf16 is wrong twice: its tl.dot (above), and its casts to
+    bf16, which truncate where a GPU rounds to nearest even (triton 3.9: 2047 of 4096 random float32
+    values cast differently). Kernels without a dot (models/rms_norm.py, rotary.py) use this rule."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled() and dtype in INTERPRETER_DOT_DTYPES)
+
+
 def interpreter_dot_reason(dtype: torch.dtype) -> str:
     return (f"the Triton interpreter's {str(dtype).removeprefix('torch.')} tl.dot computes wrong results "
             f"(triton {triton.__version__}); use float16/float32 on CPU, or the torch backend")

@@ -40,3 +40,14 @@ def test_named_cpu_and_bad_names():
 @pytest.mark.parametrize("version,parsed", [("0.7.2.post1", (0, 7, 2)), ("0.6.1", (0, 6, 1)), ("unknown", None)])
 def test_flashinfer_version_parsing(version, parsed):
     assert Platform("cuda", (10, 0), version).flashinfer_version() == parsed
+
+
+def test_triton_computes_exactly_only_where_its_arithmetic_is_a_gpu_s(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert platforms.triton_computes_exactly(cuda, dtype)
+    monkeypatch.setattr(platforms, "interpreter_enabled", lambda: True)
+    assert platforms.triton_computes_exactly(cpu, torch.float16) and platforms.triton_computes_exactly(cpu, torch.float32)
+    assert not platforms.triton_computes_exactly(cpu, torch.bfloat16)  # its bf16 dot and casts are wrong
+    monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
+    assert not platforms.triton_computes_exactly(cpu, torch.float32)

@@ -28,6 +28,13 @@ def test_a_strided_view_and_transformers_module():
     torch.testing.assert_close(rms_norm(x, module.weight, 1e-5), module(x), rtol=1e-6, atol=1e-6)
 
 
+def test_bf16_on_the_interpreter_takes_the_reference():
+    """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch form."""
+    g = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(64, 256, generator=g).bfloat16(), (1 + torch.randn(256, generator=g) / 4).bfloat16()
+    assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6))
+
+
 def test_a_weight_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match="weight must have shape"):
         rms_norm(torch.randn(2, 8), torch.ones(7), 1e-6)

@@ -35,6 +35,12 @@ def test_apply_rotary(B, heads, L, D, D_rot, interleaved, dtype):
     assert_close(out, apply_rotary_torch(x.float(), cos.float(), sin.float(), interleaved), dtype)
 
 
+def test_bf16_on_the_interpreter_takes_the_reference():
+    """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch form."""
+    x, cos, sin = make(4, 8, 3, 64, 64, torch.bfloat16)
+    assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_torch(x, cos, sin))
+
+
 def test_bad_tables_are_refused():
     x, cos, sin = make(2, 2, 3, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="cos / sin must be"):
