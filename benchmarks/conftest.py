@@ -34,15 +34,6 @@ def pytest_configure(config):
         fused_moe.choose_config = slowed
 
 
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="benchmarks time the GPU: run them on the GPU machine")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 def pytest_benchmark_update_machine_info(config, machine_info):
     """Saved baselines name the accelerator and the stack they were measured with."""
     import triton

@@ -1,8 +1,8 @@
-"""What pytest needs here: the interpreter switch, the GPU skip, and the shared fixtures.
+"""What pytest needs here: the interpreter switch and the shared fixtures (the GPU skip: ../conftest.py).
 
 CPU runs execute every Triton kernel under the interpreter (TRITON_INTERPRET=1, set here before
 triton is imported). A test that needs CUDA carries `@pytest.mark.gpu` and lives in the test file of
-the module it tests, beside that module's CPU tests; it is skipped here where CUDA is absent. Run
+the module it tests, beside that module's CPU tests; it is skipped where CUDA is absent. Run
 them on the H200 with `pytest -m gpu`. Helpers the tests share live in tests/helpers.py, not here.
 """
 import os
@@ -15,15 +15,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from helpers import poison_, randomize_, tiny_qwen3_moe  # noqa: E402  (imports moe_triton)
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA: run with `pytest -m gpu` on the GPU machine")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture
