@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 from moe_triton import ExpertWeights, fused_experts  # noqa: E402
-from moe_triton.graphs import capture_mode  # noqa: E402
+from moe_triton.graphs import capture_graph, capture_mode  # noqa: E402
 from moe_triton.parallel import (  # noqa: E402
     ParallelSpec,
     TokenDispatch,
@@ -198,14 +198,7 @@ def captured_seconds(step, reps: int, device) -> float:
         step()  # outside the capture: compiles, connects, checks the rows per rank
         if device.type != "cuda":
             return median_seconds(step, reps, device)
-        side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            step()
-        current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = capture_graph(lambda _: step(), 1)
     return median_seconds(graph.replay, reps, device)
 
 

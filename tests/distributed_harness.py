@@ -42,7 +42,7 @@ from moe_triton import (  # noqa: E402
     route,
     run_experts,
 )
-from moe_triton.graphs import capture_mode  # noqa: E402
+from moe_triton.graphs import capture_graph, capture_mode  # noqa: E402
 from moe_triton.parallel import (  # noqa: E402
     Collective,
     ParallelExperts,
@@ -206,18 +206,10 @@ def _call(case: Case, forward):
             assert len(set(case.tokens)) == 1, "unequal rows per EP rank must be refused"
             if not eager.is_cuda:
                 return eager
-            side, current = torch.cuda.Stream(), torch.cuda.current_stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):
-                forward()
-            current.wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = forward()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, eager), "the replayed graph differs from the eager gathered call"
-        return captured
+            outputs = []  # a warm-up output, then the captured one, which capture_graph's replay fills
+            capture_graph(lambda _: outputs.append(forward()), 1)
+        assert torch.equal(outputs[-1], eager), "the replayed graph differs from the eager gathered call"
+        return outputs[-1]
 
 
 def run_model_case(case: Case, groups, device: torch.device) -> None:
