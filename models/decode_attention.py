@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_triton.config import device_limits
 from moe_triton.platform import triton_computes_exactly
 
 
@@ -98,19 +99,19 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     _check(q, keys, values, slots, positions)
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale, window or 0)
-    if not runs_on_triton(q):
-        return decode_attention_torch(q, keys, values, slots, positions, scale, window).to(q.dtype)
-    return _launch(q, keys, values, slots, positions, scale, window or 0)
+    return _compute(q, keys, values, slots, positions, scale, window or 0)
 
 
-def runs_on_triton(q: torch.Tensor) -> bool:
-    """CUDA, or the interpreter in a dtype it computes correctly; else the torch reference runs."""
-    return triton_computes_exactly(q.device, q.dtype)
+def _compute(q, keys, values, slots, positions, scale: float, window: int) -> torch.Tensor:
+    """The kernels on CUDA or the interpreter in a dtype it computes correctly; else the torch reference."""
+    if not triton_computes_exactly(q.device, q.dtype):
+        return decode_attention_torch(q, keys, values, slots, positions, scale, window or None).to(q.dtype)
+    return _launch(q, keys, values, slots, positions, scale, window)
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
     """Enough programs for two waves over the SMs (four programs' worth on CPU), at most one per block."""
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    programs = 2 * device_limits(device)[0] if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(programs, batch * kv_heads), triton.cdiv(max_seq, block_n), 64))
 
 
@@ -152,9 +153,7 @@ def _check(q, keys, values, slots, positions) -> None:
 @torch.library.custom_op("moe_triton::decode_attention", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                          positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
-    if not runs_on_triton(q):
-        return decode_attention_torch(q, keys, values, slots, positions, scale, window or None).to(q.dtype)
-    return _launch(q, keys, values, slots, positions, scale, window)
+    return _compute(q, keys, values, slots, positions, scale, window)
 
 
 @_decode_attention_op.register_fake

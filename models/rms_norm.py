@@ -39,6 +39,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                          f"{tuple(weight.shape)}")
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.rms_norm(x, weight, eps)
+    return _compute(x, weight, eps)
+
+
+def _compute(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not triton_computes_exactly(x.device, x.dtype) or x.dtype != weight.dtype:
         return rms_norm_torch(x, weight, eps)  # the interpreter's bf16 casts truncate (platform.py)
     return _launch(x, weight, eps)
@@ -61,9 +65,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @torch.library.custom_op("moe_triton::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if not triton_computes_exactly(x.device, x.dtype) or x.dtype != weight.dtype:
-        return rms_norm_torch(x, weight, eps)
-    return _launch(x, weight, eps)
+    return _compute(x, weight, eps)
 
 
 @_rms_norm_op.register_fake

@@ -61,10 +61,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
                          f"{tuple(sin.shape)}")
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.rotary(x, cos, sin, interleaved)
-    return _apply(x, cos, sin, interleaved)
+    return _compute(x, cos, sin, interleaved)
 
 
-def _apply(x, cos, sin, interleaved: bool) -> torch.Tensor:
+def _compute(x, cos, sin, interleaved: bool) -> torch.Tensor:
     if not triton_computes_exactly(x.device, x.dtype) or cos.dtype != x.dtype or x.stride(3) != 1:
         return apply_rotary_torch(x, cos, sin, interleaved)  # the interpreter's bf16 casts truncate (platform.py)
     B, heads, L, D = x.shape
@@ -82,7 +82,7 @@ def _apply(x, cos, sin, interleaved: bool) -> torch.Tensor:
 
 @torch.library.custom_op("moe_triton::rotary", mutates_args=())
 def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    return _apply(x, cos, sin, interleaved)
+    return _compute(x, cos, sin, interleaved)
 
 
 @_rotary_op.register_fake

@@ -153,10 +153,10 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     down = _for_element_size(_gemm_config(block_m, c=intermediate_size, fused_gate=False), element_size)
     if element_size == 1:
         up, down = _fp8_steps(up, down, fp8_group)
-        up = _fit_shared_memory(up, element_size, limit=_device_limits(device)[1], weight_tiles=2)
+        up = _fit_shared_memory(up, element_size, limit=device_limits(device)[1], weight_tiles=2)
     if block_m <= 32:  # decode: few row blocks
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
-        num_sms, shared_memory = _device_limits(device)
+        num_sms, shared_memory = device_limits(device)
         if down_split is None:
             down = _down_split(down, blocks, hidden_size, intermediate_size, num_sms)
         else:
@@ -198,7 +198,7 @@ SHARED_MEMORY_USE = 0.85  # leave room for the epilogue's and the compiler's own
 
 
 @functools.lru_cache(maxsize=None)
-def _device_limits(device: torch.device) -> tuple[int, int]:
+def device_limits(device: torch.device) -> tuple[int, int]:
     """(SM count, shared memory per block with opt-in, bytes) of a CUDA device."""
     properties = torch.cuda.get_device_properties(device)
     return properties.multi_processor_count, properties.shared_memory_per_block_optin

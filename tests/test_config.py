@@ -29,7 +29,7 @@ def test_config_skips_the_sort_only_when_pairs_rarely_share_an_expert():
 def test_decode_configs_fit_shared_memory(monkeypatch, splits):
     """Every decode config leaves num_stages copies of its tiles within an H200's shared memory."""
     limit = 232448  # H200: shared_memory_per_block_optin
-    monkeypatch.setattr(configs, "_device_limits", lambda device: (132, limit))
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, limit))
     for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
         for T in (1, 4, 16, 64, 256):
             c = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
@@ -44,7 +44,7 @@ def test_decode_configs_fit_shared_memory(monkeypatch, splits):
 def test_fp8_steps_stay_inside_the_weight_blocks(monkeypatch, T, group):
     """A checkpoint with blocks narrower than 128 columns gets C steps that fit them (both GEMMs), as
     run_experts requires: each step reads one weight-block scale."""
-    monkeypatch.setattr(configs, "_device_limits", lambda device: (132, 232448))
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
     c = choose_config(T, 8, 128, 2048, 768, torch.device("cuda"), torch.float8_e4m3fn, fp8_group=group)
     assert group % c.up.block_c == 0 and group % c.down.block_c == 0 and c.up.block_n % c.down.block_c == 0
     assert c.up.block_c == min(group, 128)  # no narrower than the group needs

@@ -174,7 +174,7 @@ def test_gpu_config_with_top_k_above_num_experts(monkeypatch):
     from moe_triton import choose_config
     from moe_triton import config as configs
 
-    monkeypatch.setattr(configs, "_device_limits", lambda device: (132, 232448))
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
     for T in (1, 2, 3, 8):
         choose_config(T, 8, 4, 64, 64, torch.device("cuda"))  # no ZeroDivisionError from (1 - K/E)^T
 
