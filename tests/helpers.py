@@ -327,6 +327,41 @@ def save_checkpoint(tensors: dict, config_dir, path, shards: int = 1):
     return path
 
 
+def experts_fp8_qwen3_checkpoint(path, hidden: int, moe_intermediate: int, head_dim: int, block, dtype: str):
+    """A tiny two-layer Qwen3-MoE whose experts only (not attention, not the head) transformers' own
+    FineGrainedFP8Config quantizes to `block` scales, in the published per-expert layout (Qwen3-*-FP8)
+    at `path` / "fp8", config.json's dtype set to `dtype`. Returns that directory."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=hidden, intermediate_size=hidden,
+                            moe_intermediate_size=moe_intermediate, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=head_dim, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=True, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    written, _ = transformers_fp8_checkpoint(randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1), path / "written",
+                                             block, ["lm_head", r"model\.layers\.\d+\.self_attn"])  # experts only
+    fp8_path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, path / "fp8")
+    stored = json.loads((fp8_path / "config.json").read_text())
+    (fp8_path / "config.json").write_text(json.dumps(stored | {"dtype": dtype}))
+    return fp8_path
+
+
+def spy_on_fp8_experts(monkeypatch) -> list:
+    """Count the calls transformers makes to our FP8ExpertsInterface entry: the returned list grows by one each."""
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+
+    import moe_triton.integrations.transformers as integration
+
+    calls, real = [], integration.moe_triton_fp8_experts_forward
+    monkeypatch.setitem(FP8ExpertsInterface._global_mapping, "moe_triton", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
 def fp8_quantize(w: torch.Tensor, strategy: str, block=(128, 128)):
     """w (N, C) -> (e4m3 (N, C), float32 scale) as compressed-tensors and ModelOpt define them
     (scale = max|w| / 448 over the tensor, each row, or each block; dequantized = q * scale), written

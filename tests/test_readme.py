@@ -88,41 +88,17 @@ def test_readme_fp8_drop_in_snippet_runs_transformers_fp8_experts_on_our_kernels
     lets transformers keep FP8 without a GPU) and our FP8 kernels run them, under the interpreter. Both
     against transformers' dequantize=True model: float16 rounding, and FP8's activation roundings
     (tests/test_models_fp8.py: 0.05 relative)."""
-    import json
-
     import torch
-    from helpers import (
-        fp8_quantizer_on_cpu,
-        per_expert_fp8_layout,
-        randomize_,
-        relative_error,
-        save_checkpoint,
-        transformers_fp8_checkpoint,
-    )
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    from helpers import experts_fp8_qwen3_checkpoint, fp8_quantizer_on_cpu, relative_error, spy_on_fp8_experts
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    import moe_triton.integrations.transformers as integration
-
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
-    torch.manual_seed(0)
-    written, _ = transformers_fp8_checkpoint(randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1), tmp_path / "written",
-                                             (32, 32), ["lm_head", r"model\.layers\.\d+\.self_attn"])  # experts only
-    # the published per-expert layout (Qwen3-*-FP8), which transformers' dequantize=True loads correctly
-    fp8_path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, tmp_path / "fp8")
-    stored = json.loads((fp8_path / "config.json").read_text())
-    (fp8_path / "config.json").write_text(json.dumps(stored | {"dtype": "float16"}))  # the interpreter's dtype
+    fp8_path = experts_fp8_qwen3_checkpoint(tmp_path, 64, 32, 16, (32, 32), "float16")  # the interpreter's dtype
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(
             fp8_path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32)(ids).logits
 
-    calls = []  # the spy is what transformers calls
-    real = integration.moe_triton_fp8_experts_forward
-    monkeypatch.setitem(FP8ExpertsInterface._global_mapping, "moe_triton", lambda *a: calls.append(1) or real(*a))
+    calls = spy_on_fp8_experts(monkeypatch)  # what transformers calls
     for on_fp8_gpu in (False, True):
         scope = {"fp8_path": fp8_path}
         with fp8_quantizer_on_cpu() if on_fp8_gpu else contextlib.nullcontext():

@@ -201,33 +201,11 @@ def test_fp8_experts_the_kernels_cannot_run_are_refused_naming_why():
 def test_fp8_drop_in_on_the_gpu_keeps_transformers_fp8_experts_and_runs_ours(tmp_path, monkeypatch):
     """On an FP8 GPU transformers keeps FP8Experts; only the experts are FP8 here, so no FP8 linear of
     transformers' (whose kernel comes from the Hub) runs. bf16 adds to FP8's error: 0.08 relative."""
-    import json
+    from helpers import experts_fp8_qwen3_checkpoint, relative_error, spy_on_fp8_experts
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    from helpers import (
-        per_expert_fp8_layout,
-        randomize_,
-        relative_error,
-        save_checkpoint,
-        transformers_fp8_checkpoint,
-    )
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    import moe_triton.integrations.transformers as integration
-
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
-    torch.manual_seed(0)
-    written, _ = transformers_fp8_checkpoint(randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1), tmp_path / "w",
-                                             (128, 128), ["lm_head", r"model\.layers\.\d+\.self_attn"])
-    path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, tmp_path / "fp8")
-    (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | {"dtype": "bfloat16"}))
-    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface  # the spy is what transformers calls
-
-    calls = []
-    real = integration.moe_triton_fp8_experts_forward
-    monkeypatch.setitem(FP8ExpertsInterface._global_mapping, "moe_triton", lambda *a: calls.append(1) or real(*a))
+    path = experts_fp8_qwen3_checkpoint(tmp_path, 256, 128, 64, (128, 128), "bfloat16")
+    calls = spy_on_fp8_experts(monkeypatch)  # what transformers calls
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton", device_map="cuda")
     assert type(model.model.layers[0].mlp.experts).__name__ == "FP8Experts"
     ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5)).cuda()
