@@ -193,34 +193,22 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+def _number(cast, accepts, expected: str):
+    """An argparse type: `cast(text)` when `accepts` it, else the one-line error saying what was expected."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not accepts(value):  # NaN fails every comparison: refused too
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
+        return value
+    return parse
 
 
-def _tolerance(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text!r}")
-    return value
+_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+_tolerance = _number(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_fraction = _number(float, lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 
 
 def _platform(text: str):
