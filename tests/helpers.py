@@ -149,13 +149,8 @@ def prompt(batch=2, length=7, vocab=97):
 def all_sparse_qwen3_moe_checkpoint(path):
     """A tiny Qwen3-MoE whose two decoder layers are both sparse, randomize_all_'d and saved to `path`
     (the Hub layout) for transformers' own from_pretrained; returns `path`."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
+    model = sparse_qwen3_moe(hidden_size=48, moe_intermediate_size=40, head_dim=12)
     randomize_all_(model, seed=1)
     model.save_pretrained(path)
     return path
@@ -327,6 +322,16 @@ def save_checkpoint(tensors: dict, config_dir, path, shards: int = 1):
     return path
 
 
+def sparse_qwen3_moe(**overrides):
+    """Two decoder layers, both sparse, sizes that divide into FP8 blocks of 32; `overrides` change the config."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = dict(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                  norm_topk_prob=True, decoder_sparse_step=1) | overrides
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
+
+
 def experts_fp8_qwen3_checkpoint(path, hidden: int, moe_intermediate: int, head_dim: int, block, dtype: str):
     """A tiny two-layer Qwen3-MoE whose experts only (not attention, not the head) transformers' own
     FineGrainedFP8Config quantizes to `block` scales, in the published per-expert layout (Qwen3-*-FP8)
@@ -335,15 +340,12 @@ def experts_fp8_qwen3_checkpoint(path, hidden: int, moe_intermediate: int, head_
     from pathlib import Path
 
     from safetensors.torch import load_file
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     path = Path(path)
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=hidden, intermediate_size=hidden,
-                            moe_intermediate_size=moe_intermediate, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=head_dim, num_experts=8, num_experts_per_tok=2,
-                            norm_topk_prob=True, decoder_sparse_step=1)
     torch.manual_seed(0)
-    written, _ = transformers_fp8_checkpoint(randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1), path / "written",
+    model = sparse_qwen3_moe(hidden_size=hidden, intermediate_size=hidden, moe_intermediate_size=moe_intermediate,
+                             head_dim=head_dim)
+    written, _ = transformers_fp8_checkpoint(randomize_(model.eval(), seed=1), path / "written",
                                              block, ["lm_head", r"model\.layers\.\d+\.self_attn"])  # experts only
     fp8_path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, path / "fp8")
     stored = json.loads((fp8_path / "config.json").read_text())

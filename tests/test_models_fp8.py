@@ -41,6 +41,7 @@ from helpers import (
     randomize_,
     relative_error,
     save_checkpoint,
+    sparse_qwen3_moe,
     transformers_fp8_checkpoint,
 )
 from safetensors.torch import load_file
@@ -52,15 +53,6 @@ from moe_triton.weights import FP8_DTYPE
 
 LOGITS_TOL = 0.05
 MARGIN_FACTOR = 4
-
-
-def qwen3_moe(**overrides):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = dict(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                  norm_topk_prob=True, decoder_sparse_step=1) | overrides
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
 
 
 def minimax_m2():
@@ -98,7 +90,7 @@ def minimax_hub_names(state: dict) -> dict:
 # family -> (tiny model, seed, FP8 block, modules_to_not_convert, published layout from transformers' one);
 # seeds chosen for top-2 margins of at least 5x the FP8 logit error and a non-degenerate generation
 FAMILIES = {
-    "qwen3_moe": (qwen3_moe, 1, (32, 32), None, per_expert_fp8_layout),
+    "qwen3_moe": (sparse_qwen3_moe, 1, (32, 32), None, per_expert_fp8_layout),
     "minimax_m2": (minimax_m2, 12, (128, 128), MINIMAX_M2_FP8["modules_to_not_convert"],
                    lambda s: minimax_hub_names(per_expert_fp8_layout(s))),
     "cohere2_moe": (cohere2_moe, 7, (32, 32), None, per_expert_fp8_layout),
@@ -254,7 +246,7 @@ def test_a_fused_gate_up_grid_that_cannot_be_split_is_refused(tmp_path):
     """I = 48 with 32-row blocks: transformers quantizes the fused [gate; up] (96 rows) in three block rows,
     the middle one holding gate rows 32..47 and up rows 0..15 under one scale."""
     torch.manual_seed(0)
-    path, fused = transformers_fp8_checkpoint(randomize_(qwen3_moe(moe_intermediate_size=48).eval(), seed=1),
+    path, fused = transformers_fp8_checkpoint(randomize_(sparse_qwen3_moe(moe_intermediate_size=48).eval(), seed=1),
                                               tmp_path / "written", (32, 32))
     assert fused["model.layers.0.mlp.experts.gate_up_proj_scale_inv"].shape == (8, 3, 2)
     for source in (path, save_checkpoint(fused, path, tmp_path / "fused")):
@@ -294,7 +286,7 @@ CT_STRATEGIES = {"tensor": ct_fp8("tensor", ignore=["lm_head", "re:.*mlp.gate$"]
 def ct_checkpoint(request, tmp_path_factory):
     """(strategy, compressed-tensors checkpoint, the same weights dequantized as an unquantized checkpoint)."""
     torch.manual_seed(0)
-    model = randomize_(qwen3_moe().eval(), seed=1)
+    model = randomize_(sparse_qwen3_moe().eval(), seed=1)
     root = tmp_path_factory.mktemp(f"ct-{request.param}")
     model.save_pretrained(root / "unquantized")
     quantized, dequantized = {}, {}
