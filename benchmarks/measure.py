@@ -85,6 +85,16 @@ def qwen3_30b_a3b_config(num_layers: int = 48):
                           max_position_embeddings=40960, tie_word_embeddings=False)
 
 
+@torch.no_grad()
+def random_weights_(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
+    """Every non-FP8 parameter drawn from N(0, std) in place, where it lives (e.g. on the GPU); eval mode.
+    FP8 tensors are left for the caller to quantize into (normal_ has no float8 kernel)."""
+    for p in model.parameters():
+        if p.element_size() > 1:
+            p.normal_(0, std)
+    return model.eval()
+
+
 def decode_step_bytes(config, batch: int, context: int, fp8: bool = False) -> float:
     """Bytes one decode step must read: per layer attention, router and norms, the experts the batch
     hits under uniform routing (E (1 - (1 - K/E)^batch) of them, with their 128 x 128 block scales

@@ -22,7 +22,7 @@ import time
 
 import pytest
 import torch
-from measure import event_median_seconds, qwen3_30b_a3b_config
+from measure import event_median_seconds, qwen3_30b_a3b_config, random_weights_
 
 from moe_triton.models import default_dtype  # importing moe_triton registers "moe_triton" in transformers
 
@@ -32,13 +32,6 @@ SHORT, LONG = 16, 80
 IMPLEMENTATIONS = ("moe_triton", "grouped_mm", "batched_mm")
 
 
-@torch.no_grad()
-def randomize_(model: torch.nn.Module) -> torch.nn.Module:
-    for p in model.parameters():
-        p.normal_(0, 0.02)
-    return model.eval()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8], ids=lambda b: f"batch{b}")
 def test_decode_step_eager_compiled_and_graphs(benchmark, batch, record):
@@ -46,7 +39,7 @@ def test_decode_step_eager_compiled_and_graphs(benchmark, batch, record):
 
     config = qwen3_30b_a3b_config(num_layers=4)
     with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = randomize_(Qwen3MoeForCausalLM(config))
+        model = random_weights_(Qwen3MoeForCausalLM(config))
     model.setup(max_batch=batch, max_seq=CACHE, batch_sizes=(batch,))
     inputs = {"token_ids": torch.randint(0, config.vocab_size, (batch,), device="cuda"),
               "positions": torch.full((batch,), 1024, device="cuda"), "slots": torch.arange(batch, device="cuda")}
@@ -105,7 +98,7 @@ def test_transformers_compiled_generate(benchmark, batch, record):
     from transformers import Qwen3MoeForCausalLM
 
     with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = randomize_(Qwen3MoeForCausalLM(qwen3_30b_a3b_config(num_layers=48)))
+        model = random_weights_(Qwen3MoeForCausalLM(qwen3_30b_a3b_config(num_layers=48)))
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     prompt = torch.randint(0, model.config.vocab_size, (batch, PROMPT), device="cuda")
     rows = {}

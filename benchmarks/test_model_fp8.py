@@ -20,7 +20,7 @@ import gc
 
 import pytest
 import torch
-from measure import decode_step_bytes, event_median_seconds, qwen3_30b_a3b_config
+from measure import decode_step_bytes, event_median_seconds, qwen3_30b_a3b_config, random_weights_
 
 from moe_triton import ExpertWeights, FusedMoE, ModelContext, Placement, WeightFormat
 from moe_triton.models import default_dtype
@@ -39,9 +39,7 @@ def build(config, fp8: bool):
     context = ModelContext("Qwen3MoeForCausalLM", FP8 if fp8 else None)
     with torch.device("cuda"), default_dtype(torch.bfloat16):
         model = Qwen3MoeForCausalLM(config, Placement(context=context))
-    for p in model.parameters():
-        if p.dtype in (torch.bfloat16, torch.float32):
-            p.normal_(0, 0.02)
+    random_weights_(model)  # FP8 experts: quantized into below
     for layer in (m for m in model.modules() if isinstance(m, FusedMoE) and m.weight_format.fp8 is not None):
         E, H, I = layer.gate_up_proj.shape[0], layer.gate_up_proj.shape[2], layer.down_proj.shape[2]
         w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.02  # [E, 2I, H]

@@ -15,7 +15,7 @@ per layer per decode step.
 """
 import pytest
 import torch
-from measure import decode_step_bytes, event_median_seconds, qwen3_30b_a3b_config
+from measure import decode_step_bytes, event_median_seconds, qwen3_30b_a3b_config, random_weights_
 
 from moe_triton.models import default_dtype
 
@@ -29,11 +29,7 @@ def model():
     from moe_triton.models.qwen3_moe import Qwen3MoeForCausalLM
 
     with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = Qwen3MoeForCausalLM(qwen3_30b_a3b_config())
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    return model.eval()
+        return random_weights_(Qwen3MoeForCausalLM(qwen3_30b_a3b_config()))
 
 
 def free(model) -> None:
