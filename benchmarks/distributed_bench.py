@@ -148,9 +148,9 @@ def slowest(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def bench_row(shape: LayerShape, mode: str, num_tokens: int, full, device, dtype, experts, reps: int, groups_by_size):
-    world = dist.get_world_size()
-    spec = MODES[mode](world)
+def rank_setup(shape: LayerShape, mode: str, num_tokens: int, full, device, dtype, groups_by_size):
+    """This rank's groups, expert shard (w13, w2) and tokens (x, ids, weights) for `mode`."""
+    spec = MODES[mode](dist.get_world_size())
     sizes = (spec.ep_size, spec.tp_size)
     if sizes not in groups_by_size:
         groups_by_size[sizes] = new_parallel_groups(spec)
@@ -159,7 +159,12 @@ def bench_row(shape: LayerShape, mode: str, num_tokens: int, full, device, dtype
     # ALL_TO_ALL: every rank its own tokens; otherwise the ranks share theirs (the same seed)
     seed = 1 + (groups.rank if spec.all_to_all else 0)
     inputs = random_inputs(shape, num_tokens, dtype, device, num_variants=1, seed=seed)
-    x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+    return groups, w13, w2, inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+
+
+def bench_row(shape: LayerShape, mode: str, num_tokens: int, full, device, dtype, experts, reps: int, groups_by_size):
+    groups, w13, w2, x, ids, weights = rank_setup(shape, mode, num_tokens, full, device, dtype, groups_by_size)
+    spec = groups.spec
 
     for _ in range(3):  # warm-up: Triton compiles, NCCL connects
         phases(x, w13, w2, ids, weights, groups, experts, Clock(device))
@@ -207,18 +212,11 @@ def captured_row(shape: LayerShape, num_tokens: int, full, device, dtype, expert
     world, times = dist.get_world_size(), {}
     local = lambda x_, w, i, tw: experts(x_, w.w13, w.w2, i, tw)  # noqa: E731
     for mode in ("ep-a2a", "tp"):
-        spec = MODES[mode](world)
-        sizes = (spec.ep_size, spec.tp_size)
-        if sizes not in groups_by_size:
-            groups_by_size[sizes] = new_parallel_groups(spec)
-        groups = dataclasses.replace(groups_by_size[sizes], spec=spec)
-        shard = ExpertWeights(*shard_experts(*full, spec, groups.rank))
-        seed = 1 + (groups.rank if spec.all_to_all else 0)  # EP: every rank its own tokens; TP: shared
-        inputs = random_inputs(shape, num_tokens, dtype, device, num_variants=1, seed=seed)
-        x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+        groups, w13, w2, x, ids, weights = rank_setup(shape, mode, num_tokens, full, device, dtype, groups_by_size)
+        shard = ExpertWeights(w13, w2)
         times[mode] = captured_seconds(lambda: parallel_experts(x, shard, ids, weights, groups, experts=local),
                                        reps, device)
-        if spec.all_to_all:
+        if groups.spec.all_to_all:
             times["dispatch+combine"] = captured_seconds(
                 lambda: combine_gathered(dispatch_gathered(x, ids, weights, groups.ep).hidden_states, groups.ep),
                 reps, device)
