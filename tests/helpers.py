@@ -146,11 +146,11 @@ def prompt(batch=2, length=7, vocab=97):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
 
 
-def all_sparse_qwen3_moe_checkpoint(path):
+def all_sparse_qwen3_moe_checkpoint(path, **overrides):
     """A tiny Qwen3-MoE whose two decoder layers are both sparse, randomize_all_'d and saved to `path`
-    (the Hub layout) for transformers' own from_pretrained; returns `path`."""
+    (the Hub layout) for transformers' own from_pretrained; `overrides` change the config; returns `path`."""
     torch.manual_seed(0)
-    model = sparse_qwen3_moe(hidden_size=48, moe_intermediate_size=40, head_dim=12)
+    model = sparse_qwen3_moe(**dict(hidden_size=48, moe_intermediate_size=40, head_dim=12) | overrides)
     randomize_all_(model, seed=1)
     model.save_pretrained(path)
     return path
