@@ -7,6 +7,8 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
   reads once, the experts the batch hits, the K/V of the real context) over the copy bandwidth B
   measured in the same run; and the kernels one step launches (torch.profiler over a replay).
 - Prefill: tokens per second for one sequence of 2k and 8k tokens (eager, as prefill runs).
+- Where a batch-1 step goes: every kernel of one replay by name, its launches per layer and its GPU
+  time, and the idle time between kernels (the step's wall time minus its kernel time).
 
 Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
 per layer per decode step.
@@ -77,5 +79,32 @@ def test_prefill(benchmark, model, record):
             seconds = event_median_seconds(lambda: model.prefill_last(ids), iterations=5)  # as generate() prefills
         record("Qwen3-30B-A3B-shaped prefill, one sequence, bf16 (eager)", dict(
             tokens=tokens, prefill_ms=f"{seconds * 1e3:.1f}", tokens_per_s=f"{tokens / seconds:.0f}"))
+    free(model)
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", (1, 32))
+def test_decode_step_profile(benchmark, model, batch, record):
+    config, layers = model.config, model.config.num_hidden_layers
+    free(model)
+    model.setup(max_batch=batch, max_seq=1024 + 8, batch_sizes=(batch,))
+    inputs = {"token_ids": torch.randint(0, config.vocab_size, (batch,), device="cuda"),
+              "positions": torch.full((batch,), 1023, device="cuda"), "slots": torch.arange(batch, device="cuda")}
+    step_s = event_median_seconds(lambda: model.graphs(inputs))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        model.graphs(inputs)
+        torch.cuda.synchronize()
+    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event.name[:60], []).append(event.time_range.elapsed_us())
+    busy_us = sum(sum(times) for times in by_name.values())
+    table = f"Where a decode step goes: batch {batch}, context 1k, one replay ({step_s * 1e6:.0f} us a step)"
+    for name, times in sorted(by_name.items(), key=lambda item: -sum(item[1])):
+        record(table, dict(kernel=name, per_layer=f"{len(times) / layers:.2f}", us_per_step=f"{sum(times):.0f}",
+                           share=f"{sum(times) / (step_s * 1e6):.1%}"))
+    record(table, dict(kernel="(idle between kernels)", per_layer="-", us_per_step=f"{step_s * 1e6 - busy_us:.0f}",
+                       share=f"{1 - busy_us / (step_s * 1e6):.1%}"))
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)
