@@ -21,7 +21,7 @@ from moe_triton.activation import Activation
 
 from ..graphs import run_branches
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model
 
 
@@ -64,11 +64,9 @@ class Cohere2MoeAttention(nn.Module):
         q = self.q_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
         k = self.k_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        if self.use_rope:  # Cohere rotates in float32, interleaved pairs
-            cos, sin = rotary
-            q = apply_rotary(q.float(), cos.float(), sin.float(), interleaved=True).to(x.dtype)
-            k = apply_rotary(k.float(), cos.float(), sin.float(), interleaved=True).to(x.dtype)
-        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window)
+        # Cohere rotates in float32 and rounds once (as the kernels do), interleaved pairs; global layers are NoPE
+        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window,
+                        rotary if self.use_rope else None, interleaved=True)
         return self.o_proj(out)  # [B, L, H]
 
 

@@ -1,9 +1,10 @@
 """Pieces every model family shares: RMSNorm, rotary embeddings, the static KV cache, attention.
 
 Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim.
-Attention is torch SDPA over a static cache, so a decode step has fixed shapes and can be
-captured in a CUDA graph: a decode token writes its K/V at (slot, position) and attends to the
-slot's cache row with a mask (j <= position, and j > position - window for sliding layers).
+Prefill attention is torch SDPA (its flash path) over the prompt, whose K/V the cache records; a
+decode token rotates its k on the way into the cache at (slot, position) and attends to the slot's
+cache row in place up to its position (decode_attention.py), with fixed shapes so a decode step can
+be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 from ..graphs import ForwardMode
 from .decode_attention import decode_attention
 from .rms_norm import rms_norm
-from .rotary import apply_rotary  # noqa: F401  (the families import it from here, with the other pieces)
+from .rotary import apply_rotary, rotate_into_cache
 
 
 def head_dim_of(config) -> int:
@@ -87,10 +88,17 @@ class StaticKVCache:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int, batch: Batch,
-              scaling: float, sliding_window: int | None = None) -> torch.Tensor:
-    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D); writes k/v into the cache first."""
+              scaling: float, sliding_window: int | None = None,
+              rotary: tuple[torch.Tensor, torch.Tensor] | None = None, interleaved: bool = False) -> torch.Tensor:
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D): q and k rotated by `rotary` = (cos, sin)
+    (None: a NoPE layer), k/v written into the cache, then attention. In decode the rotation of k and
+    the cache write are one kernel (rotary.rotate_into_cache)."""
     keys, values = cache.keys[layer], cache.values[layer]
+    if rotary is not None:
+        q = apply_rotary(q, *rotary, interleaved)
     if batch.mode is ForwardMode.PREFILL:  # the prompt attends to itself; the cache only records it
+        if rotary is not None:
+            k = apply_rotary(k, *rotary, interleaved)
         L = q.shape[2]
         keys[batch.slots, :, :L] = k
         values[batch.slots, :, :L] = v
@@ -98,8 +106,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     else:  # decode: one token per sequence against its own cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
-        keys[batch.slots, :, position] = k[:, :, 0]
-        values[batch.slots, :, position] = v[:, :, 0]
+        rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved)
         out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling, sliding_window)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)

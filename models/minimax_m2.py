@@ -12,7 +12,7 @@ from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model
 
 
@@ -33,8 +33,8 @@ class MiniMaxM2Attention(nn.Module):
         q = self.q_norm(self.q_proj(x)).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
         k = self.k_norm(self.k_proj(x)).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)  # partial: the first D_rot dims
-        return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5))
+        # rotary is partial here: the first D_rot dims of each head
+        return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, rotary=rotary))
 
 
 def minimax_m2_block(config, placement: Placement) -> FusedMoE:

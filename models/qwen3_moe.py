@@ -12,7 +12,7 @@ from moe_triton import FusedMoE, Placement, RoutingSpec
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, apply_rotary, attention, head_dim_of
+from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model
 
 
@@ -35,8 +35,7 @@ class Qwen3MoeAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, L, D]
         k = self.k_norm(self.k_proj(x).view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hkv, L, D]
         v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window)  # [B, L, Hq*D]
+        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window, rotary)  # [B, L, Hq*D]
         return self.o_proj(out)
 
 

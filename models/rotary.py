@@ -9,6 +9,15 @@ every head, the rest passed through; rotate is rotate-half (Llama, Qwen, MiniMax
 
 In torch the rotation is ~8 kernels a tensor (slices, negation, concatenation, two products, a sum,
 the pass-through concatenation); a decode layer rotates q and k: two launches instead of ~16.
+
+The decode step's K/V cache write has the rotation of k folded in:
+
+    k, v [B, Hkv, 1, D]; cos / sin [B, 1, D_rot] or none (NoPE layers); the cache [slots + 1, Hkv, S, D]
+      -> _rotary_into_cache_kernel, one program per BLOCK_R (b, kv head) rows: k rotated (as above)
+         and stored at (slots[b], head, positions[b]); v copied to the same place
+      -> nothing returned: the cache written in place
+
+which replaces a rotary launch and two index_put kernels (one of them a gather) per layer.
 """
 from __future__ import annotations
 
@@ -17,6 +26,29 @@ import triton
 import triton.language as tl
 
 from moe_triton.platform import triton_computes_exactly
+
+
+@triton.jit
+def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols,
+             D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """x [BLOCK_R, BLOCK_D] (rows at x_row) with its first D_ROT columns rotated by the cos / sin rows
+    at c_row: in float32, rounded once to x's dtype."""
+    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: rotate -> (-x1, x0), (-x3, x2), ...
+        partner = cols ^ 1
+        sign = tl.where(cols % 2 == 0, -1.0, 1.0)
+    else:  # halves: rotate -> (-x2, x1)
+        partner = tl.where(cols < D_ROT // 2, cols + D_ROT // 2, cols - D_ROT // 2)
+        sign = tl.where(cols < D_ROT // 2, -1.0, 1.0)
+    rot = cols < D_ROT
+    rot_mask = row_ok[:, None] & rot[None, :]
+    x_partner = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=rot_mask, other=0.0)
+    cos = tl.load(cos_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=1.0)
+    sin = tl.load(sin_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=0.0)
+    # Not torch's three roundings in x's dtype: the GPU compiler contracts x * cos into the sum as an
+    # FMA whatever casts stand between them (seen on the H200), so a bit-for-bit copy of torch is not
+    # on offer; one rounding is the more accurate of the two.
+    rotated = x.to(tl.float32) * cos.to(tl.float32) + x_partner.to(tl.float32) * sign[None, :] * sin.to(tl.float32)
+    return tl.where(rot[None, :], rotated.to(x.dtype), x)
 
 
 @triton.jit
@@ -30,26 +62,36 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, HEADS, L,
     row_ok = rows < R
     x_row = b.to(tl.int64) * stride_x_b + head * stride_x_h + pos * stride_x_l  # [BLOCK_R]
     c_row = b.to(tl.int64) * stride_c_b + pos * stride_c_l
-    if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: rotate -> (-x1, x0), (-x3, x2), ...
-        partner = cols ^ 1
-        sign = tl.where(cols % 2 == 0, -1.0, 1.0)
-    else:  # halves: rotate -> (-x2, x1)
-        partner = tl.where(cols < D_ROT // 2, cols + D_ROT // 2, cols - D_ROT // 2)
-        sign = tl.where(cols < D_ROT // 2, -1.0, 1.0)
-    rot = cols < D_ROT
     mask = row_ok[:, None] & (cols[None, :] < D)
-    rot_mask = row_ok[:, None] & rot[None, :]
     x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)  # [BLOCK_R, BLOCK_D]
-    x_partner = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=rot_mask, other=0.0)
-    cos = tl.load(cos_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=1.0)
-    sin = tl.load(sin_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=0.0)
-    # In float32, rounded once. Not torch's three roundings in x's dtype: the GPU compiler contracts
-    # x * cos into the sum as an FMA whatever casts stand between them (seen on the H200), so a
-    # bit-for-bit copy of torch is not on offer; one rounding is the more accurate of the two.
-    rotated = x.to(tl.float32) * cos.to(tl.float32) + x_partner.to(tl.float32) * sign[None, :] * sin.to(tl.float32)
-    out = tl.where(rot[None, :], rotated.to(x.dtype), x)
+    out = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, D_ROT, INTERLEAVED)
     out_row = rows.to(tl.int64) * D
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out, mask=mask)
+
+
+@triton.jit
+def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, slots_ptr, positions_ptr,
+                              R, HEADS, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,
+                              stride_cache_slot, stride_cache_h, stride_cache_s,
+                              D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
+                              INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, kv head) flattened
+    b, head = rows // HEADS, rows % HEADS
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    slot = tl.load(slots_ptr + b, mask=row_ok, other=0).to(tl.int64)
+    position = tl.load(positions_ptr + b, mask=row_ok, other=0).to(tl.int64)
+    cache_row = slot * stride_cache_slot + head * stride_cache_h + position * stride_cache_s  # [BLOCK_R]
+    k_row = b.to(tl.int64) * stride_k_b + head * stride_k_h
+    k = tl.load(k_ptr + k_row[:, None] + cols[None, :], mask=mask, other=0.0)
+    if ROTATE:
+        k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols, D_ROT,
+                     INTERLEAVED)
+    tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=mask)
+    v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h + cols[None, :], mask=mask,
+                other=0.0)
+    tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=mask)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -65,8 +107,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
 
 def _compute(x, cos, sin, interleaved: bool) -> torch.Tensor:
-    if not triton_computes_exactly(x.device, x.dtype) or cos.dtype != x.dtype or x.stride(3) != 1:
-        return apply_rotary_torch(x, cos, sin, interleaved)  # the interpreter's bf16 casts truncate (platform.py)
+    if not triton_computes_exactly(x.device, x.dtype) or x.stride(3) != 1:
+        return rotated_once_torch(x, cos, sin, interleaved)  # the interpreter's bf16 casts truncate (platform.py)
     B, heads, L, D = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(B, heads, L, D, dtype=x.dtype, device=x.device)
@@ -88,6 +130,66 @@ def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 @_rotary_op.register_fake
 def _(x, cos, sin, interleaved):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                      keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                      interleaved: bool = False) -> None:
+    """One decode token per sequence into the cache: k (B, Hkv, 1, D) rotated by `rotary` = (cos, sin),
+    each (B, 1, D_rot), or not at all (None: a NoPE layer), and v (B, Hkv, 1, D) stored at
+    keys / values [slots[b], :, positions[b]] (the cache: (slots + 1, Hkv, S, D)). Graph-capturable."""
+    B, heads, L, D = k.shape
+    if L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D) or values.shape != keys.shape:
+        raise ValueError(f"k / v must be (B, Hkv, 1, D) and the cache (slots, Hkv, S, D) with the same Hkv and D, "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}, keys {tuple(keys.shape)}, "
+                         f"values {tuple(values.shape)}")
+    cos, sin = rotary if rotary is not None else (None, None)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_triton.rotate_into_cache(k, v, cos, sin, keys, values, slots, positions, interleaved)
+    return _write(k, v, cos, sin, keys, values, slots, positions, interleaved)
+
+
+def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool) -> None:
+    if (not triton_computes_exactly(k.device, k.dtype) or k.stride(3) != 1 or v.stride(3) != 1
+            or not keys.is_contiguous() or not values.is_contiguous()):
+        return rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, interleaved)
+    B, heads, _, D = k.shape
+    R = B * heads
+    if R:
+        rotate = cos is not None
+        cos, sin = (cos.contiguous(), sin.contiguous()) if rotate else (k, k)  # unread without rotation
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
+        _rotary_into_cache_kernel[(triton.cdiv(R, BLOCK_R),)](
+            k, v, cos, sin, keys, values, slots, positions, R, heads, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
+            D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate, INTERLEAVED=interleaved,
+            BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+
+
+@torch.library.custom_op("moe_triton::rotate_into_cache", mutates_args=("keys", "values"))
+def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                          keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                          interleaved: bool) -> None:
+    _write(k, v, cos, sin, keys, values, slots, positions, interleaved)
+
+
+@_rotate_into_cache_op.register_fake
+def _(k, v, cos, sin, keys, values, slots, positions, interleaved):
+    return None
+
+
+def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, interleaved: bool = False) -> None:
+    """The reference: the rotation of rotated_once_torch, then two index_put writes."""
+    if cos is not None:
+        k = rotated_once_torch(k, cos, sin, interleaved)
+    keys[slots, :, positions] = k[:, :, 0]
+    values[slots, :, positions] = v[:, :, 0]
+
+
+def rotated_once_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """The kernels' rounding: the rotation in float32, rounded once to x's dtype."""
+    return apply_rotary_torch(x.float(), cos.float(), sin.float(), interleaved).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,17 @@
-"""models/rotary.py against its reference (transformers' rotation, in the input dtype) on CPU under
-the interpreter and on the GPU: rotate-half and interleaved, full and partial, strided q views."""
+"""models/rotary.py against the float32 rotation on CPU under the interpreter and on the GPU:
+rotate-half and interleaved, full and partial, strided q views; and the decode step's fused
+rotation + K/V cache write against index_put into a copy of the cache."""
 import pytest
 import torch
 from helpers import assert_close
 
-from moe_triton.models.rotary import apply_rotary, apply_rotary_torch
+from moe_triton.models.rotary import (
+    apply_rotary,
+    apply_rotary_torch,
+    rotate_into_cache,
+    rotate_into_cache_torch,
+    rotated_once_torch,
+)
 
 CASES = [  # B, heads, L, D, D_rot, interleaved
     (2, 4, 3, 16, 16, False),
@@ -35,7 +42,7 @@ def test_apply_rotary(B, heads, L, D, D_rot, interleaved, dtype):
 def test_bf16_on_the_interpreter_takes_the_reference():
     """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch form."""
     x, cos, sin = make(4, 8, 3, 64, 64, torch.bfloat16)
-    assert torch.equal(apply_rotary(x, cos, sin), apply_rotary_torch(x, cos, sin))
+    assert torch.equal(apply_rotary(x, cos, sin), rotated_once_torch(x, cos, sin))
 
 
 def test_bad_tables_are_refused():
@@ -52,3 +59,65 @@ def test_apply_rotary_on_the_gpu(B, heads, L, D, D_rot, interleaved, dtype):
     x, cos, sin = make(B, heads, L, D, D_rot, dtype, "cuda")
     out = apply_rotary(x, cos, sin, interleaved)
     assert_close(out, apply_rotary_torch(x.float(), cos.float(), sin.float(), interleaved), dtype)
+
+
+CACHE_CASES = [  # B, Hkv, D, D_rot (0: NoPE), interleaved
+    (3, 2, 16, 16, False),
+    (2, 4, 24, 12, False),  # partial rotary
+    (2, 2, 16, 16, True),
+    (4, 1, 32, 0, False),  # a NoPE layer: the write alone
+    (0, 2, 16, 16, False),
+]
+
+
+def decode_token(B, heads, D, D_rot, dtype, device="cpu", slots=5, S=9):
+    """k, v as the models view them ((B, 1, Hkv, D) projections transposed), a rotary of (B, 1, D_rot)
+    or None, a random cache and distinct slots (the last one the dummy) and positions."""
+    g = torch.Generator().manual_seed(B * 10 + D + D_rot)
+    k, v = (torch.randn(B, 1, heads, D, generator=g).transpose(1, 2) for _ in range(2))
+    angles = torch.rand(B, 1, D_rot // 2, generator=g) * 6
+    rotary = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)) if D_rot else None
+    keys, values = (torch.randn(slots + 1, heads, S, D, generator=g) for _ in range(2))
+    slot_ids = torch.randperm(slots + 1, generator=g)[:B]
+    positions = torch.randint(0, S, (B,), generator=g)
+    move = lambda t: t.to(device, dtype)  # noqa: E731
+    rotary = tuple(map(move, rotary)) if rotary else None
+    return move(k), move(v), rotary, move(keys), move(values), slot_ids.to(device), positions.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("B,heads,D,D_rot,interleaved", CACHE_CASES)
+def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype):
+    k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    rotate_into_cache_torch(k, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
+                            interleaved)
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved)
+    assert torch.equal(values, expected_values)  # a copy, and nothing else of the cache touched
+    written = keys[slots, :, positions]  # [B, Hkv, D]
+    untouched = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool)
+    untouched[slots, positions] = False
+    assert torch.equal(keys.transpose(1, 2)[untouched], expected_keys.transpose(1, 2)[untouched])
+    reference = k[:, :, 0] if rotary is None else apply_rotary_torch(k.float(), *(t.float() for t in rotary),
+                                                                     interleaved)[:, :, 0]
+    assert_close(written, reference, dtype)
+
+
+def test_rotate_into_cache_refuses_mismatched_shapes():
+    k, v, rotary, keys, values, slots, positions = decode_token(2, 2, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="k / v must be"):
+        rotate_into_cache(k, v, rotary, keys[:, :1], values[:, :1], slots, positions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("B,heads,D,D_rot,interleaved", CACHE_CASES + [(64, 4, 128, 128, False),
+                                                                         (8, 8, 128, 64, True)])
+def test_rotate_into_cache_on_the_gpu(B, heads, D, D_rot, interleaved, dtype):
+    k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype, "cuda", slots=64, S=33)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    rotate_into_cache_torch(k, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
+                            interleaved)
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved)
+    assert torch.equal(values, expected_values)
+    assert_close(keys, expected_keys.float(), dtype)  # the rotation within one rounding; the rest untouched
