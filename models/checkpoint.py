@@ -18,6 +18,7 @@ from torch import nn
 from ..backends.quantization import CheckpointFormat
 from ..layer import FusedMoE
 from . import fp8
+from .layers import QKVProjection
 
 # experts.N.<proj>.<kind> -> (prefix, expert index, proj, kind): the weight or one of its FP8 scales
 _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -118,6 +119,30 @@ def renamed(name: str, renames: list[tuple[str, str]]) -> str:
     return name
 
 
+def fuse_qkv(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The checkpoint's q / k / v projections concatenated, rows q then k then v, into the model's one
+    `qkv_proj` (layers.QKVProjection), weights and biases alike. A checkpoint that already holds
+    `qkv_proj` is left as it is; one that lacks one of the three, or holds one of the wrong shape,
+    is an error naming it."""
+    for module_name, module in model.named_modules():
+        if not isinstance(module, QKVProjection):
+            continue
+        prefix = module_name.removesuffix("qkv_proj")
+        for suffix, param in module.named_parameters():
+            name = f"{module_name}.{suffix}"
+            if name in tensors:
+                continue
+            parts = [f"{prefix}{projection}.{suffix}" for projection in ("q_proj", "k_proj", "v_proj")]
+            for part, rows in zip(parts, module.sizes):
+                if part not in tensors:
+                    raise ValueError(f"missing tensor in checkpoint: {part} (q, k and v projections load together)")
+                expected = (rows, *param.shape[1:])
+                if tuple(tensors[part].shape) != expected:
+                    raise ValueError(f"tensor {part} has shape {tuple(tensors[part].shape)}, the model expects {expected}")
+            tensors[name] = torch.cat([tensors.pop(part) for part in parts])
+    return tensors
+
+
 def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
               ignore: tuple[str, ...] = (), checkpoint: CheckpointFormat = CheckpointFormat(),
               dtype: torch.dtype = torch.float32) -> None:
@@ -130,6 +155,7 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint, origins), renames)
     tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint, dtype, origins)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
+    tensors = fuse_qkv(tensors, model)
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # under a parallel placement: this rank's experts only
             module.take_shard(tensors, f"{name}." if name else "")

@@ -21,7 +21,7 @@ from moe_triton.activation import Activation
 
 from ..graphs import run_branches
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
+from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model
 
 
@@ -54,16 +54,13 @@ class Cohere2MoeAttention(nn.Module):
         dense_prefix = config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1
         self.use_rope = sliding or dense_prefix  # global layers are NoPE
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.qkv_proj = QKVProjection(config.hidden_size, config.num_attention_heads * self.head_dim,
+                                      config.num_key_value_heads * self.head_dim, bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
-        k = self.k_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))  # [B, H*, L, D]
         # Cohere rotates in float32 and rounds once (as the kernels do), interleaved pairs; global layers are NoPE
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window,
                         rotary if self.use_rope else None, interleaved=True)

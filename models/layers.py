@@ -36,6 +36,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)  # one Triton kernel (rms_norm.py)
 
 
+class QKVProjection(nn.Linear):
+    """The q, k and v projections as one GEMM: a decode step launches one kernel, not three. The
+    checkpoint's three are concatenated at load (checkpoint.fuse_qkv); forward returns the three
+    outputs as views of the one result, (..., q_size), (..., kv_size), (..., kv_size)."""
+
+    def __init__(self, hidden_size: int, q_size: int, kv_size: int, bias: bool):
+        super().__init__(hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.sizes = (q_size, kv_size, kv_size)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return super().forward(x).split(self.sizes, dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables from transformers' own rope initialisers (so every rope_type matches)."""
 

@@ -12,7 +12,7 @@ from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
+from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model
 
 
@@ -21,18 +21,17 @@ class MiniMaxM2Attention(nn.Module):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
         q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.qkv_proj = QKVProjection(config.hidden_size, q_size, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(q_size, config.rms_norm_eps)  # over all heads, before the head split
         self.k_norm = RMSNorm(kv_size, config.rms_norm_eps)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x)).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
-        k = self.k_norm(self.k_proj(x)).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        q, k, v = self.qkv_proj(x)
+        q = self.q_norm(q).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
+        k = self.k_norm(k).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v.view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         # rotary is partial here: the first D_rot dims of each head
         return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, rotary=rotary))
 

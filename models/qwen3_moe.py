@@ -12,7 +12,7 @@ from moe_triton import FusedMoE, Placement, RoutingSpec
 from moe_triton.activation import Activation
 
 from .causal_lm import CausalLM
-from .layers import Batch, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
+from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model
 
 
@@ -21,9 +21,8 @@ class Qwen3MoeAttention(nn.Module):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.qkv_proj = QKVProjection(config.hidden_size, config.num_attention_heads * self.head_dim,
+                                      config.num_key_value_heads * self.head_dim, bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before rotary
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -32,9 +31,10 @@ class Qwen3MoeAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 cache: StaticKVCache) -> torch.Tensor:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, L, D]
-        k = self.k_norm(self.k_proj(x).view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hkv, L, D]
-        v = self.v_proj(x).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
+        q, k, v = self.qkv_proj(x)
+        q = self.q_norm(q.view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, L, D]
+        k = self.k_norm(k.view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v.view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window, rotary)  # [B, L, Hq*D]
         return self.o_proj(out)
 

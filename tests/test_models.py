@@ -89,6 +89,10 @@ def break_checkpoint(path, tmp_path, edit):
     (lambda s: s.pop("model.norm.weight"), "missing tensor in checkpoint: model.norm.weight"),
     (lambda s: s.update({"model.extra.weight": torch.zeros(2)}), "unexpected tensor in checkpoint: model.extra.weight"),
     (lambda s: s.update({"model.norm.weight": torch.zeros(3)}), "model.norm.weight has shape"),
+    (lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"),  # the three are fused into qkv_proj at load
+     r"missing tensor in checkpoint: model\.layers\.1\.self_attn\.k_proj\.weight"),
+    (lambda s: s.update({"model.layers.0.self_attn.v_proj.weight": torch.zeros(3, 3)}),
+     r"model\.layers\.0\.self_attn\.v_proj\.weight has shape \(3, 3\)"),
     (lambda s: s.pop(next(k for k in sorted(s) if re.search(r"layers\.0\..*experts\.1\.(up_proj|w3)\.weight", k))),
      "gate_proj weights without up_proj|missing"),
 ])
