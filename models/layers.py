@@ -102,16 +102,22 @@ class StaticKVCache:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int, batch: Batch,
               scaling: float, sliding_window: int | None = None,
-              rotary: tuple[torch.Tensor, torch.Tensor] | None = None, interleaved: bool = False) -> torch.Tensor:
-    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D): q and k rotated by `rotary` = (cos, sin)
-    (None: a NoPE layer), k/v written into the cache, then attention. In decode the rotation of k and
-    the cache write are one kernel (rotary.rotate_into_cache)."""
+              rotary: tuple[torch.Tensor, torch.Tensor] | None = None, interleaved: bool = False,
+              qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D): q and k normalised per head by `qk_norm`
+    (Qwen3) and rotated by `rotary` = (cos, sin) (None: a NoPE layer), k/v written into the cache,
+    then attention. The norm rides in the rotary kernels, and in decode the whole of k's path (norm,
+    rotation, cache write, with v's write) is one kernel (rotary.rotate_into_cache)."""
     keys, values = cache.keys[layer], cache.values[layer]
+    q_norm, k_norm = ({"norm_weight": n.weight, "norm_eps": n.eps} for n in qk_norm) if qk_norm else ({}, {})
+    if rotary is None and qk_norm:  # nothing to ride on
+        q, k = qk_norm[0](q), qk_norm[1](k)
+        q_norm = k_norm = {}
     if rotary is not None:
-        q = apply_rotary(q, *rotary, interleaved)
+        q = apply_rotary(q, *rotary, interleaved, **q_norm)
     if batch.mode is ForwardMode.PREFILL:  # the prompt attends to itself; the cache only records it
         if rotary is not None:
-            k = apply_rotary(k, *rotary, interleaved)
+            k = apply_rotary(k, *rotary, interleaved, **k_norm)
         L = q.shape[2]
         keys[batch.slots, :, :L] = k
         values[batch.slots, :, :L] = v
@@ -119,7 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
     else:  # decode: one token per sequence against its own cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
-        rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved)
+        rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved, **k_norm)
         out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling, sliding_window)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)

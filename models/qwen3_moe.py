@@ -31,11 +31,9 @@ class Qwen3MoeAttention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 cache: StaticKVCache) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v = self.qkv_proj(x)
-        q = self.q_norm(q.view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hq, L, D]
-        k = self.k_norm(k.view(B, L, -1, self.head_dim)).transpose(1, 2)  # [B, Hkv, L, D]
-        v = v.view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
-        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window, rotary)  # [B, L, Hq*D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))  # [B, H*, L, D]
+        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window, rotary,
+                        qk_norm=(self.q_norm, self.k_norm))  # [B, L, Hq * D]
         return self.o_proj(out)
 
 

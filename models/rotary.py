@@ -1,6 +1,7 @@
 """Rotary position embedding in one kernel: x * cos + rotate(x) * sin on the first D_rot dims of
 every head, the rest passed through; rotate is rotate-half (Llama, Qwen, MiniMax) or pairwise
-(Cohere's interleaved form).
+(Cohere's interleaved form). Optionally each head is RMS-normalised first in the same kernel
+(Qwen3's q / k norms: one launch where there were two).
 
     x [B, heads, L, D] (any strides, unit last), cos / sin [B, L, D_rot]
       -> _rotary_kernel, one program per BLOCK_R (b, head, l) rows: the rotation in float32,
@@ -27,12 +28,30 @@ import triton.language as tl
 
 from moe_triton.platform import triton_computes_exactly
 
+from .rms_norm import rms_norm_torch
+
 
 @triton.jit
-def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols,
-             D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """x [BLOCK_R, BLOCK_D] (rows at x_row) with its first D_ROT columns rotated by the cos / sin rows
-    at c_row: in float32, rounded once to x's dtype."""
+def _rstd(x, D: tl.constexpr, eps):
+    """1 / RMS of each row of x [BLOCK_R, BLOCK_D] (zeros past D), in float32."""
+    x32 = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / D + eps)
+
+
+@triton.jit
+def _rms_normed(x, rstd, norm_ptr, cols, valid):
+    """RMSNorm as models/rms_norm.py computes it: the normalised row rounded to x's dtype, then the
+    weight (at `cols`) applied and rounded again."""
+    weight = tl.load(norm_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * weight[None, :]).to(x.dtype)
+
+
+@triton.jit
+def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd,
+             D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
+    """x [BLOCK_R, BLOCK_D] (rows at x_row; already normalised when NORM) with its first D_ROT
+    columns rotated by the cos / sin rows at c_row: in float32, rounded once to x's dtype. With NORM
+    the partner values are normalised as x was (same row, same rstd)."""
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: rotate -> (-x1, x0), (-x3, x2), ...
         partner = cols ^ 1
         sign = tl.where(cols % 2 == 0, -1.0, 1.0)
@@ -42,6 +61,8 @@ def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols,
     rot = cols < D_ROT
     rot_mask = row_ok[:, None] & rot[None, :]
     x_partner = tl.load(x_ptr + x_row[:, None] + partner[None, :], mask=rot_mask, other=0.0)
+    if NORM:
+        x_partner = _rms_normed(x_partner, rstd, norm_ptr, partner, rot)
     cos = tl.load(cos_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=1.0)
     sin = tl.load(sin_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=0.0)
     # Not torch's three roundings in x's dtype: the GPU compiler contracts x * cos into the sum as an
@@ -52,9 +73,9 @@ def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols,
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, HEADS, L,
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
                    stride_x_b, stride_x_h, stride_x_l, stride_c_b, stride_c_l,
-                   D: tl.constexpr, D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   D: tl.constexpr, D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, head, l) flattened, l fastest
     b, head, pos = rows // (HEADS * L), (rows // L) % HEADS, rows % L
@@ -64,17 +85,20 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, HEADS, L,
     c_row = b.to(tl.int64) * stride_c_b + pos * stride_c_l
     mask = row_ok[:, None] & (cols[None, :] < D)
     x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)  # [BLOCK_R, BLOCK_D]
-    out = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, D_ROT, INTERLEAVED)
+    rstd = _rstd(x, D, eps)  # unused without NORM
+    if NORM:
+        x = _rms_normed(x, rstd, norm_ptr, cols, cols < D)
+    out = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd, D_ROT, INTERLEAVED, NORM)
     out_row = rows.to(tl.int64) * D
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out, mask=mask)
 
 
 @triton.jit
-def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_ptr, slots_ptr, positions_ptr,
-                              R, HEADS, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,
+def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr, values_ptr, slots_ptr,
+                              positions_ptr, R, HEADS, eps, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,
                               stride_cache_slot, stride_cache_h, stride_cache_s,
-                              D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
-                              INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                              D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
+                              NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, kv head) flattened
     b, head = rows // HEADS, rows % HEADS
     cols = tl.arange(0, BLOCK_D)
@@ -85,30 +109,43 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, keys_ptr, values_p
     cache_row = slot * stride_cache_slot + head * stride_cache_h + position * stride_cache_s  # [BLOCK_R]
     k_row = b.to(tl.int64) * stride_k_b + head * stride_k_h
     k = tl.load(k_ptr + k_row[:, None] + cols[None, :], mask=mask, other=0.0)
+    rstd = _rstd(k, D, eps)  # unused without NORM
+    if NORM:
+        k = _rms_normed(k, rstd, norm_ptr, cols, cols < D)
     if ROTATE:
-        k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols, D_ROT,
-                     INTERLEAVED)
+        k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols, norm_ptr, rstd,
+                     D_ROT, INTERLEAVED, NORM)
     tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=mask)
     v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h + cols[None, :], mask=mask,
                 other=0.0)
     tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=mask)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                 norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """x (B, heads, L, D); cos / sin (B, L, D_rot) in x's dtype -> a fresh (B, heads, L, D). A partial
-    rotary (D_rot < D) rotates the first D_rot dims and passes the rest through."""
+    rotary (D_rot < D) rotates the first D_rot dims and passes the rest through. With `norm_weight`
+    (D,), each head is first RMS-normalised (Qwen3's q / k norm, `norm_eps`) in the same kernel."""
     B, heads, L, D = x.shape
     if cos.shape != sin.shape or cos.shape[:2] != (B, L) or cos.shape[2] > D or cos.shape[2] % 2:
         raise ValueError(f"cos / sin must be (B={B}, L={L}, D_rot <= {D}, even), got {tuple(cos.shape)}, "
                          f"{tuple(sin.shape)}")
+    _check_norm(norm_weight, x)
     if torch.compiler.is_compiling():
-        return torch.ops.moe_triton.rotary(x, cos, sin, interleaved)
-    return _compute(x, cos, sin, interleaved)
+        return torch.ops.moe_triton.rotary(x, cos, sin, interleaved, norm_weight, norm_eps)
+    return _compute(x, cos, sin, interleaved, norm_weight, norm_eps)
 
 
-def _compute(x, cos, sin, interleaved: bool) -> torch.Tensor:
-    if not triton_computes_exactly(x.device, x.dtype) or x.stride(3) != 1:
-        return rotated_once_torch(x, cos, sin, interleaved)  # the interpreter's bf16 casts truncate (platform.py)
+def _check_norm(norm_weight: torch.Tensor | None, x: torch.Tensor) -> None:
+    D = x.shape[-1]
+    if norm_weight is not None and (norm_weight.shape != (D,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight must be ({D},) in {x.dtype}, one weight per head dim, got "
+                         f"{tuple(norm_weight.shape)} in {norm_weight.dtype}")
+
+
+def _compute(x, cos, sin, interleaved: bool, norm_weight=None, norm_eps: float = 0.0) -> torch.Tensor:
+    if not triton_computes_exactly(x.device, x.dtype) or x.stride(3) != 1:  # the interpreter's bf16 casts truncate
+        return rotated_once_torch(_normed_torch(x, norm_weight, norm_eps), cos, sin, interleaved)
     B, heads, L, D = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(B, heads, L, D, dtype=x.dtype, device=x.device)
@@ -117,42 +154,50 @@ def _compute(x, cos, sin, interleaved: bool) -> torch.Tensor:
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
         _rotary_kernel[(triton.cdiv(R, BLOCK_R),)](
-            x, cos, sin, out, R, heads, L, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-            D=D, D_ROT=cos.shape[2], INTERLEAVED=interleaved, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+            x, cos, sin, x if norm_weight is None else norm_weight, out, R, heads, L, norm_eps, x.stride(0),
+            x.stride(1), x.stride(2), cos.stride(0), cos.stride(1), D=D, D_ROT=cos.shape[2], INTERLEAVED=interleaved,
+            NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
     return out
 
 
 @torch.library.custom_op("moe_triton::rotary", mutates_args=())
-def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    return _compute(x, cos, sin, interleaved)
+def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+               norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
+    return _compute(x, cos, sin, interleaved, norm_weight, norm_eps)
 
 
 @_rotary_op.register_fake
-def _(x, cos, sin, interleaved):
+def _(x, cos, sin, interleaved, norm_weight, norm_eps):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
                       keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                      interleaved: bool = False) -> None:
-    """One decode token per sequence into the cache: k (B, Hkv, 1, D) rotated by `rotary` = (cos, sin),
-    each (B, 1, D_rot), or not at all (None: a NoPE layer), and v (B, Hkv, 1, D) stored at
-    keys / values [slots[b], :, positions[b]] (the cache: (slots + 1, Hkv, S, D)). Graph-capturable."""
+                      interleaved: bool = False, norm_weight: torch.Tensor | None = None,
+                      norm_eps: float = 0.0) -> None:
+    """One decode token per sequence into the cache: k (B, Hkv, 1, D) RMS-normalised per head when
+    `norm_weight` is given, rotated by `rotary` = (cos, sin), each (B, 1, D_rot), or not at all
+    (None: a NoPE layer), and v (B, Hkv, 1, D) stored at keys / values [slots[b], :, positions[b]]
+    (the cache: (slots + 1, Hkv, S, D)). Graph-capturable."""
     B, heads, L, D = k.shape
     if L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D) or values.shape != keys.shape:
         raise ValueError(f"k / v must be (B, Hkv, 1, D) and the cache (slots, Hkv, S, D) with the same Hkv and D, "
                          f"got k {tuple(k.shape)}, v {tuple(v.shape)}, keys {tuple(keys.shape)}, "
                          f"values {tuple(values.shape)}")
+    _check_norm(norm_weight, k)
     cos, sin = rotary if rotary is not None else (None, None)
     if torch.compiler.is_compiling():
-        return torch.ops.moe_triton.rotate_into_cache(k, v, cos, sin, keys, values, slots, positions, interleaved)
-    return _write(k, v, cos, sin, keys, values, slots, positions, interleaved)
+        return torch.ops.moe_triton.rotate_into_cache(k, v, cos, sin, keys, values, slots, positions, interleaved,
+                                                      norm_weight, norm_eps)
+    return _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps)
 
 
-def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool) -> None:
+def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
+           norm_eps: float = 0.0) -> None:
     if (not triton_computes_exactly(k.device, k.dtype) or k.stride(3) != 1 or v.stride(3) != 1
             or not keys.is_contiguous() or not values.is_contiguous()):
-        return rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, interleaved)
+        return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys, values, slots,
+                                       positions, interleaved)
     B, heads, _, D = k.shape
     R = B * heads
     if R:
@@ -161,21 +206,21 @@ def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool) ->
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
         _rotary_into_cache_kernel[(triton.cdiv(R, BLOCK_R),)](
-            k, v, cos, sin, keys, values, slots, positions, R, heads, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2),
-            D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate, INTERLEAVED=interleaved,
-            BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+            k, v, cos, sin, k if norm_weight is None else norm_weight, keys, values, slots, positions, R, heads,
+            norm_eps, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), keys.stride(0),
+            keys.stride(1), keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
+            INTERLEAVED=interleaved, NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
 
 
 @torch.library.custom_op("moe_triton::rotate_into_cache", mutates_args=("keys", "values"))
 def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                           keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                          interleaved: bool) -> None:
-    _write(k, v, cos, sin, keys, values, slots, positions, interleaved)
+                          interleaved: bool, norm_weight: torch.Tensor | None, norm_eps: float) -> None:
+    _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps)
 
 
 @_rotate_into_cache_op.register_fake
-def _(k, v, cos, sin, keys, values, slots, positions, interleaved):
+def _(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps):
     return None
 
 
@@ -185,6 +230,10 @@ def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, inte
         k = rotated_once_torch(k, cos, sin, interleaved)
     keys[slots, :, positions] = k[:, :, 0]
     values[slots, :, positions] = v[:, :, 0]
+
+
+def _normed_torch(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
+    return x if norm_weight is None else rms_norm_torch(x, norm_weight, norm_eps)
 
 
 def rotated_once_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers import assert_close
 
+from moe_triton.models.rms_norm import rms_norm_torch
 from moe_triton.models.rotary import (
     apply_rotary,
     apply_rotary_torch,
@@ -30,13 +31,25 @@ def make(B, heads, L, D, D_rot, dtype, device="cpu"):
     return [t.to(device, dtype) for t in (x, cos, sin)]
 
 
+def norm_weight(D, dtype, device="cpu"):
+    return (1 + torch.randn(D, generator=torch.Generator().manual_seed(D)) / 4).to(device, dtype)
+
+
+def normed_rotation(x, cos, sin, interleaved, weight):
+    """The float32 reference: Qwen3's per-head RMSNorm (when `weight` is given), then the rotation."""
+    x = x.float() if weight is None else rms_norm_torch(x.float(), weight.float(), 1e-6)
+    return apply_rotary_torch(x, cos.float(), sin.float(), interleaved)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("B,heads,L,D,D_rot,interleaved", CASES)
-def test_apply_rotary(B, heads, L, D, D_rot, interleaved, dtype):
+def test_apply_rotary(B, heads, L, D, D_rot, interleaved, dtype, norm):
     x, cos, sin = make(B, heads, L, D, D_rot, dtype)
-    out = apply_rotary(x, cos, sin, interleaved)
+    weight = norm_weight(D, dtype) if norm else None
+    out = apply_rotary(x, cos, sin, interleaved, norm_weight=weight, norm_eps=1e-6)
     assert out.shape == x.shape and out.dtype == dtype
-    assert_close(out, apply_rotary_torch(x.float(), cos.float(), sin.float(), interleaved), dtype)
+    assert_close(out, normed_rotation(x, cos, sin, interleaved, weight), dtype, scale=2 if norm else 1)
 
 
 def test_bf16_on_the_interpreter_takes_the_reference():
@@ -49,16 +62,20 @@ def test_bad_tables_are_refused():
     x, cos, sin = make(2, 2, 3, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="cos / sin must be"):
         apply_rotary(x, cos[:, :2], sin[:, :2])
+    with pytest.raises(ValueError, match=r"norm_weight must be \(16,\) in torch.float32"):
+        apply_rotary(x, cos, sin, norm_weight=torch.ones(16, dtype=torch.float16))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("B,heads,L,D,D_rot,interleaved", CASES + [(8, 32, 1, 128, 128, False),
                                                                   (1, 4, 4096, 128, 64, False)])
-def test_apply_rotary_on_the_gpu(B, heads, L, D, D_rot, interleaved, dtype):
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
+def test_apply_rotary_on_the_gpu(B, heads, L, D, D_rot, interleaved, dtype, norm):
     x, cos, sin = make(B, heads, L, D, D_rot, dtype, "cuda")
-    out = apply_rotary(x, cos, sin, interleaved)
-    assert_close(out, apply_rotary_torch(x.float(), cos.float(), sin.float(), interleaved), dtype)
+    weight = norm_weight(D, dtype, "cuda") if norm else None
+    out = apply_rotary(x, cos, sin, interleaved, norm_weight=weight, norm_eps=1e-6)
+    assert_close(out, normed_rotation(x, cos, sin, interleaved, weight), dtype, scale=2 if norm else 1)
 
 
 CACHE_CASES = [  # B, Hkv, D, D_rot (0: NoPE), interleaved
@@ -85,22 +102,24 @@ def decode_token(B, heads, D, D_rot, dtype, device="cpu", slots=5, S=9):
     return move(k), move(v), rotary, move(keys), move(values), slot_ids.to(device), positions.to(device)
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("B,heads,D,D_rot,interleaved", CACHE_CASES)
-def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype):
+def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype, norm):
     k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype)
+    weight = norm_weight(D, dtype) if norm else None
     expected_keys, expected_values = keys.clone(), values.clone()
     rotate_into_cache_torch(k, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
                             interleaved)
-    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved)
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved, norm_weight=weight, norm_eps=1e-6)
     assert torch.equal(values, expected_values)  # a copy, and nothing else of the cache touched
     written = keys[slots, :, positions]  # [B, Hkv, D]
     untouched = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool)
     untouched[slots, positions] = False
     assert torch.equal(keys.transpose(1, 2)[untouched], expected_keys.transpose(1, 2)[untouched])
-    reference = k[:, :, 0] if rotary is None else apply_rotary_torch(k.float(), *(t.float() for t in rotary),
-                                                                     interleaved)[:, :, 0]
-    assert_close(written, reference, dtype)
+    normed = k.float() if weight is None else rms_norm_torch(k.float(), weight.float(), 1e-6)
+    reference = normed if rotary is None else apply_rotary_torch(normed, *(t.float() for t in rotary), interleaved)
+    assert_close(written, reference[:, :, 0], dtype, scale=2 if norm else 1)
 
 
 def test_rotate_into_cache_refuses_mismatched_shapes():
@@ -113,11 +132,14 @@ def test_rotate_into_cache_refuses_mismatched_shapes():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("B,heads,D,D_rot,interleaved", CACHE_CASES + [(64, 4, 128, 128, False),
                                                                          (8, 8, 128, 64, True)])
-def test_rotate_into_cache_on_the_gpu(B, heads, D, D_rot, interleaved, dtype):
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
+def test_rotate_into_cache_on_the_gpu(B, heads, D, D_rot, interleaved, dtype, norm):
     k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype, "cuda", slots=64, S=33)
+    weight = norm_weight(D, dtype, "cuda") if norm else None
     expected_keys, expected_values = keys.clone(), values.clone()
-    rotate_into_cache_torch(k, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
+    normed = k if weight is None else rms_norm_torch(k.float(), weight.float(), 1e-6).to(dtype)
+    rotate_into_cache_torch(normed, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
                             interleaved)
-    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved)
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved, norm_weight=weight, norm_eps=1e-6)
     assert torch.equal(values, expected_values)
-    assert_close(keys, expected_keys.float(), dtype)  # the rotation within one rounding; the rest untouched
+    assert_close(keys, expected_keys.float(), dtype, scale=2 if norm else 1)  # the rest of the cache untouched
