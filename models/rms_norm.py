@@ -18,13 +18,12 @@ from moe_triton.platform import triton_computes_exactly
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, R, N, eps, INNER, stride_x_outer, stride_x_inner, stride_out_r,
+def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, R, N, eps, stride_x_r, stride_out_r,
                      BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < R) & (cols[None, :] < N)
-    x_rows = (rows // INNER).to(tl.int64) * stride_x_outer + (rows % INNER).to(tl.int64) * stride_x_inner
-    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x_r + cols[None, :], mask=mask, other=0.0)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / N + eps)  # [BLOCK_R]
     normed = (x32 * rstd[:, None]).to(x.dtype)  # rounded to the input dtype before the weight, as transformers
@@ -51,20 +50,17 @@ def _compute(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     N = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    R = out.numel() // N if N else 0
+    rows = x.reshape(-1, N)  # a view where x's layout allows (per-head q / k norms: the heads are rows)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [R, N]
+    R = rows.shape[0]
     if R:
-        # Rows as (outer, inner) with a stride each: the per-head q / k norms of a fused QKV projection
-        # read [..., heads, D] out of a wider row without a copy; anything else collapses to one stride.
-        inner = x.shape[-2] if x.dim() >= 2 else 1
-        rows = x.reshape(-1, inner, N) if x.dim() >= 2 else x.reshape(1, 1, N)
-        if rows.stride(2) != 1:
-            rows = rows.contiguous()
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
-        _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](rows, weight, out, R, N, eps, inner, rows.stride(0),
-                                                      rows.stride(1), N, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
-    return out
+        _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](rows, weight, out, R, N, eps, rows.stride(0), out.stride(0),
+                                                      BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+    return out.view(x.shape)
 
 
 @torch.library.custom_op("moe_triton::rms_norm", mutates_args=())

@@ -28,8 +28,8 @@ def test_a_strided_view_and_transformers_module():
     torch.testing.assert_close(rms_norm(x, module.weight, 1e-5), module(x), rtol=1e-6, atol=1e-6)
 
 
-def test_per_head_rows_out_of_a_fused_projection_are_read_in_place():
-    """Qwen3's q norm over [B, L, heads, D] sliced out of a QKV projection's wider rows."""
+def test_per_head_rows_out_of_a_fused_projection():
+    """A per-head norm over [B, L, heads, D] sliced out of a QKV projection's wider rows."""
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(2, 3, 4 * 8 + 2 * 2 * 8, generator=g)
     q = qkv[..., :32].view(2, 3, 4, 8)  # rows of 8, 4 per token, tokens 48 apart
