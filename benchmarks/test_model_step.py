@@ -39,6 +39,14 @@ def free(model) -> None:
     torch.cuda.empty_cache()
 
 
+def decode_setup(model, batch: int, context: int) -> dict[str, torch.Tensor]:
+    """A fresh cache and graph for `batch` sequences; the inputs of one decode step at position context - 1."""
+    free(model)  # the previous cache first: at batch 64 and 8k context the cache alone is ~52 GB
+    model.setup(max_batch=batch, max_seq=context + 8, batch_sizes=(batch,))
+    return {"token_ids": torch.randint(0, model.config.vocab_size, (batch,), device="cuda"),
+            "positions": torch.full((batch,), context - 1, device="cuda"), "slots": torch.arange(batch, device="cuda")}
+
+
 def kernels_per_step(step) -> int:
     step()
     torch.cuda.synchronize()
@@ -53,11 +61,7 @@ def kernels_per_step(step) -> int:
 def test_decode_step(benchmark, model, context, ceilings, record):
     config, layers = model.config, model.config.num_hidden_layers
     for batch in BATCHES:
-        free(model)  # the previous cache first: at batch 64 and 8k context the cache alone is ~52 GB
-        model.setup(max_batch=batch, max_seq=context + 8, batch_sizes=(batch,))
-        inputs = {"token_ids": torch.randint(0, config.vocab_size, (batch,), device="cuda"),
-                  "positions": torch.full((batch,), context - 1, device="cuda"),
-                  "slots": torch.arange(batch, device="cuda")}
+        inputs = decode_setup(model, batch, context)
         step_s = event_median_seconds(lambda: model.graphs(inputs))
         floor_s = decode_step_bytes(config, batch, context) / ceilings.bandwidth
         kernels = kernels_per_step(lambda: model.graphs(inputs))
@@ -86,11 +90,8 @@ def test_prefill(benchmark, model, record):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", (1, 32))
 def test_decode_step_profile(benchmark, model, batch, record):
-    config, layers = model.config, model.config.num_hidden_layers
-    free(model)
-    model.setup(max_batch=batch, max_seq=1024 + 8, batch_sizes=(batch,))
-    inputs = {"token_ids": torch.randint(0, config.vocab_size, (batch,), device="cuda"),
-              "positions": torch.full((batch,), 1023, device="cuda"), "slots": torch.arange(batch, device="cuda")}
+    layers = model.config.num_hidden_layers
+    inputs = decode_setup(model, batch, 1024)
     step_s = event_median_seconds(lambda: model.graphs(inputs))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         model.graphs(inputs)
