@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ._expand_kernels import _expert_histogram_kernel, _expert_offsets_kernel, _scatter_pairs_kernel
+from .launch import BoundLaunch
 
 
 class LayoutKind(enum.Enum):
@@ -76,47 +77,76 @@ def _block_p(num_experts: int) -> int:
     return max(16, min(1024, 8192 // triton.next_power_of_2(num_experts)))
 
 
-def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
-    """Sort the pairs of `topk_ids`, shape (T, K), by expert into segments padded to `block_m` rows."""
-    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+@dataclass(frozen=True)
+class ExpandPlan:
+    """`expand` for one (T, K, E, block_m, device): the buffer sizes and the three launches bound
+    once (launch.py); a call allocates the layout's buffers and launches."""
+
+    top_k: int  # K
+    num_experts: int  # E
+    block_m: int
+    num_pairs: int  # P = T * K
+    max_rows: int  # R, the worst case
+    num_blocks: int  # blocks of BLOCK_P pairs that the histogram and scatter kernels take one each
+    launches: tuple[BoundLaunch, BoundLaunch, BoundLaunch] | None  # histogram, offsets, scatter; None when P = 0
+
+    def __call__(self, topk_ids: torch.Tensor) -> ExpertLayout:
+        P, E, R = self.num_pairs, self.num_experts, self.max_rows
+        i32 = dict(dtype=torch.int32, device=topk_ids.device)
+        topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
+        layout = ExpertLayout(
+            LayoutKind.SORTED, block_m=self.block_m, top_k=self.top_k, num_experts=E, num_pairs=P,
+            topk_ids=topk_ids.view(-1),
+            sorted_pair_ids=torch.empty(R, **i32),  # [R]
+            pair_to_row=torch.empty(P, **i32),  # [P]
+            block_expert=torch.empty(R // self.block_m, **i32),  # [B]
+            expert_offsets=torch.empty(E + 1, **i32),  # [E + 1]
+            num_rows=torch.empty(1, **i32),
+        )
+        if self.launches is None:
+            layout.expert_offsets.zero_()
+            layout.num_rows.zero_()
+            return layout
+        block_counts = torch.empty(self.num_blocks, E, **i32)  # [num_blocks, E]
+        block_prefix = torch.empty(self.num_blocks, E, **i32)  # [num_blocks, E]
+        histogram, offsets, scatter = self.launches
+        histogram(topk_ids_ptr=topk_ids, block_counts_ptr=block_counts)
+        offsets(block_counts_ptr=block_counts, block_prefix_ptr=block_prefix,
+                expert_offsets_ptr=layout.expert_offsets, num_rows_ptr=layout.num_rows,
+                sorted_pair_ids_ptr=layout.sorted_pair_ids, block_expert_ptr=layout.block_expert)
+        scatter(topk_ids_ptr=topk_ids, block_prefix_ptr=block_prefix, expert_offsets_ptr=layout.expert_offsets,
+                sorted_pair_ids_ptr=layout.sorted_pair_ids, pair_to_row_ptr=layout.pair_to_row)
+        return layout
+
+
+def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpandPlan:
+    """The plan of `expand` for topk_ids of shape (num_tokens, top_k)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m <= 0 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
-    T, K = topk_ids.shape
-    P, E, device = T * K, num_experts, topk_ids.device
+    P, E = num_tokens * top_k, num_experts
     R = max_rows(P, E, block_m)
-    i32 = dict(dtype=torch.int32, device=device)
-    topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
-    layout = ExpertLayout(
-        LayoutKind.SORTED, block_m=block_m, top_k=K, num_experts=E, num_pairs=P, topk_ids=topk_ids.view(-1),
-        sorted_pair_ids=torch.empty(R, **i32),  # [R]
-        pair_to_row=torch.empty(P, **i32),  # [P]
-        block_expert=torch.empty(R // block_m, **i32),  # [B]
-        expert_offsets=torch.empty(E + 1, **i32),  # [E + 1]
-        num_rows=torch.empty(1, **i32),
-    )
-    if P == 0:
-        layout.expert_offsets.zero_()
-        layout.num_rows.zero_()
-        return layout
     BLOCK_P, E_PAD = _block_p(E), triton.next_power_of_2(E)
     num_blocks = triton.cdiv(P, BLOCK_P)
-    block_counts = torch.empty(num_blocks, E, **i32)  # [num_blocks, E]
-    block_prefix = torch.empty(num_blocks, E, **i32)  # [num_blocks, E]
-    _expert_histogram_kernel[(num_blocks,)](topk_ids, block_counts, P, E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)
-    _expert_offsets_kernel[(1,)](
-        block_counts, block_prefix, layout.expert_offsets, layout.num_rows,
-        layout.sorted_pair_ids, layout.block_expert,
-        num_blocks, R // block_m, P, E,
-        BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=max(1, 8192 // E_PAD),
+    if P == 0:
+        return ExpandPlan(top_k, E, block_m, P, R, num_blocks, None)
+    launches = (
+        BoundLaunch(_expert_histogram_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+        BoundLaunch(_expert_offsets_kernel, (1,), dict(num_blocks=num_blocks, num_m_blocks=R // block_m,
+                                                       num_pairs=P, E=E, BLOCK_M=block_m, E_PAD=E_PAD,
+                                                       CHUNK=max(1, 8192 // E_PAD))),
+        BoundLaunch(_scatter_pairs_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
     )
-    _scatter_pairs_kernel[(num_blocks,)](
-        topk_ids, block_prefix, layout.expert_offsets, layout.sorted_pair_ids, layout.pair_to_row,
-        P, E, BLOCK_P=BLOCK_P, E_PAD=E_PAD,
-    )
-    return layout
+    return ExpandPlan(top_k, E, block_m, P, R, num_blocks, launches)
+
+
+def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
+    """Sort the pairs of `topk_ids`, shape (T, K), by expert into segments padded to `block_m` rows."""
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    T, K = topk_ids.shape
+    return plan_expand(T, K, num_experts, block_m)(topk_ids)
 
 
 def expand_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:

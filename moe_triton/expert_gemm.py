@@ -32,6 +32,7 @@ which nothing downstream reads.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ import triton.language as tl
 from .activation import Activation, _apply_activation
 from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
+from .launch import BoundLaunch
 from .quantize import quantize_tile
 from .weights import FP8_DTYPE
 
@@ -210,13 +212,31 @@ def _expert_gemm_kernel(
 
 
 def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
-    """A TMA descriptor over w viewed as (E * N, C), when the config asks for one and the layout
-    allows it (contiguous, 16-byte aligned rows); else None and the kernel uses pointer loads."""
-    if not config.tma_weights or not w.is_contiguous() or (w.shape[2] * w.element_size()) % 16:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    """A TMA descriptor over w viewed as (E * N, C). Weights do not move between calls, so each
+    weight tensor keeps its descriptors (one per tile shape) while it lives at the same address,
+    and drops them when it dies; the launcher still encodes the descriptor at every launch."""
+    block = (config.block_n, config.block_c)
+    key = id(w)
+    entry = _DESCRIPTORS.get(key)
+    if entry is None or entry[0]() is not w or entry[1] != w.data_ptr():
+        entry = (weakref.ref(w, lambda _, key=key: _DESCRIPTORS.pop(key, None)), w.data_ptr(), {})
+        _DESCRIPTORS[key] = entry
+    descriptor = entry[2].get(block)
+    if descriptor is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [config.block_n, config.block_c])
+        descriptor = entry[2][block] = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), list(block))
+    return descriptor
+
+
+# id(w) -> (weak reference to w, its address, {tile: descriptor}); a descriptor holds a view of w's
+# storage, never w itself, so a dead w's entry is dropped by its reference's callback.
+_DESCRIPTORS: dict[int, tuple] = {}
+
+
+def _takes_descriptor(w: torch.Tensor, config: GemmConfig) -> bool:
+    # TMA needs contiguous rows of a 16-byte multiple
+    return config.tma_weights and w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0
 
 
 def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
@@ -229,6 +249,113 @@ def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor, config: G
                          f"{config.block_c}")
     if scales.w_block is not None and scales.w_block[1] % config.block_c:
         raise ValueError(f"weight blocks {scales.w_block} must span a multiple of block_c={config.block_c} columns")
+
+
+@dataclass(frozen=True)
+class ExpertGemmPlan:
+    """`expert_gemm` for one signature (shapes, strides, dtypes, layout sizes, config, fusions):
+    checked once, its launch bound (launch.py); a call allocates the output and launches.
+    Valid for any tensors with the metadata of those it was planned from."""
+
+    out_shape: tuple[int, ...]  # [R, N_out], or [S, R, N] float32 split-C partials
+    out_dtype: torch.dtype
+    out_scales_shape: tuple[int, int] | None  # [R, N_out / BLOCK_N] with an FP8 output, else None
+    config: GemmConfig
+    descriptor: bool  # weights through a TMA descriptor
+    launch: BoundLaunch | None  # None: no row blocks or no output columns, nothing to compute
+
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout, scales: Fp8Scales | None = None,
+                 out: torch.Tensor | None = None):
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)  # [S, R, N] or [R, N_out]
+        out_scales = None
+        if self.out_scales_shape is not None:
+            out_scales = torch.empty(self.out_scales_shape, dtype=torch.float32, device=a.device)  # [R, N_out / BLOCK_N]
+        if self.launch is not None:
+            w_desc = _weight_descriptor(w, self.config) if self.descriptor else w
+            self.launch(**_gemm_tensors(a, w, w_desc, layout, scales, out, out_scales))
+        return (out, out_scales) if out_scales is not None else out
+
+
+def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, scales: Fp8Scales | None, out, out_scales) -> dict:
+    """The kernel's tensor arguments of one call, by name."""
+    # A PER_PAIR layout has no sorted buffers: the kernel reads only topk_ids there, and only the
+    # sorted buffers otherwise, so the unused pointers may alias whatever tensor is at hand.
+    if layout.kind is LayoutKind.PER_PAIR:
+        sorted_pair_ids = block_expert = num_rows = layout.topk_ids
+    else:
+        sorted_pair_ids, block_expert, num_rows = layout.sorted_pair_ids, layout.block_expert, layout.num_rows
+    a_scale, w_scale = (scales.a, scales.w) if scales is not None else (out, out)  # unread without FP8
+    return dict(a_ptr=a, w_ptr=w, w_desc=w_desc, out_ptr=out, sorted_pair_ids_ptr=sorted_pair_ids,
+                block_expert_ptr=block_expert, num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids,
+                a_scale_ptr=a_scale, w_scale_ptr=w_scale, out_scale_ptr=out_scales if out_scales is not None else out)
+
+
+def plan_expert_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    layout: ExpertLayout,
+    config: GemmConfig,
+    *,
+    gather: bool,
+    activation: Activation | None = None,
+    scales: Fp8Scales | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> ExpertGemmPlan:
+    """The plan of `expert_gemm(a, w, layout, config, ...)`: see there."""
+    if config.block_m != layout.block_m:
+        raise ValueError(f"config.block_m={config.block_m} must equal the layout's block_m={layout.block_m}")
+    if config.split_c > 1 and (activation is not None or out_dtype == FP8_DTYPE):
+        raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation or an FP8 output "
+                         "needs the whole sum: split only the second GEMM")
+    if scales is not None:
+        _check_scales(scales, a, w, config)
+    E, N, C = w.shape
+    split_c = config.split_c
+    gated = activation is not None and activation.gated
+    n_out = N // 2 if gated else N
+    out_dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
+    R = layout.max_rows
+    num_m_blocks = R // layout.block_m
+    out_shape, out_strides = ((split_c, R, N), (R * N, N)) if split_c > 1 else ((R, n_out), (0, n_out))
+    if split_c > 1:
+        out_dtype = torch.float32
+    out_scales_shape = (R, triton.cdiv(n_out, config.block_n)) if out_dtype == FP8_DTYPE else None
+    descriptor = _takes_descriptor(w, config)
+    if num_m_blocks == 0 or n_out == 0:
+        return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, None)
+    a_scale_strides = (0, 0)
+    if scales is not None:
+        a_scale_strides = (scales.a.stride(0), scales.a.stride(-1) if scales.a.dim() > 1 else 0)
+    w_scale = scales.w if scales is not None else None
+    w_scale_strides = (0, 0, 0)
+    if w_scale is not None:  # per-row scales: one "block" column
+        w_scale_strides = w_scale.stride() if w_scale.dim() == 3 else (*w_scale.stride(), 0)
+    fixed = dict(
+        N=n_out, C=C, E=E, num_pairs=layout.num_pairs, num_m_blocks=num_m_blocks, up_offset=n_out * w.stride(1),
+        w_rows_per_expert=N, w_scale_up_offset=scales.w_up_offset if scales is not None else 0,
+        stride_a_m=a.stride(0), stride_a_c=a.stride(1), stride_w_e=w.stride(0), stride_w_n=w.stride(1),
+        stride_w_c=w.stride(2), stride_out_m=out_strides[1], stride_out_split=out_strides[0],
+        stride_as_m=a_scale_strides[0], stride_as_g=a_scale_strides[1],
+        stride_ws_e=w_scale_strides[0], stride_ws_n=w_scale_strides[1], stride_ws_c=w_scale_strides[2],
+        stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
+        W_DESC=descriptor, PER_PAIR=layout.kind is LayoutKind.PER_PAIR, GATHER_TOP_K=layout.top_k if gather else 0,
+        FUSED_GATE=gated, ACT_KIND=activation.kind.value if activation is not None else -1, SPLIT_C=split_c,
+        A_SCALE=scales.a_along_c(C).value if scales is not None else 0,
+        W_SCALE=scales.w_along_c.value if scales is not None else 0,
+        A_GROUP=scales.a_group if scales is not None else 1,
+        W_BLOCK_N=scales.w_block[0] if scales is not None and scales.w_block else 1,
+        W_BLOCK_C=scales.w_block[1] if scales is not None and scales.w_block else 1,
+        OUT_FP8=out_scales_shape is not None,
+        ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
+        ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,
+        IEEE_FP32=w.dtype == torch.float32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_C=config.block_c, GROUP_M=config.group_m,
+    )
+    grid = (num_m_blocks * triton.cdiv(n_out, config.block_n), split_c)
+    launch = BoundLaunch(_expert_gemm_kernel, grid, fixed,
+                         dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, launch)
 
 
 def expert_gemm(
@@ -248,72 +375,19 @@ def expert_gemm(
     `a` is hidden_states, shape (T, C), when `gather`, else rows in layout order, shape (R, C).
     `w` has shape (E, N, C). Shapes are validated by the caller (fused_moe.run_experts). FP8
     operands come with their `scales`; `out_dtype` (default: a's dtype, or bf16 for FP8 operands)
-    set to float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)).
+    set to float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)). `out`, when given, must
+    be contiguous with the output's shape and dtype.
 
     Split-C (`config.split_c` = S > 1) returns float32 partial sums, shape (S, R, N), for finalize
     to sum; it takes no activation (the first GEMM is never split).
     """
-    if config.block_m != layout.block_m:
-        raise ValueError(f"config.block_m={config.block_m} must equal the layout's block_m={layout.block_m}")
-    if config.split_c > 1 and (activation is not None or out_dtype == FP8_DTYPE):
-        raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation or an FP8 output "
-                         "needs the whole sum: split only the second GEMM")
-    if scales is not None:
-        _check_scales(scales, a, w, config)
-    E, N, C = w.shape
-    split_c = config.split_c
-    gated = activation is not None and activation.gated
-    n_out = N // 2 if gated else N
-    out_dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
-    num_m_blocks = layout.max_rows // layout.block_m
-    out_scales = None
-    if split_c > 1:
-        shape, out_dtype = (split_c, layout.max_rows, N), torch.float32
-    else:
-        shape = (layout.max_rows, n_out)
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=a.device)  # [S, R, N] or [R, N_out]
-    if out_dtype == FP8_DTYPE:
-        out_scales = torch.empty(layout.max_rows, triton.cdiv(n_out, config.block_n), dtype=torch.float32,
-                                 device=a.device)  # [R, N_out / BLOCK_N]
-    result = (out, out_scales) if out_scales is not None else out
-    if num_m_blocks == 0 or n_out == 0:
-        return result
-    grid = (num_m_blocks * triton.cdiv(n_out, config.block_n), split_c)
-    per_pair = layout.kind is LayoutKind.PER_PAIR
-    w_desc = _weight_descriptor(w, config) or w
-    # A PER_PAIR layout has no sorted buffers: the kernel reads only topk_ids there, and only the
-    # sorted buffers otherwise, so the unused pointers may alias whatever tensor is at hand.
-    sorted_pair_ids, block_expert, num_rows = ((layout.topk_ids,) * 3 if per_pair
-                                               else (layout.sorted_pair_ids, layout.block_expert, layout.num_rows))
-    a_scale, w_scale = (scales.a, scales.w) if scales is not None else (out, out)  # unread without FP8
-    w_scale_3d = w_scale if w_scale.dim() == 3 else w_scale[:, :, None]  # per-row scales: one "block" column
-    _expert_gemm_kernel[grid](
-        a, w, w_desc, out,
-        sorted_pair_ids, block_expert, num_rows, layout.topk_ids,
-        a_scale, w_scale, out_scales if out_scales is not None else out,
-        n_out, C, E, layout.num_pairs, num_m_blocks, n_out * w.stride(1), N,
-        scales.w_up_offset if scales is not None else 0,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(-2),
-        out.stride(0) if split_c > 1 else 0,
-        a_scale.stride(0), a_scale.stride(-1) if a_scale.dim() > 1 else 0,
-        w_scale_3d.stride(0), w_scale_3d.stride(1), w_scale_3d.stride(2),
-        out_scales.stride(0) if out_scales is not None else 0,
-        W_DESC=w_desc is not w, PER_PAIR=per_pair, GATHER_TOP_K=layout.top_k if gather else 0,
-        FUSED_GATE=gated, ACT_KIND=activation.kind.value if activation is not None else -1, SPLIT_C=split_c,
-        A_SCALE=scales.a_along_c(C).value if scales is not None else 0,
-        W_SCALE=scales.w_along_c.value if scales is not None else 0,
-        A_GROUP=scales.a_group if scales is not None else 1,
-        W_BLOCK_N=scales.w_block[0] if scales is not None and scales.w_block else 1,
-        W_BLOCK_C=scales.w_block[1] if scales is not None and scales.w_block else 1,
-        OUT_FP8=out_scales is not None,
-        ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
-        ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,
-        IEEE_FP32=w.dtype == torch.float32,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_C=config.block_c, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    return result
+    plan = plan_expert_gemm(a, w, layout, config, gather=gather, activation=activation, scales=scales,
+                            out_dtype=out_dtype)
+    if out is not None and (tuple(out.shape) != plan.out_shape or out.dtype != plan.out_dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {plan.out_dtype} tensor of shape {plan.out_shape}, got "
+                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    return plan(a, w, layout, scales, out)
 
 
 def expert_gemm_torch(a: torch.Tensor, w: torch.Tensor, row_tokens: torch.Tensor, row_experts: torch.Tensor):

@@ -12,11 +12,14 @@ atomics: the result is bit-stable from run to run.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .expand import ExpertLayout, LayoutKind
+from .launch import BoundLaunch
 
 
 @triton.jit
@@ -50,35 +53,63 @@ def _finalize_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_token[:, None] & (cols[None, :] < H))
 
 
+@dataclass(frozen=True)
+class FinalizePlan:
+    """`finalize` for one signature (y's shape and strides, the weights' strides, the layout's
+    sizes, the output dtype): its launch bound once (launch.py); a call allocates and launches."""
+
+    out_shape: tuple[int, int]  # [T, H]
+    out_dtype: torch.dtype
+    launch: BoundLaunch | None  # None: no tokens or no columns
+
+    def __call__(self, y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=y.device)  # [T, H]
+        if self.launch is not None:
+            # A PER_PAIR layout has no pair_to_row: the kernel reads topk_ids there and pair_to_row otherwise.
+            pair_to_row = layout.topk_ids if layout.kind is LayoutKind.PER_PAIR else layout.pair_to_row
+            self.launch(y_ptr=y, topk_weights_ptr=topk_weights, pair_to_row_ptr=pair_to_row,
+                        topk_ids_ptr=layout.topk_ids, out_ptr=out)
+        return out
+
+
+def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
+                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> FinalizePlan:
+    """The plan of `finalize(y, topk_weights, layout, out=..., out_dtype=...)`: see there. Calls
+    with a given `out` must pass one with its row stride."""
+    T = layout.num_pairs // max(layout.top_k, 1)
+    H = y.shape[-1]
+    out_dtype = out_dtype or y.dtype
+    if T == 0 or H == 0:
+        return FinalizePlan((T, H), out_dtype, None)
+    BLOCK_T = 16 if T >= 16 else triton.next_power_of_2(T)
+    BLOCK_H = min(256, triton.next_power_of_2(H))
+    per_pair = layout.kind is LayoutKind.PER_PAIR
+    fixed = dict(
+        T=T, H=H, E=layout.num_experts, stride_y_split=y.stride(0) if y.dim() == 3 else 0, stride_y_r=y.stride(-2),
+        stride_w_t=topk_weights.stride(0), stride_w_k=topk_weights.stride(1),
+        stride_out_t=out.stride(0) if out is not None else H,
+        PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=y.shape[0] if y.dim() == 3 else 1,
+        TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
+    )
+    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
+    return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed))
+
+
 def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None,
              out_dtype: torch.dtype | None = None):
     """Weighted sum of the expert rows `y`, shape (R, H) or split-C partials (S, R, H), back into
     token order: shape (T, H), in hidden_states' dtype `out_dtype` (default: y's).
 
-    `out`, when given, must be a fresh buffer of shape (T, H) (e.g. a graph's static output); it is
-    fully overwritten.
+    `out`, when given, must be a fresh buffer of shape (T, H) with unit last stride (e.g. a
+    graph's static output); it is fully overwritten.
     """
-    T = layout.num_pairs // max(layout.top_k, 1)
-    H = y.shape[-1]
-    if out is None:
-        out = torch.empty(T, H, dtype=out_dtype or y.dtype, device=y.device)  # [T, H]
-    elif out.shape != (T, H) or out.stride(1) != 1:
-        raise ValueError(f"out must have shape ({T}, {H}) and unit last stride, got {tuple(out.shape)}")
-    if T == 0 or H == 0:
-        return out
-    BLOCK_T = 16 if T >= 16 else triton.next_power_of_2(T)
-    BLOCK_H = min(256, triton.next_power_of_2(H))
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    per_pair = layout.kind is LayoutKind.PER_PAIR
-    # A PER_PAIR layout has no pair_to_row: the kernel reads topk_ids there and pair_to_row otherwise.
-    _finalize_kernel[grid](
-        y, topk_weights, layout.topk_ids if per_pair else layout.pair_to_row, layout.topk_ids, out,
-        T, H, layout.num_experts, y.stride(0) if y.dim() == 3 else 0, y.stride(-2),
-        topk_weights.stride(0), topk_weights.stride(1), out.stride(0),
-        PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=y.shape[0] if y.dim() == 3 else 1,
-        TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
-    )
-    return out
+    plan = plan_finalize(y, topk_weights, layout, out_dtype, out)
+    if out is not None and (tuple(out.shape) != plan.out_shape or out.stride(1) != 1):
+        raise ValueError(f"out must have shape {plan.out_shape} and unit last stride, got {tuple(out.shape)} with "
+                         f"strides {out.stride()}")
+    return plan(y, topk_weights, layout, out)
 
 
 def finalize_torch(y: torch.Tensor, topk_weights: torch.Tensor, pair_to_row: torch.Tensor, top_k: int):

@@ -17,12 +17,12 @@ import torch
 
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate
 from .config import MoEConfig, choose_config
-from .expand import ExpertLayout, LayoutKind, expand, per_pair_layout
-from .expert_gemm import Fp8Scales, expert_gemm
-from .finalize import finalize
+from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
+from .expert_gemm import Fp8Scales, plan_expert_gemm
+from .finalize import plan_finalize
 from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, triton_can_run_on
-from .quantize import quantize_fp8
-from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat
+from .quantize import plan_quantize
+from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
 
 
 def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_weights) -> tuple[int, int]:
@@ -105,11 +105,29 @@ def run_experts(
     under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
     Under torch.compile or torch.export this is the registered op `torch.ops.moe_triton.experts`.
+
+    The checks, the configuration and every launch argument are worked out once per call
+    signature (shapes, strides, dtypes, devices, options: `LayerPlan`) and reused by later calls
+    with the same one, whatever their values: an eager call's host time is mostly launches.
     """
     if torch.compiler.is_compiling():
         _refuse_eager_tools(config, fuse_activation, out)
         return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
                                             *_activation_fields(activation))
+    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation,
+                                out)
+    plan = _PLANS.get(signature) if signature is not None else None
+    if plan is None:
+        plan = plan_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
+                            fuse_activation=fuse_activation, out=out)
+        if signature is not None:
+            _remember_plan(signature, plan)
+    return plan(hidden_states, weights, topk_ids, topk_weights, out)
+
+
+def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *, activation: Activation,
+                 config: MoEConfig | None, fuse_activation: bool, out) -> "LayerPlan":
+    """Check a call of run_experts and choose its configuration: the `LayerPlan` of its signature."""
     check_specs(activation, config)
     if weights.gated != activation.gated:
         raise ValueError(f"the weights are {'gated' if weights.gated else 'non-gated'} but activation "
@@ -117,27 +135,101 @@ def run_experts(
     T, K = check_experts_args(hidden_states, weights, topk_ids, topk_weights)
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     check_out(out, T, H, hidden_states)
-    if T == 0:
-        return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
     block = weights.format.block
-    config = config or choose_config(T, K, E, H, I, hidden_states.device, weights.dtype,
+    config = config or choose_config(max(T, 1), K, E, H, I, hidden_states.device, weights.dtype,
                                      fp8_group=block[1] if block is not None else 128)
     if weights.format.fp8 is not None:
         _check_fp8_config(weights, config, fuse_activation)
-    if config.layout is LayoutKind.PER_PAIR:
-        layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
-    else:
-        layout = expand(topk_ids, E, config.block_m)
-    if weights.format.fp8 is not None:
-        y = _fp8_gemms(hidden_states, weights, layout, config, activation)  # [R, H] or [S, R, H] float32
-        return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]
-    if fuse_activation:
-        h = expert_gemm(hidden_states, weights.w13, layout, config.up, gather=True, activation=activation)  # [R, I]
-    else:
-        gate_up = expert_gemm(hidden_states, weights.w13, layout, config.up, gather=True)  # [R, 2I] or [R, I]
-        h = activate(gate_up, activation)  # [R, I]
-    y = expert_gemm(h, weights.w2, layout, config.down, gather=False)  # [R, H], or [S, R, H] float32 partials
-    return finalize(y, topk_weights, layout, out=out, out_dtype=hidden_states.dtype)  # [T, H]
+    return LayerPlan(T, config, activation, fuse_activation)
+
+
+class LayerPlan:
+    """run_experts for one call signature, checked: its configuration, and the stage plans
+    (expand.py, quantize.py, expert_gemm.py, finalize.py), each made by the first call that
+    reaches it from that call's tensors and valid for every later call of the signature."""
+
+    def __init__(self, num_tokens: int, config: MoEConfig, activation: Activation, fuse_activation: bool):
+        self.num_tokens = num_tokens
+        self.config = config
+        self.activation = activation
+        self.fuse_activation = fuse_activation
+        self.stages: dict[str, object] = {}  # stage name -> its plan
+
+    def stage(self, name: str, make):
+        plan = self.stages.get(name)
+        if plan is None:
+            plan = self.stages[name] = make()
+        return plan
+
+    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, out) -> torch.Tensor:
+        if self.num_tokens == 0:
+            H = weights.hidden_size
+            return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
+        config, E = self.config, weights.num_experts
+        if config.layout is LayoutKind.PER_PAIR:
+            layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
+        else:
+            layout = self.stage("expand", lambda: plan_expand(*topk_ids.shape, E, config.block_m))(topk_ids)
+        if weights.format.fp8 is not None:
+            y = self.fp8_gemms(hidden_states, weights, layout)  # [R, H] or [S, R, H] float32
+        else:
+            y = self.gemms(hidden_states, weights, layout)
+        finalize = self.stage("finalize", lambda: plan_finalize(y, topk_weights, layout, hidden_states.dtype, out))
+        return finalize(y, topk_weights, layout, out)  # [T, H]
+
+    def gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
+        config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
+        if self.fuse_activation:
+            up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True,
+                                                           activation=activation))
+            h = up(hidden_states, w13, layout)  # [R, I]
+        else:
+            up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True))
+            h = activate(up(hidden_states, w13, layout), activation)  # [R, 2I] or [R, I] -> [R, I]
+        down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False))
+        return down(h, w2, layout)  # [R, H], or [S, R, H] float32 partials
+
+    def fp8_gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
+        """The two GEMMs on FP8 operands: the input quantized once per token (per block_c group for
+        block scales, per row otherwise, or with the static scale), the intermediate in the first
+        GEMM's epilogue, one scale per row and up.block_n columns."""
+        config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
+        block = weights.format.block
+        group = block[1] if block is not None else None
+        quantize = self.stage("quantize", lambda: plan_quantize(hidden_states, group, weights.input_scale is not None))
+        x, x_scales = quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
+        up_scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block,
+                              weights.w13_scale_up_offset)
+        up = self.stage("up", lambda: plan_expert_gemm(x, w13, layout, config.up, gather=True, activation=activation,
+                                                       scales=up_scales, out_dtype=FP8_DTYPE))
+        h, h_scales = up(x, w13, layout, up_scales)  # [R, I] e4m3, [R, I / up.block_n]
+        down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, block)
+        down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False,
+                                                           scales=down_scales, out_dtype=hidden_states.dtype))
+        return down(h, w2, layout, down_scales)  # [R, H], or [S, R, H] float32 partials
+
+
+def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out):
+    """Everything run_experts' checks and launch arguments depend on; None where an argument is not
+    even of the right kind (the checks then name it)."""
+    try:
+        signature = (tensor_signature(hidden_states), weights.signature, tensor_signature(topk_ids),
+                     tensor_signature(topk_weights), activation, config, fuse_activation,
+                     None if out is None else tensor_signature(out))
+        hash(signature)
+    except (AttributeError, TypeError):
+        return None
+    return signature
+
+
+_PLANS: dict[tuple, LayerPlan] = {}
+_MAX_PLANS = 1024  # prefill sees a new token count per prompt length: keep the newest
+
+
+def _remember_plan(signature: tuple, plan: LayerPlan) -> None:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[signature] = plan
 
 
 # ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
@@ -193,22 +285,6 @@ def _check_fp8_config(weights: ExpertWeights, config: MoEConfig, fuse_activation
         if group is not None and group % step:
             raise ValueError(f"config.{name}.block_c={step} must divide the FP8 scale group of {group} columns it "
                              "steps through (weight blocks, activation groups, the first GEMM's block_n)")
-
-
-def _fp8_gemms(hidden_states: torch.Tensor, weights: ExpertWeights, layout: ExpertLayout, config: MoEConfig,
-               activation: Activation) -> torch.Tensor:
-    """The two GEMMs on FP8 operands: the input quantized once per token (per block_c group for
-    block scales, per row otherwise, or with the static scale), the intermediate in the first
-    GEMM's epilogue, one scale per row and up.block_n columns."""
-    block = weights.format.block
-    group = block[1] if block is not None else None
-    x, x_scales = quantize_fp8(hidden_states, group, weights.input_scale)  # [T, H] e4m3, [T, G]
-    up = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block, weights.w13_scale_up_offset)
-    h, h_scales = expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation, scales=up,
-                              out_dtype=FP8_DTYPE)  # [R, I] e4m3, [R, I / up.block_n]
-    down = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, block)
-    return expert_gemm(h, weights.w2, layout, config.down, gather=False, scales=down,
-                       out_dtype=hidden_states.dtype)  # [R, H], or [S, R, H] float32 partials
 
 
 def fused_experts(

@@ -13,10 +13,13 @@ flushes subnormals, while the cast of a value already on the e4m3 grid is exact 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from .launch import BoundLaunch
 from .weights import FP8_DTYPE, FP8_MAX
 
 
@@ -64,32 +67,50 @@ def _quantize_kernel(
         tl.store(q_ptr + row * stride_q_t + cols, quantize_tile(x, scale), mask=mask)
 
 
-def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):
-    """x (T, C) -> (q (T, C) float8_e4m3fn, scales (T, ceil(C / group)) float32).
+@dataclass(frozen=True)
+class QuantizePlan:
+    """`quantize_fp8` for one signature (x's shape, row stride and dtype, the group, static or
+    not): its launch bound once (launch.py); a call allocates and launches."""
 
-    `group` columns share a scale (None: the whole row); `static_scale`, a one-element float32
-    tensor, replaces the computed scales (then returned as a (T, 1) stride-0 view of it)."""
+    shape: tuple[int, int]  # [T, C]
+    num_groups: int  # G
+    launch: BoundLaunch | None  # None: no rows or no columns
+
+    def __call__(self, x: torch.Tensor, static_scale: torch.Tensor | None = None):
+        T, C = self.shape
+        q = torch.empty(T, C, dtype=FP8_DTYPE, device=x.device)  # [T, C]
+        if static_scale is not None:
+            scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one scale for every row
+        else:
+            scales = torch.empty(T, self.num_groups, dtype=torch.float32, device=x.device)  # [T, G]
+        if self.launch is not None:
+            self.launch(x_ptr=x, q_ptr=q, scale_ptr=scales,
+                        static_scale_ptr=static_scale if static_scale is not None else scales)
+        return q, scales
+
+
+def plan_quantize(x: torch.Tensor, group: int | None = None, static: bool = False) -> QuantizePlan:
+    """The plan of `quantize_fp8(x, group, static_scale)` (`static`: a static scale is given)."""
     if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
         raise ValueError(f"x must be a 2-D float tensor (T, C) with unit last stride, got {tuple(x.shape)} {x.dtype}")
     T, C = x.shape
     group = C if group is None else group
     if group < 1:
         raise ValueError(f"group must be >= 1 columns, got {group}")
-    q = torch.empty(T, C, dtype=FP8_DTYPE, device=x.device)  # [T, C]
     num_groups = triton.cdiv(C, group) if C else 0
-    if static_scale is not None:
-        scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one scale for every row
-    else:
-        scales = torch.empty(T, num_groups, dtype=torch.float32, device=x.device)  # [T, G]
     if T == 0 or C == 0:
-        return q, scales
-    block = min(1024, triton.next_power_of_2(group))
-    _quantize_kernel[(T, num_groups)](
-        x, q, scales, static_scale if static_scale is not None else scales,
-        C, x.stride(0), q.stride(0), scales.stride(0),
-        GROUP=group, BLOCK=block, STATIC=static_scale is not None,
-    )
-    return q, scales
+        return QuantizePlan((T, C), num_groups, None)
+    fixed = dict(C=C, stride_x_t=x.stride(0), stride_q_t=C, stride_s_t=0 if static else num_groups,
+                 GROUP=group, BLOCK=min(1024, triton.next_power_of_2(group)), STATIC=static)
+    return QuantizePlan((T, C), num_groups, BoundLaunch(_quantize_kernel, (T, num_groups), fixed))
+
+
+def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):
+    """x (T, C) -> (q (T, C) float8_e4m3fn, scales (T, ceil(C / group)) float32).
+
+    `group` columns share a scale (None: the whole row); `static_scale`, a one-element float32
+    tensor, replaces the computed scales (then returned as a (T, 1) stride-0 view of it)."""
+    return plan_quantize(x, group, static_scale is not None)(x, static_scale)
 
 
 def quantize_fp8_torch(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):

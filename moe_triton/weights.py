@@ -190,6 +190,13 @@ class ExpertWeights:
         return self.w13.device
 
     @property
+    def signature(self) -> tuple:
+        """Every property of the tensors that a check or a launch argument depends on (not their
+        addresses or values): two ExpertWeights with one signature take the same plans."""
+        return (self.gated, self.format, *(tensor_signature(t) for t in (self.w13, self.w2, self.w13_scale,
+                                                                           self.w2_scale, self.input_scale)))
+
+    @property
     def w13_scale_up_offset(self) -> int:
         """Rows of w13_scale before the up half's: the gate's block rows (BLOCK) or its I rows."""
         if not self.gated:
@@ -299,3 +306,8 @@ def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return f"{t.dtype} tensor of shape {tuple(t.shape)}"
+
+
+def tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on of a tensor: shape, strides, dtype, device (not its address or values)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)

@@ -26,6 +26,14 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison_(empty_like(*a, **k)))
 
 
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Any stage kernel launched during the test (every one goes through a BoundLaunch) fails it."""
+    from moe_triton.launch import BoundLaunch
+
+    monkeypatch.setattr(BoundLaunch, "__call__", lambda *a, **k: pytest.fail("a kernel was launched"))
+
+
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory):
     """A tiny random Qwen3-MoE saved in the Hub layout (the distributed model tests load it sharded)."""

@@ -127,10 +127,44 @@ def test_non_contiguous_inputs(poisoned_empty):
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights), torch.float32)
 
 
-def test_empty_batch_launches_nothing(monkeypatch):
+def plan_of(x, w13, w2, ids, weights):
     import moe_triton.fused_moe as fused_moe
+    from moe_triton import ExpertWeights
 
-    monkeypatch.setattr(fused_moe, "expand", lambda *a, **k: pytest.fail("launched for 0 tokens"))
+    signature = fused_moe._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, True, None)
+    return fused_moe._PLANS.get(signature)
+
+
+def test_one_plan_serves_every_call_of_a_signature(poisoned_empty):
+    """Later calls with fresh tensors of one signature reuse its plan and still compute their own data."""
+    plans = []
+    for seed in (11, 12, 13):
+        x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=seed)
+        assert_close(fused_experts(x, w13, w2, ids, weights), fused_experts_torch(x, w13, w2, ids, weights),
+                     torch.float32)
+        plans.append(plan_of(x, w13, w2, ids, weights))
+    assert plans[0] is not None and plans[0] is plans[1] is plans[2]
+
+
+def test_strides_are_part_of_the_signature():
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=14)
+    column_major = x.T.contiguous().T
+    for hidden_states in (x, column_major):
+        assert_close(fused_experts(hidden_states, w13, w2, ids, weights),
+                     fused_experts_torch(x, w13, w2, ids, weights), torch.float32)
+    assert plan_of(x, w13, w2, ids, weights) is not plan_of(column_major, w13, w2, ids, weights)
+
+
+def test_bad_input_is_refused_after_its_shape_was_planned():
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=15)
+    fused_experts(x, w13, w2, ids, weights)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_experts(x, w13, w2, ids.float(), weights)
+    with pytest.raises(ValueError, match="out"):
+        fused_experts(x, w13, w2, ids, weights, out=torch.empty(9, 40, dtype=torch.float16))
+
+
+def test_empty_batch_launches_nothing(no_launch):
     x, w13, w2, ids, weights = make_layer(0, 4, 2, 40, 33, torch.float32, seed=0)
     out = fused_experts(x, w13, w2, ids, weights)
     assert out.shape == (0, 40)
@@ -157,10 +191,7 @@ def _bad(**changes):
     (_bad(topk_weights=lambda a: a["topk_weights"][:, :1]), "topk_weights"),
     (_bad(topk_weights=lambda a: a["topk_ids"]), "topk_weights"),
 ], ids=lambda v: v if isinstance(v, str) else "")
-def test_bad_input_raises_before_launch(args, match, monkeypatch):
-    import moe_triton.fused_moe as fused_moe
-
-    monkeypatch.setattr(fused_moe, "expand", lambda *a, **k: pytest.fail("launched before validating"))
+def test_bad_input_raises_before_launch(args, match, no_launch):
     with pytest.raises(ValueError, match=match):
         fused_experts(**args)
 
@@ -265,6 +296,26 @@ def test_split_c_bf16(real_layer, T, splits):
     for layout in LayoutKind:
         out = fused_experts(x, w13, w2, ids, weights, config=replace(config, layout=layout))
         assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2, (layout, relative_error(out, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 512])
+def test_planned_calls_bf16(real_layer, T):
+    """After a signature's first call the stages launch directly (launch.py): fresh inputs, a second
+    set of weights of the same shape (its own TMA descriptors), and an unaligned hidden_states view
+    (which the direct launch hands back to the JIT) all match the reference."""
+    shape, w13, w2 = real_layer
+    other = (w13[torch.randperm(shape.num_experts, device="cuda")].contiguous(),
+             w2[torch.randperm(shape.num_experts, device="cuda")].contiguous())
+    H = shape.hidden_size
+    for i in range(4):
+        inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=100 + i)
+        x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+        if i == 3:
+            x = torch.empty(T * H + 1, device="cuda", dtype=torch.bfloat16)[1:].view(T, H).copy_(x)  # 2 bytes off
+        for experts in ((w13, w2), other):
+            out = fused_experts(x, *experts, ids, weights)
+            assert relative_error(out, fused_experts_torch(x, *experts, ids, weights)) < 1e-2, (i, T)
 
 
 @pytest.mark.gpu
