@@ -1,9 +1,10 @@
-"""Triton kernels of the expand stage (expand.py launches them, in this order).
+"""Triton kernels of the expand stage: histogram -> offsets -> scatter (expand.py launches them in
+this order), or all three in one program when the pairs are few (`_expand_one_program_kernel`).
 
 A (token, slot) pair p = t * K + j is *valid* when 0 <= topk_ids[t, j] < E; every other id is the
-filtered sentinel and the pair takes no row. The pairs are cut into blocks of BLOCK_P; all three
-kernels see the same blocks, which is what makes the order stable (by pair index within an expert)
-and the whole stage deterministic without atomics.
+filtered sentinel and the pair takes no row. The pairs are cut into blocks of BLOCK_P; every
+kernel sees the same blocks, which is what makes the order stable (by pair index within an
+expert) and the whole stage deterministic without atomics.
 """
 import triton
 import triton.language as tl
@@ -21,6 +22,18 @@ def _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
+def _one_hot(ids, valid, E_PAD: tl.constexpr):
+    """[BLOCK_P, E_PAD] int32: 1 where the pair is valid and routed to that expert."""
+    return ((ids[:, None] == tl.arange(0, E_PAD)[None, :]) & valid[:, None]).to(tl.int32)
+
+
+@triton.jit
+def _rank_in_block(one_hot):
+    """[BLOCK_P]: how many earlier pairs of the block go to the same expert."""
+    return tl.sum((tl.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
+
+
+@triton.jit
 def _expert_histogram_kernel(
     topk_ids_ptr, block_counts_ptr, num_pairs, E,
     BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
@@ -29,8 +42,7 @@ def _expert_histogram_kernel(
     block = tl.program_id(0)
     _, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
     experts = tl.arange(0, E_PAD)
-    one_hot = (ids[:, None] == experts[None, :]) & valid[:, None]  # [BLOCK_P, E_PAD]
-    counts = tl.sum(one_hot.to(tl.int32), axis=0)  # [E_PAD]
+    counts = tl.sum(_one_hot(ids, valid, E_PAD), axis=0)  # [E_PAD]
     tl.store(block_counts_ptr + block * E + experts, counts, mask=experts < E)
 
 
@@ -54,8 +66,19 @@ def _expert_offsets_kernel(
         counts = tl.load(block_counts_ptr + index, mask=mask, other=0)  # [CHUNK, E_PAD]
         tl.store(block_prefix_ptr + index, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=mask)
         running += tl.sum(counts, axis=0)
+    _write_offsets(running, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+                   num_m_blocks, num_pairs, BLOCK_M, E, E_PAD, CHUNK)
+
+
+@triton.jit
+def _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+                   num_m_blocks, num_pairs, BLOCK_M: tl.constexpr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """From the pairs per expert, `counts` [E_PAD]: the padded per-expert offsets, the rows in use,
+    the block -> expert map and the padding sentinels. Returns each expert's first row [E_PAD]."""
+    experts = tl.arange(0, E_PAD)
+    is_expert = experts < E
     # Each expert's segment is padded to a multiple of BLOCK_M so a GEMM tile reads one expert.
-    padded = (running + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_PAD]
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     tl.store(expert_offsets_ptr + experts, starts, mask=is_expert)
@@ -63,8 +86,8 @@ def _expert_offsets_kernel(
     tl.store(num_rows_ptr, tl.sum(padded, axis=0))
     # Padding rows get the sentinel num_pairs (at most BLOCK_M - 1 per expert).
     pad = tl.arange(0, BLOCK_M)
-    pad_rows = starts[:, None] + running[:, None] + pad[None, :]  # [E_PAD, BLOCK_M]
-    pad_mask = is_expert[:, None] & (pad[None, :] < (padded - running)[:, None])
+    pad_rows = starts[:, None] + counts[:, None] + pad[None, :]  # [E_PAD, BLOCK_M]
+    pad_mask = is_expert[:, None] & (pad[None, :] < (padded - counts)[:, None])
     tl.store(sorted_pair_ids_ptr + pad_rows, tl.zeros([E_PAD, BLOCK_M], tl.int32) + num_pairs, mask=pad_mask)
     # block_expert[m] = the expert whose segment holds rows [m * BLOCK_M, (m + 1) * BLOCK_M), else -1.
     for start in range(0, num_m_blocks, CHUNK):
@@ -73,6 +96,7 @@ def _expert_offsets_kernel(
         inside = (first_row[:, None] >= starts[None, :]) & (first_row[:, None] < ends[None, :]) & is_expert[None, :]
         owner = tl.max(tl.where(inside, experts[None, :], -1), axis=1)  # [CHUNK]
         tl.store(block_expert_ptr + m_blocks, owner, mask=m_blocks < num_m_blocks)
+    return starts
 
 
 @triton.jit
@@ -85,12 +109,32 @@ def _scatter_pairs_kernel(
     + pairs of that expert earlier in this block. Filtered pairs get row -1."""
     block = tl.program_id(0)
     pairs, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
-    experts = tl.arange(0, E_PAD)
-    one_hot = ((ids[:, None] == experts[None, :]) & valid[:, None]).to(tl.int32)  # [BLOCK_P, E_PAD]
-    earlier = tl.cumsum(one_hot, axis=0) - one_hot
-    rank = tl.sum(earlier * one_hot, axis=1)  # [BLOCK_P]
     base = tl.load(expert_offsets_ptr + ids, mask=valid, other=0)
     base += tl.load(block_prefix_ptr + block * E + ids, mask=valid, other=0)
-    rows = base + rank
+    rows = base + _rank_in_block(_one_hot(ids, valid, E_PAD))
     tl.store(sorted_pair_ids_ptr + rows, pairs, mask=valid)
     tl.store(pair_to_row_ptr + pairs, tl.where(valid, rows, -1), mask=pairs < num_pairs)
+
+
+@triton.jit
+def _expand_one_program_kernel(
+    topk_ids_ptr, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_to_row_ptr,
+    num_pairs, num_blocks, num_m_blocks, E,
+    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """The three kernels above in one program, over the same blocks of pairs: for a few blocks the
+    two launches saved are worth more than the parallel histogram and scatter."""
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for block in range(num_blocks):
+        _, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
+        counts += tl.sum(_one_hot(ids, valid, E_PAD), axis=0)
+    starts = _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+                            num_m_blocks, num_pairs, BLOCK_M, E, E_PAD, CHUNK)
+    earlier = starts  # [E_PAD]: the first free row of each expert, past the earlier blocks' pairs
+    for block in range(num_blocks):
+        pairs, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
+        one_hot = _one_hot(ids, valid, E_PAD)  # [BLOCK_P, E_PAD]
+        rows = tl.sum(one_hot * earlier[None, :], axis=1) + _rank_in_block(one_hot)
+        tl.store(sorted_pair_ids_ptr + rows, pairs, mask=valid)
+        tl.store(pair_to_row_ptr + pairs, tl.where(valid, rows, -1), mask=pairs < num_pairs)
+        earlier += tl.sum(one_hot, axis=0)

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ._expand_kernels import _expert_histogram_kernel, _expert_offsets_kernel, _scatter_pairs_kernel
+from ._expand_kernels import (
+    _expand_one_program_kernel,
+    _expert_histogram_kernel,
+    _expert_offsets_kernel,
+    _scatter_pairs_kernel,
+)
 from .launch import BoundLaunch
 
 
@@ -79,44 +84,46 @@ def _block_p(num_experts: int) -> int:
 
 @dataclass(frozen=True)
 class ExpandPlan:
-    """`expand` for one (T, K, E, block_m, device): the buffer sizes and the three launches bound
-    once (launch.py); a call allocates the layout's buffers and launches."""
+    """`expand` for one (T, K, E, block_m): the buffer sizes and the launches bound once
+    (launch.py); a call allocates the layout's buffers and launches."""
 
     top_k: int  # K
     num_experts: int  # E
     block_m: int
     num_pairs: int  # P = T * K
     max_rows: int  # R, the worst case
-    num_blocks: int  # blocks of BLOCK_P pairs that the histogram and scatter kernels take one each
-    launches: tuple[BoundLaunch, BoundLaunch, BoundLaunch] | None  # histogram, offsets, scatter; None when P = 0
+    num_blocks: int  # blocks of BLOCK_P pairs (the histogram and scatter kernels take one each)
+    # (one program) or (histogram, offsets, scatter); () when P = 0
+    launches: tuple[BoundLaunch] | tuple[BoundLaunch, BoundLaunch, BoundLaunch] | tuple[()]
 
     def __call__(self, topk_ids: torch.Tensor) -> ExpertLayout:
-        P, E, R = self.num_pairs, self.num_experts, self.max_rows
-        i32 = dict(dtype=torch.int32, device=topk_ids.device)
+        P, E, R, B = self.num_pairs, self.num_experts, self.max_rows, self.max_rows // self.block_m
+        scratch = self.num_blocks * E if len(self.launches) == 3 else 0
+        # One allocation for every buffer (on the host an allocation costs half a launch), the
+        # per-block scratch of the three-kernel path last: [R], [P], [B], [E + 1], [1], [blocks * E] twice.
+        buffers = torch.empty(R + P + B + E + 2 + 2 * scratch, dtype=torch.int32, device=topk_ids.device)
+        sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows, block_counts, block_prefix = (
+            buffers.split_with_sizes((R, P, B, E + 1, 1, scratch, scratch)))
         topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
-        layout = ExpertLayout(
-            LayoutKind.SORTED, block_m=self.block_m, top_k=self.top_k, num_experts=E, num_pairs=P,
-            topk_ids=topk_ids.view(-1),
-            sorted_pair_ids=torch.empty(R, **i32),  # [R]
-            pair_to_row=torch.empty(P, **i32),  # [P]
-            block_expert=torch.empty(R // self.block_m, **i32),  # [B]
-            expert_offsets=torch.empty(E + 1, **i32),  # [E + 1]
-            num_rows=torch.empty(1, **i32),
-        )
-        if self.launches is None:
-            layout.expert_offsets.zero_()
-            layout.num_rows.zero_()
-            return layout
-        block_counts = torch.empty(self.num_blocks, E, **i32)  # [num_blocks, E]
-        block_prefix = torch.empty(self.num_blocks, E, **i32)  # [num_blocks, E]
-        histogram, offsets, scatter = self.launches
-        histogram(topk_ids_ptr=topk_ids, block_counts_ptr=block_counts)
-        offsets(block_counts_ptr=block_counts, block_prefix_ptr=block_prefix,
-                expert_offsets_ptr=layout.expert_offsets, num_rows_ptr=layout.num_rows,
-                sorted_pair_ids_ptr=layout.sorted_pair_ids, block_expert_ptr=layout.block_expert)
-        scatter(topk_ids_ptr=topk_ids, block_prefix_ptr=block_prefix, expert_offsets_ptr=layout.expert_offsets,
-                sorted_pair_ids_ptr=layout.sorted_pair_ids, pair_to_row_ptr=layout.pair_to_row)
+        layout = ExpertLayout(LayoutKind.SORTED, self.block_m, self.top_k, E, P, topk_ids.view(-1), sorted_pair_ids,
+                              pair_to_row, block_expert, expert_offsets, num_rows)
+        written = dict(expert_offsets_ptr=expert_offsets, num_rows_ptr=num_rows, sorted_pair_ids_ptr=sorted_pair_ids,
+                       block_expert_ptr=block_expert)
+        if len(self.launches) == 1:
+            self.launches[0](topk_ids_ptr=topk_ids, pair_to_row_ptr=pair_to_row, **written)
+        elif self.launches:
+            histogram, offsets, scatter = self.launches
+            histogram(topk_ids_ptr=topk_ids, block_counts_ptr=block_counts)
+            offsets(block_counts_ptr=block_counts, block_prefix_ptr=block_prefix, **written)
+            scatter(topk_ids_ptr=topk_ids, block_prefix_ptr=block_prefix, expert_offsets_ptr=expert_offsets,
+                    sorted_pair_ids_ptr=sorted_pair_ids, pair_to_row_ptr=pair_to_row)
+        else:
+            expert_offsets.zero_()
+            num_rows.zero_()
         return layout
+
+
+ONE_PROGRAM_BLOCKS = 4  # up to this many blocks of pairs, one program runs the whole stage
 
 
 def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpandPlan:
@@ -129,15 +136,20 @@ def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> 
     R = max_rows(P, E, block_m)
     BLOCK_P, E_PAD = _block_p(E), triton.next_power_of_2(E)
     num_blocks = triton.cdiv(P, BLOCK_P)
+    chunk = max(1, 8192 // E_PAD)
     if P == 0:
-        return ExpandPlan(top_k, E, block_m, P, R, num_blocks, None)
-    launches = (
-        BoundLaunch(_expert_histogram_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
-        BoundLaunch(_expert_offsets_kernel, (1,), dict(num_blocks=num_blocks, num_m_blocks=R // block_m,
-                                                       num_pairs=P, E=E, BLOCK_M=block_m, E_PAD=E_PAD,
-                                                       CHUNK=max(1, 8192 // E_PAD))),
-        BoundLaunch(_scatter_pairs_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
-    )
+        launches = ()
+    elif num_blocks <= ONE_PROGRAM_BLOCKS:  # few pairs: the launches cost more than the serial work
+        launches = (BoundLaunch(_expand_one_program_kernel, (1,), dict(
+            num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD,
+            BLOCK_M=block_m, CHUNK=chunk)),)
+    else:
+        launches = (
+            BoundLaunch(_expert_histogram_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+            BoundLaunch(_expert_offsets_kernel, (1,), dict(num_blocks=num_blocks, num_m_blocks=R // block_m,
+                                                           num_pairs=P, E=E, BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk)),
+            BoundLaunch(_scatter_pairs_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+        )
     return ExpandPlan(top_k, E, block_m, P, R, num_blocks, launches)
 
 

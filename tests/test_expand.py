@@ -1,16 +1,22 @@
 """expand: the Triton layout equals the torch reference exactly (the order is stable)."""
+import importlib
+
 import pytest
 import torch
 from helpers import random_ids
 
 from moe_triton.expand import expand, expand_torch, max_rows
 
+expand_module = importlib.import_module("moe_triton.expand")  # `moe_triton.expand` is the function
+
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("E,K", [(1, 1), (4, 2), (4, 4), (8, 1), (8, 8), (6, 3), (128, 8)])
 @pytest.mark.parametrize("T", [0, 1, 3, 17, 64])
-def test_expand(T, E, K, block_m, seed, poisoned_empty):
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
+def test_expand(T, E, K, block_m, seed, one_program, poisoned_empty, monkeypatch):
+    monkeypatch.setattr(expand_module, "ONE_PROGRAM_BLOCKS", 10**6 if one_program else 0)
     ids = random_ids(T, K, E, seed, filtered=0.2 if seed else 0.0).int()
     layout = expand(ids, E, block_m)
     expected = expand_torch(ids, E, block_m)
