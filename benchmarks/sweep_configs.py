@@ -3,6 +3,7 @@
 Not a test: a script for the GPU machine that informs `moe_triton.config.choose_config`.
     python benchmarks/sweep_configs.py > sweep.txt
     python benchmarks/sweep_configs.py --split > sweep-split.txt   (decode, grid shapes)
+    python benchmarks/sweep_configs.py --decode > sweep-decode.txt (M = 1 and 4, grid shapes, planned)
 Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once per case.
 """
 import torch
@@ -86,6 +87,46 @@ def sweep_down_split(shape, T, w13, w2):
     print(f"split {shape.name} T={T}: " + ", ".join(f"{t:.1f}us [{c}]" for t, c in results), flush=True)
 
 
+# One- and four-token decode (issue 15, part 2): tiles around choose_config's, every grid shape, each
+# GEMM timed alone through its plan, so that the host's launch cost stays out of the timing.
+# (block_n, block_c, num_stages, num_warps); TMA weights and choose_config's split as chosen.
+DECODE_UP_TILES = [(64, 128, 4, 4), (32, 128, 4, 4), (32, 256, 3, 4), (32, 128, 5, 4), (16, 256, 4, 4),
+                   (64, 128, 5, 4), (32, 128, 4, 2), (64, 256, 3, 4)]
+DECODE_DOWN_TILES = [(128, 128, 4, 4), (64, 128, 4, 4), (64, 256, 3, 4), (32, 256, 3, 4), (128, 128, 5, 4),
+                     (64, 128, 5, 4), (32, 128, 4, 4)]
+
+
+def sweep_decode(shape, T, w13, w2):
+    from dataclasses import replace
+
+    from moe_triton import choose_config
+    from moe_triton.expert_gemm import plan_expert_gemm
+
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
+    x, ids = inputs.hidden_states[0], inputs.topk_ids[0]
+    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size, x.device)
+    per_pair = config.layout is LayoutKind.PER_PAIR
+    layout = (per_pair_layout if per_pair else expand)(ids, shape.num_experts, config.block_m)
+    h = expert_gemm(x, w13, layout, config.up, gather=True, activation=SILU_AND_MUL)
+    for name, base, tiles, a, w, kwargs in (
+        ("up", config.up, DECODE_UP_TILES, x, w13, dict(gather=True, activation=SILU_AND_MUL)),
+        ("down", config.down, DECODE_DOWN_TILES, h, w2, dict(gather=False)),
+    ):
+        results = []
+        for bn, bc, stages, warps in tiles:
+            tile = replace(base, block_n=bn, block_c=bc, num_stages=stages, num_warps=warps)
+            try:
+                plan = plan_expert_gemm(a, w, layout, tile, **kwargs)
+                results.append((time_us(lambda: plan(a, w, layout)), tile))
+            except Exception as error:  # out of shared memory etc.: report and go on
+                print(f"  {name} {tile}: {type(error).__name__}")
+        chosen = next(t for t, c in results if c == base)
+        results.sort(key=lambda r: r[0])
+        line = ", ".join(f"{t:.1f}us BN{c.block_n}/BC{c.block_c}/s{c.num_stages}/w{c.num_warps}"
+                         f"{'/S%d' % c.split_c if c.split_c > 1 else ''}" for t, c in results)
+        print(f"decode {shape.name} T={T} {config.layout.value} {name}: chosen {chosen:.1f}us; {line}", flush=True)
+
+
 def profile_layer(shape, T, w13, w2):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
     args = (inputs.hidden_states[0], w13, w2, inputs.topk_ids[0], inputs.topk_weights[0])
@@ -105,6 +146,14 @@ def profile_layer(shape, T, w13, w2):
 if __name__ == "__main__":
     import sys
 
+    if "--decode" in sys.argv:
+        for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
+            w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
+            for T in (1, 4):
+                sweep_decode(shape, T, w13, w2)
+            del w13, w2
+            torch.cuda.empty_cache()
+        sys.exit(0)
     if "--split" in sys.argv:
         for shape, tokens in SPLIT_CASES:
             w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
