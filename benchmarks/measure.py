@@ -31,7 +31,7 @@ def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8
         if "expert_gemm" in event.name:
             name = ("up", "down")[gemms % 2]
             gemms += 1
-        elif any(kernel in event.name for kernel in ("histogram", "expert_offsets", "scatter_pairs")):
+        elif any(kernel in event.name for kernel in ("histogram", "expert_offsets", "scatter_pairs", "expand_one")):
             name = "expand"  # _expand_kernels.py
         elif "finalize" in event.name:
             name = "finalize"

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..graphs import ForwardMode
 from .decode_attention import decode_attention
-from .rms_norm import rms_norm
+from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, rotate_into_cache
 
 
@@ -34,6 +34,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)  # one Triton kernel (rms_norm.py)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel: a sequential decoder adds each branch's
+        output to the residual stream in the norm that follows it. residual=None (the first
+        layer): (norm(x), x)."""
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class QKVProjection(nn.Linear):

@@ -51,9 +51,12 @@ class MiniMaxM2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
+        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
+        and None at the first layer). Returns this layer's MLP output and the residual stream."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = norm(residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rotary, batch, cache), residual)
+        return self.mlp(h), residual
 
 
 class MiniMaxM2Model(nn.Module):
@@ -67,9 +70,10 @@ class MiniMaxM2Model(nn.Module):
     def forward(self, input_ids, batch: Batch, cache: StaticKVCache):
         x = self.embed_tokens(input_ids)  # [B, L, H]
         rotary = self.rotary_emb(batch.positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotary, batch, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, batch, cache)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 @register_model("MiniMaxM2ForCausalLM")

@@ -66,9 +66,12 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
+        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
+        and None at the first layer). Returns this layer's MLP output and the residual stream."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = norm(residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rotary, batch, cache), residual)
+        return self.mlp(h), residual
 
 
 class Qwen3MoeModel(nn.Module):
@@ -82,9 +85,10 @@ class Qwen3MoeModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: Batch, cache: StaticKVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [B, L, H]
         rotary = self.rotary_emb(batch.positions, x.dtype)  # cos, sin [B, L, D]
+        residual = None
         for layer in self.layers:
-            x = layer(x, rotary, batch, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, batch, cache)
+        return self.norm.add_and_norm(x, residual)[0]
 
 
 @register_model("Qwen3MoeForCausalLM")

@@ -1,12 +1,14 @@
-"""RMSNorm in one kernel: `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dimension.
+"""RMSNorm in one kernel: `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dimension,
+optionally with the residual add before it (`add_rms_norm`).
 
-    x [..., N] -> _rms_norm_kernel, one program per BLOCK_R rows: float32 statistics, the normalised
-                  row rounded to x's dtype, then the weight applied (as transformers computes it)
-               -> a fresh [..., N] in x's dtype
+    x [..., N] (+ residual [..., N]: the sum rounded to x's dtype, stored, and normalised)
+      -> _rms_norm_kernel, one program per BLOCK_R rows: float32 statistics, the normalised row
+         rounded to x's dtype, then the weight applied (as transformers computes it)
+      -> a fresh [..., N] in x's dtype (and the fresh sum)
 
-In torch that is seven kernels (cast, square, mean, add, rsqrt, multiply, cast and multiply); a
-decode step runs four RMSNorms per layer (input, post-attention, and Qwen3 / Cohere2's per-head
-q / k norms): one launch each instead of ~seven.
+In torch that is seven kernels (cast, square, mean, add, rsqrt, multiply, cast and multiply), eight
+with the residual add; a sequential decoder layer (Qwen3, MiniMax-M2) runs two norms, each after a
+residual add: two launches instead of ~sixteen.
 """
 from __future__ import annotations
 
@@ -18,12 +20,17 @@ from moe_triton.platform import triton_computes_exactly
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, R, N, eps, stride_x_r, stride_out_r,
-                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, R, N, eps, stride_x_r, stride_residual_r,
+                     stride_out_r, ADD_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < R) & (cols[None, :] < N)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x_r + cols[None, :], mask=mask, other=0.0)
+    if ADD_RESIDUAL:  # the sum rounded to x's dtype, as torch's add rounds it, then normalised
+        residual = tl.load(residual_ptr + rows[:, None].to(tl.int64) * stride_residual_r + cols[None, :], mask=mask,
+                           other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + rows[:, None].to(tl.int64) * stride_out_r + cols[None, :], x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / N + eps)  # [BLOCK_R]
     normed = (x32 * rstd[:, None]).to(x.dtype)  # rounded to the input dtype before the weight, as transformers
@@ -34,43 +41,80 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, R, N, eps, stride_x_r, stride_o
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x (..., N), weight (N,) -> a fresh (..., N) in the dtype torch's `weight * normed` gives."""
+    _check(x, weight)
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_triton.rms_norm(x, weight, eps)
+    return _compute(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add fused into the norm after it. Both
+    fresh; x and residual (..., N) of one shape and dtype."""
+    _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x: {x.dtype} {tuple(x.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    if torch.compiler.is_compiling():
+        return torch.ops.moe_triton.add_rms_norm(x, residual, weight, eps)
+    return _compute(x, residual, weight, eps)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.shape[-1:] != weight.shape:
         raise ValueError(f"weight must have shape ({x.shape[-1]},) for x of shape {tuple(x.shape)}, got "
                          f"{tuple(weight.shape)}")
-    if torch.compiler.is_compiling():
-        return torch.ops.moe_triton.rms_norm(x, weight, eps)
-    return _compute(x, weight, eps)
 
 
-def _compute(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _compute(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(normed, sum): sum is x + residual, or None without a residual."""
     if not triton_computes_exactly(x.device, x.dtype) or x.dtype != weight.dtype:
-        return rms_norm_torch(x, weight, eps)  # the interpreter's bf16 casts truncate (platform.py)
-    return _launch(x, weight, eps)
+        summed = x + residual if residual is not None else None  # the interpreter's bf16 casts truncate (platform.py)
+        return rms_norm_torch(summed if summed is not None else x, weight, eps), summed
+    return _launch(x, residual, weight, eps)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    N = x.shape[-1]
-    rows = x.reshape(-1, N)  # a view where x's layout allows (per-head q / k norms: the heads are rows)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    rows = t.reshape(-1, t.shape[-1])  # a view where t's layout allows
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    rows = _rows(x)  # [R, N]
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [R, N]
-    R = rows.shape[0]
+    summed = torch.empty_like(out) if residual is not None else None  # [R, N]
+    residual_rows = _rows(residual) if residual is not None else rows
+    R, N = rows.shape
     if R:
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
-        _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](rows, weight, out, R, N, eps, rows.stride(0), out.stride(0),
-                                                      BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
-    return out.view(x.shape)
+        _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](
+            rows, residual_rows, weight, out, summed if summed is not None else out, R, N, eps, rows.stride(0),
+            residual_rows.stride(0), out.stride(0), ADD_RESIDUAL=residual is not None, BLOCK_R=BLOCK_R,
+            BLOCK_N=BLOCK_N)
+    return out.view(x.shape), summed.view(x.shape) if summed is not None else None
 
 
 @torch.library.custom_op("moe_triton::rms_norm", mutates_args=())
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _compute(x, weight, eps)
+    return _compute(x, None, weight, eps)[0]
 
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps):
     return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+
+
+@torch.library.custom_op("moe_triton::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _compute(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return (torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device),
+            torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

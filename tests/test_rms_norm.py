@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from moe_triton.models.rms_norm import rms_norm, rms_norm_torch
+from moe_triton.models.rms_norm import add_rms_norm, rms_norm, rms_norm_torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -16,6 +16,27 @@ def test_rms_norm(shape, dtype):
     out = rms_norm(x, weight, 1e-6)
     assert out.shape == x.shape and out.dtype == dtype
     assert_close(out, rms_norm_torch(x.float(), weight.float(), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 32), (5, 48), (2, 3, 4, 12), (0, 16), (37, 2048)], ids=str)
+def test_add_rms_norm(shape, dtype):
+    """The residual add fused in: the sum as torch's add rounds it, and the norm of that sum."""
+    g = torch.Generator().manual_seed(4)
+    x, residual = ((torch.randn(*shape, generator=g) * 3).to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(shape[-1], generator=g) / 4).to(dtype)
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert x.numel() == 0 or summed.data_ptr() not in (x.data_ptr(), residual.data_ptr())  # fresh
+    assert normed.shape == x.shape and normed.dtype == dtype
+    assert_close(normed, rms_norm_torch((x + residual).float(), weight.float(), 1e-6), dtype)
+
+
+def test_add_rms_norm_refuses_a_residual_of_another_shape_or_dtype():
+    with pytest.raises(ValueError, match="residual must match x"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 7), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="residual must match x"):
+        add_rms_norm(torch.randn(2, 8), torch.randn(2, 8).half(), torch.ones(8), 1e-6)
 
 
 def test_a_strided_view_and_transformers_module():
@@ -59,3 +80,15 @@ def test_rms_norm_on_the_gpu(shape, dtype):
     weight = (1 + torch.randn(shape[-1], device="cuda") / 4).to(dtype)
     out = rms_norm(x, weight, 1e-6)
     assert_close(out, rms_norm_torch(x.float(), weight.float(), 1e-6), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 2048), (64, 2048), (4096, 4096)], ids=str)
+def test_add_rms_norm_on_the_gpu_equals_add_then_norm(shape, dtype):
+    """Bit for bit what torch's add followed by the unfused kernel gives."""
+    x, residual = (torch.randn(*shape, device="cuda").to(dtype) for _ in range(2))
+    weight = (1 + torch.randn(shape[-1], device="cuda") / 4).to(dtype)
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(summed, x + residual)
+    assert torch.equal(normed, rms_norm(x + residual, weight, 1e-6))
