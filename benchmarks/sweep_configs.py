@@ -4,6 +4,7 @@ Not a test: a script for the GPU machine that informs `moe_triton.config.choose_
     python benchmarks/sweep_configs.py > sweep.txt
     python benchmarks/sweep_configs.py --split > sweep-split.txt   (decode, grid shapes)
     python benchmarks/sweep_configs.py --decode > sweep-decode.txt (M = 1 and 4, grid shapes, planned)
+    python benchmarks/sweep_configs.py --block-m > sweep-block-m.txt (16-64 rows per expert, whole layer)
 Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once per case.
 """
 import torch
@@ -127,6 +128,39 @@ def sweep_decode(shape, T, w13, w2):
         print(f"decode {shape.name} T={T} {config.layout.value} {name}: chosen {chosen:.1f}us; {line}", flush=True)
 
 
+# Rows per expert 16-64 (issue 15, part 3): the row tile against the rows each expert really gets.
+# The whole layer per block_m (choose_config's tiles otherwise), graph replays over four routings.
+BLOCK_M_CASES = [(QWEN3_30B_A3B, [64, 256, 1024]), (MIXTRAL_8X7B, [64, 256]), (DEEPSEEK_V3, [1024]),
+                 (E64_K4, [256, 1024])]
+
+
+def sweep_block_m(shape, T, w13, w2):
+    from dataclasses import replace
+
+    from moe_triton import MoEConfig, choose_config
+    from moe_triton.graphs import capture_graph
+    from moe_triton.tools.bench import time_graph_replays
+
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=4)
+    chosen = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+                           torch.device("cuda"))
+    counts = torch.bincount(inputs.topk_ids[0].flatten().long(), minlength=shape.num_experts)
+    results = []
+    for block_m in (16, 32, 64, 128):
+        config = MoEConfig(replace(chosen.up, block_m=block_m), replace(chosen.down, block_m=block_m), chosen.layout)
+
+        def step(i):
+            return fused_experts(inputs.hidden_states[i], w13, w2, inputs.topk_ids[i], inputs.topk_weights[i],
+                                 config=config)
+
+        try:
+            results.append((time_graph_replays(capture_graph(step, 4), 4) * 1e6, block_m))
+        except Exception as error:  # out of shared memory etc.: report and go on
+            print(f"  BM{block_m}: {type(error).__name__}: {str(error)[:100]}")
+    print(f"block_m {shape.name} T={T} (rows per expert: mean {counts.float().mean():.1f}, max {counts.max()}; "
+          f"chosen BM{chosen.block_m}): " + ", ".join(f"BM{b} {t:.1f}us" for t, b in results), flush=True)
+
+
 def profile_layer(shape, T, w13, w2):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
     args = (inputs.hidden_states[0], w13, w2, inputs.topk_ids[0], inputs.topk_weights[0])
@@ -146,6 +180,14 @@ def profile_layer(shape, T, w13, w2):
 if __name__ == "__main__":
     import sys
 
+    if "--block-m" in sys.argv:
+        for shape, tokens in BLOCK_M_CASES:
+            w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
+            for T in tokens:
+                sweep_block_m(shape, T, w13, w2)
+            del w13, w2
+            torch.cuda.empty_cache()
+        sys.exit(0)
     if "--decode" in sys.argv:
         for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
             w13, w2 = random_experts(shape, torch.bfloat16, "cuda")

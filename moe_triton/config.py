@@ -12,6 +12,7 @@ BLOCK_M rows x BLOCK_N output columns, stepping BLOCK_C along its contraction wi
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,22 +80,30 @@ def _power_of_two(value, at_least: int) -> bool:
 
 
 def _block_m(num_pairs: int, num_experts: int, fp8: bool) -> int:
-    # Rows per active expert: a tile taller than that is mostly padding. Past 32 rows the GEMMs
-    # turn compute-bound, where 128-row tiles beat 64-row ones at every size swept. Not for FP8:
-    # its step promotion adds a third float32 tile to the fused gate's two, and 128-row tiles spill
-    # (docs/sweep-fp8-prefill-2026-11-30.txt: 64-row tiles 1.6-3.5x faster from 32 rows per expert up).
     rows_per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    for block_m in (16,) if fp8 else (16, 32):
-        if rows_per_expert <= block_m:
+    if fp8:
+        # Not past 16 rows: the FP8 step promotion adds a third float32 tile to the fused gate's two,
+        # and 128-row tiles spill (docs/sweep-fp8-prefill-2026-11-30.txt: 64-row tiles 1.6-3.5x
+        # faster from 32 rows per expert up).
+        return 16 if rows_per_expert <= 16 else 64
+    # The tile must hold the busiest expert's rows, not the average expert's: a tile short of them
+    # gives that expert a second row block. Under uniform routing an expert's rows are near-binomial
+    # and the largest of E such counts sits near mean + sqrt(2 ln(E) mean) (the H200 sweep's
+    # measured maxima were 80-100% of it, docs/sweep-block-m-2026-11-30.txt). There, 32-row tiles
+    # beat 16-row ones by 4-11% at 16 rows per expert, 64-row tiles beat 32-row ones by 13% at 32;
+    # past 64 rows the GEMMs are compute-bound and 128-row tiles win at every size swept.
+    busiest = rows_per_expert + math.sqrt(2 * math.log(max(num_experts, 2)) * rows_per_expert)
+    for block_m in (16, 32, 64):
+        if busiest <= block_m:
             return block_m
-    return 64 if fp8 else 128
+    return 128
 
 
-def _gemm_config(block_m: int, c: int, fused_gate: bool) -> GemmConfig:
+def _gemm_config(block_m: int, c: int, fused_gate: bool, streaming: bool) -> GemmConfig:
     # Tiles from the H200 sweeps in docs/sweep-*.txt (benchmarks/sweep_configs.py), for 2-byte
     # operands. They read the shape only through these rules, so an unseen device still gets a
     # sane choice. Weight tiles come through TMA descriptors wherever the layout allows.
-    if block_m <= 32:  # decode: stream the weights; long C steps keep bytes in flight
+    if streaming:  # decode: stream the weights; long C steps keep bytes in flight
         block_n = 64 if fused_gate else 128  # a fused gate tile loads two weight tiles per step
         # group_m > 1: an expert with more rows than one block has consecutive row blocks; grouped
         # ordering runs them on each weight tile back to back, so the second read hits L2 (with
@@ -148,19 +157,25 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         step = min(32, fp8_group) if dtype.itemsize == 1 else 32
         return MoEConfig(GemmConfig(16, 32, step, group_m=1), GemmConfig(16, 32, step, group_m=1), layout)
     element_size = dtype.itemsize
-    block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8=element_size == 1)
-    up = _for_element_size(_gemm_config(block_m, c=hidden_size, fused_gate=True), element_size)
-    down = _for_element_size(_gemm_config(block_m, c=intermediate_size, fused_gate=False), element_size)
-    if element_size == 1:
+    fp8 = element_size == 1
+    block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8)
+    # Weight-streaming tiles up to 64 rows (32 for FP8, whose only wider tile is its prefill tile)
+    streaming = block_m <= (32 if fp8 else 64)
+    up = _for_element_size(_gemm_config(block_m, hidden_size, fused_gate=True, streaming=streaming), element_size)
+    down = _for_element_size(_gemm_config(block_m, intermediate_size, fused_gate=False, streaming=streaming),
+                             element_size)
+    num_sms, shared_memory = device_limits(device)
+    if fp8:
         up, down = _fp8_steps(up, down, fp8_group)
-        up = _fit_shared_memory(up, element_size, limit=device_limits(device)[1], weight_tiles=2)
+    if fp8 or streaming:
+        up = _fit_shared_memory(up, element_size, limit=shared_memory, weight_tiles=2)
     if block_m <= 32:  # decode: few row blocks
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
-        num_sms, shared_memory = device_limits(device)
         if down_split is None:
             down = _down_split(down, blocks, hidden_size, intermediate_size, num_sms)
         else:
             down = replace(down, split_c=down_split)
+    if streaming:
         down = _fit_shared_memory(down, element_size, limit=shared_memory)
     return MoEConfig(up, down, layout)
 

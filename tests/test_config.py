@@ -31,12 +31,28 @@ def test_decode_configs_fit_shared_memory(monkeypatch, splits):
     limit = 232448  # H200: shared_memory_per_block_optin
     monkeypatch.setattr(configs, "device_limits", lambda device: (132, limit))
     for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
-        for T in (1, 4, 16, 64, 256):
+        for T in (1, 4, 16, 64, 256, 512, 1024):
             c = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
                               torch.device("cuda"), down_split=splits)
             up_stage = c.up.block_c * (c.up.block_m + 2 * c.up.block_n) * 2  # a + gate + up tiles, bf16
             down_stage = c.down.block_c * (c.down.block_m + c.down.block_n) * 2
             assert c.up.num_stages * up_stage <= limit and c.down.num_stages * down_stage <= limit, c.describe()
+
+
+@pytest.mark.parametrize("shape", [QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4], ids=lambda s: s.name)
+@pytest.mark.parametrize("T", [16, 64, 256, 512, 1024])
+def test_the_row_tile_holds_the_busiest_expert(monkeypatch, shape, T):
+    """Under uniform routing the sorted layout's row tile holds the busiest expert's rows in nearly
+    every routing: a shorter tile gives that expert a second row block (docs/sweep-block-m-*.txt)."""
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
+    E, K = shape.num_experts, shape.top_k
+    c = choose_config(T, K, E, shape.hidden_size, shape.intermediate_size, torch.device("cuda"))
+    if c.layout is LayoutKind.PER_PAIR or c.block_m == 128:  # one pair a tile; compute tiles
+        return
+    g = torch.Generator().manual_seed(T)
+    busiest = [int(torch.bincount(torch.rand(T, E, generator=g).topk(K).indices.flatten(), minlength=E).max())
+               for _ in range(20)]
+    assert sum(rows <= c.block_m for rows in busiest) >= 18, (c.block_m, busiest)
 
 
 @pytest.mark.parametrize("group", [128, 64, 32, 16])
