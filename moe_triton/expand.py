@@ -123,7 +123,12 @@ class ExpandPlan:
         return layout
 
 
-ONE_PROGRAM_BLOCKS = 4  # up to this many blocks of pairs, one program runs the whole stage
+# One program runs the whole stage for a single block of pairs (P <= 64 at E = 128, <= 1024 at
+# E = 8): GPU time equal or lower than the three kernels' on the H200 (DeepSeek-V3 M=4 5.6 vs 7.1
+# us, Mixtral M=64 7.5 vs 11.1), and two launches fewer. With more blocks its serial passes cost
+# more than the launches save (Qwen3 M=16, 2 blocks: 12.1 vs 8.5 us; DeepSeek-V3 M=16, 4 blocks:
+# 18.7 vs 10.2; docs/grid/grid-5ad3ae6.md against grid-8e63f5b.md).
+ONE_PROGRAM_BLOCKS = 1
 
 
 def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpandPlan:
@@ -139,7 +144,7 @@ def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> 
     chunk = max(1, 8192 // E_PAD)
     if P == 0:
         launches = ()
-    elif num_blocks <= ONE_PROGRAM_BLOCKS:  # few pairs: the launches cost more than the serial work
+    elif num_blocks <= ONE_PROGRAM_BLOCKS:
         launches = (BoundLaunch(_expand_one_program_kernel, (1,), dict(
             num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD,
             BLOCK_M=block_m, CHUNK=chunk)),)
