@@ -13,7 +13,8 @@
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, slot) pairs,
 R rows after expand; a GEMM computes N output columns over a contraction width C.
 
-`fused_moe.py` runs the pipeline (`run_experts`, `fused_experts`); `reference.py` is its float32
+`fused_moe.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
+and launched through `launch.py`'s `BoundLaunch` (no JIT dispatch per call); `reference.py` is its float32
 torch reference; `layer.py` holds `FusedMoE`, which calls a backend runner (backends/runners.py)
 chosen once per layer by the resolver (backends/resolver.py, kept as `layer.resolution`);
 `placement.py` says where a layer's experts run. Importing the package registers

@@ -9,7 +9,9 @@
                                                                                      split-C partials)
       -> finalize    (finalize.py)     weighted un-permute into a fresh     [T, H]
 
-Every argument is checked here, before any kernel launches.
+Every argument is checked here, before any kernel launches, once per call signature (shapes,
+strides, dtypes, devices, options): the signature's `LayerPlan` keeps the configuration and each
+stage's plan, and later calls of that signature only allocate and launch (launch.py).
 """
 from __future__ import annotations
 
