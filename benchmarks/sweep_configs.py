@@ -161,6 +161,19 @@ def sweep_block_m(shape, T, w13, w2):
           f"chosen BM{chosen.block_m}): " + ", ".join(f"BM{b} {t:.1f}us" for t, b in results), flush=True)
 
 
+DECODE_CASES = [(shape, [1, 4]) for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)]
+
+
+def run_sweep(cases, sweep) -> None:
+    """sweep(shape, T, w13, w2) for every case, one shape's weights on the GPU at a time."""
+    for shape, tokens in cases:
+        w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
+        for T in tokens:
+            sweep(shape, T, w13, w2)
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
 def profile_layer(shape, T, w13, w2):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
     args = (inputs.hidden_states[0], w13, w2, inputs.topk_ids[0], inputs.topk_weights[0])
@@ -180,30 +193,12 @@ def profile_layer(shape, T, w13, w2):
 if __name__ == "__main__":
     import sys
 
-    if "--block-m" in sys.argv:
-        for shape, tokens in BLOCK_M_CASES:
-            w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
-            for T in tokens:
-                sweep_block_m(shape, T, w13, w2)
-            del w13, w2
-            torch.cuda.empty_cache()
-        sys.exit(0)
-    if "--decode" in sys.argv:
-        for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
-            w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
-            for T in (1, 4):
-                sweep_decode(shape, T, w13, w2)
-            del w13, w2
-            torch.cuda.empty_cache()
-        sys.exit(0)
-    if "--split" in sys.argv:
-        for shape, tokens in SPLIT_CASES:
-            w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
-            for T in tokens:
-                sweep_down_split(shape, T, w13, w2)
-            del w13, w2
-            torch.cuda.empty_cache()
-        sys.exit(0)
+    modes = {"--block-m": (BLOCK_M_CASES, sweep_block_m), "--decode": (DECODE_CASES, sweep_decode),
+             "--split": (SPLIT_CASES, sweep_down_split)}
+    for mode, (cases, sweep) in modes.items():
+        if mode in sys.argv:
+            run_sweep(cases, sweep)
+            sys.exit(0)
     for shape, tokens in CASES:
         w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
         if "--profile" in sys.argv:
