@@ -225,7 +225,9 @@ def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
     if descriptor is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        descriptor = entry[2][block] = TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), list(block))
+        # Over a view of a detached alias: a view of w itself would keep w alive (its _base), and
+        # with it this cache entry, for as long as the process lives.
+        descriptor = entry[2][block] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]), list(block))
     return descriptor
 
 

@@ -1,4 +1,8 @@
 """expert GEMM: every row in use against a float32 einsum over the same (token, expert) rows."""
+import gc
+import importlib
+import weakref
+
 import pytest
 import torch
 from helpers import assert_close, random_ids
@@ -7,6 +11,8 @@ from moe_triton.activation import Activation, ActivationKind, activation_torch
 from moe_triton.config import GemmConfig
 from moe_triton.expand import expand
 from moe_triton.expert_gemm import expert_gemm, expert_gemm_torch
+
+expert_gemm_module = importlib.import_module("moe_triton.expert_gemm")  # `moe_triton.expert_gemm` is the function
 
 
 def rows_in_use(layout):
@@ -71,3 +77,22 @@ def test_expert_gemm_tma_weights(N, K_in, activation, poisoned_empty):
     if activation is not None:
         expected = activation_torch(expected, activation)
     assert_close(out[row_ids], expected, torch.float16)
+
+
+def test_weight_descriptors_live_as_long_as_their_weights():
+    """A weight tensor keeps its TMA descriptors (one per tile) while it stays at one address, gets
+    new ones when its storage moves, and leaves nothing behind when it dies: the cache holds views
+    of the storage, never the tensor."""
+    descriptors = expert_gemm_module._DESCRIPTORS
+    config = GemmConfig(16, 64, 32, tma_weights=True)
+    w = torch.randn(4, 64, 32)
+    first = expert_gemm_module._weight_descriptor(w, config)
+    assert expert_gemm_module._weight_descriptor(w, config) is first
+    assert expert_gemm_module._weight_descriptor(w, GemmConfig(16, 32, 32, tma_weights=True)) is not first
+    w.data = torch.randn(4, 64, 32)  # a parameter's storage replaced in place (e.g. module.half())
+    moved = expert_gemm_module._weight_descriptor(w, config)
+    assert moved is not first and moved.base.data_ptr() == w.data_ptr()
+    alive, key = weakref.ref(w), id(w)
+    del w, first, moved
+    gc.collect()
+    assert alive() is None and key not in descriptors

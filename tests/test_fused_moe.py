@@ -155,6 +155,20 @@ def test_strides_are_part_of_the_signature():
     assert plan_of(x, w13, w2, ids, weights) is not plan_of(column_major, w13, w2, ids, weights)
 
 
+def test_plans_do_not_keep_weights_alive():
+    """A plan is a signature's, not a tensor's: deleting a layer's weights frees them."""
+    import gc
+    import weakref
+
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=16)
+    fused_experts(x, w13, w2, ids, weights)
+    assert plan_of(x, w13, w2, ids, weights) is not None
+    alive = [weakref.ref(w13), weakref.ref(w2)]
+    del w13, w2
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+
+
 def test_bad_input_is_refused_after_its_shape_was_planned():
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=15)
     fused_experts(x, w13, w2, ids, weights)
