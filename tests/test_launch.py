@@ -41,6 +41,21 @@ def test_an_argument_neither_fixed_nor_passed_is_named():
         launch(x_ptr=torch.zeros(N), out_ptr=torch.zeros(N))
 
 
+def test_a_direct_launch_is_refused_where_the_specialization_does_not_fit(monkeypatch):
+    """The checks a direct launch makes before it skips the JIT, on a launch remembered as the
+    compiled path remembers it (the interpreter compiles nothing, so it is set up by hand here)."""
+    launch = scale_launch()
+    x = torch.zeros(N + 4)
+    launch._values = [None, None, N, 3.0, 256]
+    launch._slots = {"x_ptr": (0, torch.float32, True), "out_ptr": (1, torch.float32, True)}
+    aligned, out = x[:N], torch.zeros(N)
+    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) == [aligned.data_ptr(), out.data_ptr(), N, 3.0, 256]
+    assert launch._direct_values(dict(x_ptr=x[1:N + 1], out_ptr=out)) is None  # 4 bytes off: not 16-aligned
+    assert launch._direct_values(dict(x_ptr=aligned.half(), out_ptr=out)) is None  # another dtype
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) is None  # a profiler's hook must see it
+
+
 # ---- on the GPU: the direct launch ---------------------------------------------------------------
 
 @pytest.fixture
