@@ -181,13 +181,12 @@ class LayerPlan:
 
     def gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
         config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
-        if self.fuse_activation:
-            up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True,
-                                                           activation=activation))
-            h = up(hidden_states, w13, layout)  # [R, I]
-        else:
-            up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True))
-            h = activate(up(hidden_states, w13, layout), activation)  # [R, 2I] or [R, I] -> [R, I]
+        epilogue = activation if self.fuse_activation else None  # unfused: the standalone kernel after it
+        up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True,
+                                                       activation=epilogue))
+        h = up(hidden_states, w13, layout)  # [R, I], or [R, 2I] / [R, I] before the activation
+        if epilogue is None:
+            h = activate(h, activation)  # [R, I]
         down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False))
         return down(h, w2, layout)  # [R, H], or [S, R, H] float32 partials
 
