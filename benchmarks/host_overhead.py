@@ -22,6 +22,7 @@ from triton.testing import do_bench
 
 import moe_triton
 from moe_triton import SILU_AND_MUL, ExpertWeights, choose_config, fused_experts, fused_moe
+from moe_triton.graphs import capture_graph
 from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 
 TOKENS = (1, 4, 16, 64, 256)
@@ -65,18 +66,6 @@ def jit_launches_per_call(fn) -> float:
     return len(calls) / 10
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -99,7 +88,7 @@ def main():
         host = host_us(call)
         jit = jit_launches_per_call(call)
         eager = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
-        graph = graph_of(call)
+        graph = capture_graph(lambda i: call(), 1)
         replay = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
         config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
                                x.device)
