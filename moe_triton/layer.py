@@ -82,9 +82,17 @@ class FusedMoE(nn.Module):
         return self.resolution.backend
 
     def expert_weights(self) -> ExpertWeights:
-        """The prepared weights, or the parameters as they are before prepare_weights()."""
+        """The prepared weights, or the parameters as they are before prepare_weights(). Parameters
+        replaced after it (load_state_dict(assign=True), `layer.down_proj = ...`) are prepared anew
+        here: the layer never computes with tensors it no longer holds."""
+        prepared = self._prepared
+        if prepared is not None:
+            if all(self._parameters[name] is getattr(prepared, field) for name, field in _EXPERT_TENSORS.items()):
+                return prepared
+            self.prepare_weights()
+            return self._prepared
         tensors = {field: getattr(self, name) for name, field in _EXPERT_TENSORS.items()}
-        return self._prepared or ExpertWeights(gated=self.activation.gated, format=self.weight_format, **tensors)
+        return ExpertWeights(gated=self.activation.gated, format=self.weight_format, **tensors)
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -117,5 +125,9 @@ class FusedMoE(nn.Module):
             return self.routed_experts(x).view_as(hidden_states)
         branches = (lambda: self.shared_experts(x), lambda: self.routed_experts(x))
         shared, routed = run_branches(*branches) if overlap else (branches[0](), branches[1]())
+        if not isinstance(shared, torch.Tensor) or shared.shape != x.shape:
+            got = tuple(shared.shape) if isinstance(shared, torch.Tensor) else type(shared).__name__
+            raise ValueError(f"shared_experts returned {got} for an input of shape {tuple(x.shape)}; it must "
+                             "map (T, H) to (T, H): check its output size (hidden_size)")
         out = routed + shared
         return (out / 2 if self.shared_combination is SharedCombination.AVERAGE else out).view_as(hidden_states)

@@ -76,6 +76,25 @@ def test_prepare_weights_is_idempotent_and_shares_aligned_tensors():
     assert layer.gate_up_proj is w13 and layer.expert_weights().w13 is w13
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch", "negated_torch"])
+@pytest.mark.parametrize("how", ["load_state_dict(assign=True)", "setattr"])
+def test_weights_replaced_after_prepare_weights_are_the_ones_that_run(backend, how, toy_backend):
+    layer, other = make_layer(backend, seed=0), make_layer(backend, seed=5)
+    layer.prepare_weights()
+    other.prepare_weights()  # the toy backend pads: both hold padded tensors of one shape
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = layer(x)
+        if how == "setattr":
+            for name in ("gate_weight", "gate_up_proj", "down_proj"):
+                setattr(layer, name, torch.nn.Parameter(getattr(other, name).detach().clone()))
+        else:
+            layer.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+        after, expected = layer(x), other(x)
+    assert not torch.equal(before, expected)  # the two weight sets differ, so a stale layer would show
+    assert torch.equal(after, expected)
+
+
 # ---- adding a backend: one runner and one catalog entry, nothing in the layer -----------------
 
 class NegatedTorchRunner(ExpertsRunner):
@@ -106,8 +125,9 @@ def toy_backend():
 def test_a_backend_defined_here_runs_in_the_layer(toy_backend):
     layer = make_layer("negated_torch")
     assert layer.backend == "negated_torch" and layer.resolution.rule == "explicit request"
+    count = NegatedTorchRunner.prepared_count  # a class-wide counter: other tests prepare toy layers too
     layer.prepare_weights()
-    assert NegatedTorchRunner.prepared_count == 1 and layer.down_proj.shape[2] == 32  # I = 24 padded to 32
+    assert NegatedTorchRunner.prepared_count == count + 1 and layer.down_proj.shape[2] == 32  # I = 24 padded to 32
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
     expected = make_layer("torch")
     with torch.no_grad():
@@ -129,6 +149,12 @@ def test_bad_construction_names_the_argument():
         FusedMoE(E, 9, H, I)
     with pytest.raises(ValueError, match="backend='cuda' is not a backend"):
         FusedMoE(E, K, H, I, placement=Placement("cuda"))
+
+
+def test_shared_experts_of_the_wrong_width_are_named():
+    layer = make_layer("torch", shared=torch.nn.Linear(H, H + 1))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"shared_experts returned \(3, 33\) .* \(3, 32\)"):
+        layer(torch.randn(3, H))
 
 
 def test_the_runner_holds_the_layers_activation_and_routing():
