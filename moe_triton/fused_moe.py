@@ -22,7 +22,7 @@ from .config import MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
 from .expert_gemm import Fp8Scales, plan_expert_gemm
 from .finalize import plan_finalize
-from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, triton_can_run_on
+from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, interpreter_hint, triton_can_run_on
 from .quantize import plan_quantize
 from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
 
@@ -58,8 +58,8 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
     if topk_weights.device != device:
         raise ValueError(f"topk_weights is on {topk_weights.device}, hidden_states on {device}")
     if not triton_can_run_on(device):
-        raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA device, set "
-                         "TRITON_INTERPRET=1 before importing moe_triton, or use the torch backend")
+        raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA device, "
+                         f"{interpreter_hint()}, or use the torch backend")
     if device.type == "cpu" and dtype not in INTERPRETER_DOT_DTYPES:
         raise ValueError(f"hidden_states and the expert weights are {dtype} on CPU, but {interpreter_dot_reason(dtype)} "
                          "(moe_triton.fused_experts_torch, backend='torch')")

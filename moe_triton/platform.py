@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 # The FlashInfer release whose published API backends/flashinfer.py follows; older ones lack
 # the prepare helpers and the (topk_ids, topk_weights) routed form it uses.
@@ -21,9 +22,25 @@ FLASHINFER_MIN_VERSION = (0, 7, 2)
 FLASHINFER_READ_VERSION = "0.7.2.post1"
 
 
+@triton.jit
+def _defined_at_import():
+    # Decorated when moe_triton is imported, as every kernel of the package is: triton.jit reads
+    # TRITON_INTERPRET then, not when a kernel runs, so this tells how all of them were defined.
+    pass
+
+
 def interpreter_enabled() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
-    return bool(triton.knobs.runtime.interpret)
+    """True when this package's kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set
+    before moe_triton was imported); setting it later changes nothing."""
+    return isinstance(_defined_at_import, InterpretedFunction)
+
+
+def interpreter_hint() -> str:
+    """How to get the interpreted kernels, for messages that refuse the CPU."""
+    if triton.knobs.runtime.interpret and not interpreter_enabled():
+        return ("TRITON_INTERPRET=1 was set after moe_triton was imported, and its kernels were defined "
+                "for the GPU: set it before the first import (restart the process or notebook kernel)")
+    return "set TRITON_INTERPRET=1 before importing moe_triton"
 
 
 def triton_can_run_on(device: torch.device) -> bool:

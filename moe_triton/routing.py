@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .platform import triton_can_run_on
+from .platform import interpreter_hint, triton_can_run_on
 
 
 class Scoring(enum.Enum):
@@ -253,8 +253,8 @@ def _check_inputs(logits, spec, correction_bias, out):
         raise ValueError(f"logits must be a 2-D tensor of shape (T, E) in one of {LOGIT_DTYPES}; "
                          f"got {_describe(logits)}")
     if not triton_can_run_on(logits.device):
-        raise ValueError(f"the routing kernel cannot run on {logits.device}: move the logits to a CUDA device, set "
-                         "TRITON_INTERPRET=1 before importing moe_triton, or use route_torch (the torch backend)")
+        raise ValueError(f"the routing kernel cannot run on {logits.device}: move the logits to a CUDA device, "
+                         f"{interpreter_hint()}, or use route_torch (the torch backend)")
     num_tokens, num_experts = logits.shape
     if num_experts < 1:
         raise ValueError("logits must have at least one expert column (E >= 1); got shape (T, 0)")

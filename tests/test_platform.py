@@ -1,4 +1,6 @@
 """platform.py: detection and named platforms."""
+import os
+import subprocess
 import sys
 
 import pytest
@@ -51,3 +53,27 @@ def test_triton_computes_exactly_only_where_its_arithmetic_is_a_gpu_s(monkeypatc
     assert not platforms.triton_computes_exactly(cpu, torch.bfloat16)  # its bf16 dot and casts are wrong
     monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
     assert not platforms.triton_computes_exactly(cpu, torch.float32)
+
+
+def test_interpreter_set_after_import_is_reported_not_half_honoured():
+    # triton.jit reads TRITON_INTERPRET when a kernel is defined: set after `import moe_triton` (a
+    # notebook's usual order), it must neither be believed (kernels would fail with "0 active
+    # drivers") nor ignored silently.
+    script = """
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, moe_triton
+os.environ["TRITON_INTERPRET"] = "1"
+from moe_triton.platform import interpreter_enabled
+assert not interpreter_enabled()
+w13, w2, x = torch.randn(4, 32, 16), torch.randn(4, 16, 16), torch.randn(3, 16)
+ids, weights = torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2)
+try:
+    moe_triton.fused_experts(x, w13, w2, ids, weights)
+except ValueError as error:
+    print(error)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "TRITON_INTERPRET=1 was set after moe_triton was imported" in done.stdout

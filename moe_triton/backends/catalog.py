@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 
 from ..activation import Activation, ActivationKind
-from ..platform import FLASHINFER_MIN_VERSION, INTERPRETER_DOT_DTYPES, Platform, interpreter_dot_reason
+from ..platform import (
+    FLASHINFER_MIN_VERSION,
+    INTERPRETER_DOT_DTYPES,
+    Platform,
+    interpreter_dot_reason,
+    interpreter_hint,
+)
 from ..routing import RoutingSpec
 from ..weights import NATIVE, Fp8Scaling, WeightFormat
 from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
@@ -173,8 +179,7 @@ def _platform_reason(spec: BackendSpec, platform: Platform, context, layer) -> s
         if spec.on_cpu == "always" or (spec.on_cpu == "interpreter" and platform.interpreter):
             return None
         if spec.on_cpu == "interpreter":
-            return ("the Triton pipeline runs on CPU only under the interpreter "
-                    "(TRITON_INTERPRET=1 before importing moe_triton)")
+            return f"the Triton pipeline runs on CPU only under the interpreter ({interpreter_hint()})"
         return "it needs a CUDA GPU"
     if spec.sms is not None and platform.sm not in spec.sms:
         why = " (trtllm-gen is Blackwell SM100/SM103 only)" if spec.sms == _TRTLLM_SMS else ""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..platform import Platform
+from ..platform import Platform, interpreter_hint
 from .catalog import SPECS, ExpertBackend, LayerTraits, ModelContext, unsupported_reason
 from .rules import rule_for
 
@@ -60,7 +60,7 @@ def default_candidates(platform: Platform, layer: LayerTraits | None = None) -> 
         return [(ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"),
                 (ExpertBackend.TORCH, "the torch reference")]
     return [(ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference "
-                                  "(set TRITON_INTERPRET=1 before importing moe_triton to run the Triton kernels)")]
+                                  f"({interpreter_hint()} to run the Triton kernels)")]
 
 
 def default_backend(platform: Platform, context: ModelContext = ModelContext(),
