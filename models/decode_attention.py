@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from moe_triton.config import device_limits
+from moe_triton.launch import interpreter_serialized
 from moe_triton.platform import triton_computes_exactly
 
 
@@ -31,6 +32,7 @@ def _dot(a, b, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 
+@interpreter_serialized
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, positions_ptr, part_out_ptr, part_stats_ptr,
@@ -76,6 +78,7 @@ def _split_kernel(
     tl.store(part_stats_ptr + part * 2 + 1, total, mask=g_ok)
 
 
+@interpreter_serialized
 @triton.jit
 def _combine_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_o_b, stride_o_h, HQ,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):

@@ -16,9 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_triton.launch import interpreter_serialized
 from moe_triton.platform import triton_computes_exactly
 
 
+@interpreter_serialized
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, R, N, eps, stride_x_r, stride_residual_r,
                      stride_out_r, ADD_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_triton.launch import interpreter_serialized
 from moe_triton.platform import triton_computes_exactly
 
 from .rms_norm import rms_norm_torch
@@ -72,6 +73,7 @@ def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, r
     return tl.where(rot[None, :], rotated.to(x.dtype), x)
 
 
+@interpreter_serialized
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
                    stride_x_b, stride_x_h, stride_x_l, stride_c_b, stride_c_l,
@@ -93,6 +95,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out, mask=mask)
 
 
+@interpreter_serialized
 @triton.jit
 def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr, values_ptr, slots_ptr,
                               positions_ptr, R, HEADS, eps, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,

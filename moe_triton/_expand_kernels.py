@@ -9,6 +9,8 @@ expert) and the whole stage deterministic without atomics.
 import triton
 import triton.language as tl
 
+from .launch import interpreter_serialized
+
 
 @triton.jit
 def _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P: tl.constexpr):
@@ -33,6 +35,7 @@ def _rank_in_block(one_hot):
     return tl.sum((tl.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
 
 
+@interpreter_serialized
 @triton.jit
 def _expert_histogram_kernel(
     topk_ids_ptr, block_counts_ptr, num_pairs, E,
@@ -46,6 +49,7 @@ def _expert_histogram_kernel(
     tl.store(block_counts_ptr + block * E + experts, counts, mask=experts < E)
 
 
+@interpreter_serialized
 @triton.jit
 def _expert_offsets_kernel(
     block_counts_ptr, block_prefix_ptr, expert_offsets_ptr, num_rows_ptr,
@@ -99,6 +103,7 @@ def _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr
     return starts
 
 
+@interpreter_serialized
 @triton.jit
 def _scatter_pairs_kernel(
     topk_ids_ptr, block_prefix_ptr, expert_offsets_ptr, sorted_pair_ids_ptr, pair_to_row_ptr,
@@ -116,6 +121,7 @@ def _scatter_pairs_kernel(
     tl.store(pair_to_row_ptr + pairs, tl.where(valid, rows, -1), mask=pairs < num_pairs)
 
 
+@interpreter_serialized
 @triton.jit
 def _expand_one_program_kernel(
     topk_ids_ptr, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_to_row_ptr,

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import interpreter_serialized
+
 
 class ActivationKind(enum.Enum):
     SILU_AND_MUL = 0  # silu(gate) * up
@@ -93,6 +95,7 @@ def _apply_activation(gate, up, KIND: tl.constexpr, LIMIT: tl.constexpr, ALPHA: 
         return (up + 1.0) * gate * tl.sigmoid(gate * ALPHA)
 
 
+@interpreter_serialized
 @triton.jit
 def _activation_kernel(
     x_ptr, out_ptr, M, I,

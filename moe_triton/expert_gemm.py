@@ -42,7 +42,7 @@ import triton.language as tl
 from .activation import Activation, _apply_activation
 from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
-from .launch import BoundLaunch
+from .launch import BoundLaunch, interpreter_serialized
 from .quantize import quantize_tile
 from .weights import FP8_DTYPE
 
@@ -95,6 +95,7 @@ def _step(a, w, acc, a_step_scale, w_step_scale, FP8: tl.constexpr, STEP_SCALED:
     return _dot(a, w, acc, IEEE_FP32)
 
 
+@interpreter_serialized
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, w_ptr, w_desc, out_ptr,

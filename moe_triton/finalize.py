@@ -19,9 +19,10 @@ import triton
 import triton.language as tl
 
 from .expand import ExpertLayout, LayoutKind
-from .launch import BoundLaunch
+from .launch import BoundLaunch, interpreter_serialized
 
 
+@interpreter_serialized
 @triton.jit
 def _finalize_kernel(
     y_ptr, topk_weights_ptr, pair_to_row_ptr, topk_ids_ptr, out_ptr,

@@ -15,12 +15,35 @@ interpreter there is no compiled kernel and every call goes through the JIT.
 """
 from __future__ import annotations
 
+import functools
+import threading
+
 import torch
 import triton
 from triton import knobs
 from triton.compiler import CompiledKernel
+from triton.runtime.interpreter import InterpretedFunction
 
 _ALIGNMENT = 16  # bytes: Triton specializes pointer arguments on this divisibility
+
+# The interpreter swaps triton.language's functions for its own while a kernel runs: two threads
+# interpreting at once break each other's kernels (InterpreterError). Compiled launches need no lock.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def interpreter_serialized(kernel):
+    """Mark a kernel that is launched: under the interpreter, one such launch runs at a time in the
+    process, so concurrent calls from threads are safe; a compiled kernel is returned untouched."""
+    if isinstance(kernel, InterpretedFunction):
+        run = kernel.run
+
+        @functools.wraps(run)
+        def serialized_run(*args, **kwargs):
+            with _INTERPRETER_LOCK:
+                return run(*args, **kwargs)
+
+        kernel.run = serialized_run  # KernelInterface's kernel[grid](...) calls self.run
+    return kernel
 
 
 class BoundLaunch:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BoundLaunch
+from .launch import BoundLaunch, interpreter_serialized
 from .weights import FP8_DTYPE, FP8_MAX
 
 
@@ -40,6 +40,7 @@ def quantize_tile(x, scale):
     return round_to_fp8(q).to(tl.float8e4nv)
 
 
+@interpreter_serialized
 @triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr,

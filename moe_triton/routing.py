@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import interpreter_serialized
 from .platform import interpreter_hint, triton_can_run_on
 
 
@@ -99,6 +100,7 @@ def _take_max(keys, available, cols, PAD: tl.constexpr):
     return best, tl.min(tl.where(available & (masked == best[:, None]), cols, PAD), axis=1)
 
 
+@interpreter_serialized
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr,

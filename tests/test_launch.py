@@ -1,5 +1,7 @@
 """BoundLaunch: fixed arguments plus each call's tensors give what `kernel[grid](...)` gives; on the
 GPU the direct launch is taken, and calls the compiled kernel does not fit go through the JIT."""
+import threading
+
 import pytest
 import torch
 import triton
@@ -115,3 +117,66 @@ def test_direct_launches_are_captured_by_cuda_graphs():
     out.zero_()
     graph.replay()
     torch.testing.assert_close(out, x * 3.0, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's lock; compiled launches need none")
+def test_threads_calling_the_kernels_at_once_get_what_one_thread_gets(qwen3_checkpoint):
+    # The interpreter patches triton.language while a kernel runs: unserialized, two threads broke
+    # each other's launches with InterpreterErrors.
+    from moe_triton import RoutingSpec, fused_experts, route
+    from moe_triton.models import load_model
+
+    E, H, I, K, T = 8, 32, 32, 2, 16
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    cases = [(torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)) for _ in range(3)]
+    models = [load_model(qwen3_checkpoint, dtype=torch.float32) for _ in range(2)]  # one cache each
+    prompt = torch.randint(0, 97, (1, 5), generator=g)
+
+    def work(model) -> list[torch.Tensor]:
+        results = []
+        for x, logits in cases:
+            ids, weights = route(logits, RoutingSpec(K, renormalize=True))
+            results += [ids, fused_experts(x, w13, w2, ids, weights)]
+        return results + [model.generate(prompt, 3)]
+
+    expected = work(models[0])
+    outcomes: list = [None, None]
+
+    def run(i):
+        try:
+            outcomes[i] = work(models[i])
+        except Exception as error:  # reported below, with the thread it came from
+            outcomes[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for outcome in outcomes:
+        assert not isinstance(outcome, Exception), repr(outcome)
+        assert all(torch.equal(a, b) for a, b in zip(outcome, expected, strict=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's lock; compiled launches need none")
+def test_every_launched_kernel_is_serialized_under_the_interpreter():
+    import importlib
+    import pkgutil
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    import moe_triton
+    import moe_triton.models
+
+    kernels = []
+    for package in (moe_triton, moe_triton.models):
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.name == "__main__":  # runs the command line
+                continue
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            kernels += [(f"{module.__name__}.{name}", value) for name, value in vars(module).items()
+                        if isinstance(value, InterpretedFunction) and name.endswith("_kernel")]
+    assert len(kernels) >= 15
+    unmarked = [name for name, kernel in kernels if "run" not in vars(kernel)]
+    assert not unmarked, f"launched kernels without @interpreter_serialized: {unmarked}"
