@@ -61,7 +61,8 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
         raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA device, "
                          f"{interpreter_hint()}, or use the torch backend")
     if device.type == "cpu" and dtype not in INTERPRETER_DOT_DTYPES:
-        raise ValueError(f"hidden_states and the expert weights are {dtype} on CPU, but {interpreter_dot_reason(dtype)} "
+        reason = interpreter_dot_reason(dtype, fp8_experts=weights.format.fp8 is not None)
+        raise ValueError(f"hidden_states and the expert weights are {dtype} on CPU, but {reason} "
                          "(moe_triton.fused_experts_torch, backend='torch')")
     return T, K
 

@@ -61,9 +61,10 @@ def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled() and dtype in INTERPRETER_DOT_DTYPES)
 
 
-def interpreter_dot_reason(dtype: torch.dtype) -> str:
+def interpreter_dot_reason(dtype: torch.dtype, fp8_experts: bool = False) -> str:
+    usable = "float16" if fp8_experts else "float16/float32"  # FP8 experts take 16-bit activations only
     return (f"the Triton interpreter's {str(dtype).removeprefix('torch.')} tl.dot computes wrong results "
-            f"(triton {triton.__version__}); use float16/float32 on CPU, or the torch backend")
+            f"(triton {triton.__version__}); use {usable} on CPU, or the torch backend")
 
 
 def check_device(device, name: str = "device") -> torch.device | None:

@@ -81,6 +81,18 @@ def test_fused_experts_refuses_bf16_under_the_interpreter(layout, no_launch):
         fused_experts(x, w13, w2, ids, weights, config=config)
 
 
+def test_the_bf16_refusal_of_fp8_experts_advises_the_dtype_they_take(no_launch):
+    # Following the advice must not lead into a second refusal: FP8 experts refuse float32 activations.
+    from moe_triton import ExpertWeights, WeightFormat, run_experts
+
+    x, w13, w2, ids, weights = experts(3, 4, 2, dtype=torch.float32)
+    fp8 = ExpertWeights(w13, w2).to_format(WeightFormat.fp8_block(16, 16))
+    with pytest.raises(ValueError, match=r"interpreter's bfloat16 tl.dot .* use float16 on CPU"):
+        run_experts(x.bfloat16(), fp8, ids, weights)
+    with pytest.raises(ValueError, match="FP8 experts take bfloat16 or float16"):
+        run_experts(x, fp8, ids, weights)
+
+
 def test_bf16_through_experts_implementation_is_refused_on_the_interpreter(tmp_path):
     from helpers import all_sparse_qwen3_moe_checkpoint
     from transformers import AutoModelForCausalLM

@@ -230,7 +230,7 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
                     "bfloat16 (ExpertWeights.dequantized()) for an unquantized layer, or use backend='torch'")
     interpreted = platform.device_type == "cpu" and spec.on_cpu == "interpreter"
     if interpreted and spec.interpreter_dtypes is not None and layer.dtype not in spec.interpreter_dtypes:
-        return f"weights are {layer.dtype}, and {interpreter_dot_reason(layer.dtype)}"
+        return f"weights are {layer.dtype}, and {interpreter_dot_reason(layer.dtype, layer.format.fp8 is not None)}"
     if spec.activations is not None and layer.activation.kind not in spec.activations:
         return (f"activation {layer.activation.kind.name} is not one it implements "
                 f"({sorted(a.name for a in spec.activations)})")
