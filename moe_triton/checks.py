@@ -60,7 +60,11 @@ def layer_input(hidden_states, weight: torch.Tensor) -> None:
 
 def grad_needed(*tensors) -> bool:
     """Grad mode is on and one of `tensors` requires grad: the call must give gradients."""
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    if torch.is_grad_enabled():  # a loop, not any(...): this runs on every eager call
+        for t in tensors:
+            if getattr(t, "requires_grad", False):
+                return True
+    return False
 
 
 def no_grad_needed(what: str, fix: str, *tensors) -> None:
