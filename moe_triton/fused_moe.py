@@ -108,7 +108,8 @@ def run_experts(
     other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
     under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
-    Under torch.compile or torch.export this is the registered op `torch.ops.moe_triton.experts`.
+    Under torch.compile or torch.export, and in grad mode with an input or weight requiring grad,
+    this is the registered op `torch.ops.moe_triton.experts` (its backward: reference.py).
 
     The checks, the configuration and every launch argument are worked out once per call
     signature (shapes, strides, dtypes, devices, options: `LayerPlan`) and reused by later calls
@@ -308,9 +309,9 @@ def _experts_setup_context(ctx, inputs, output):
 
 def _experts_backward(ctx, grad_out):
     hidden_states, w13, w2, w13_scale, w2_scale, ids, weights = ctx.saved_tensors
-    needs = ctx.needs_input_grad
+    x_needed, w13_needed, w2_needed, *_, weights_needed = ctx.needs_input_grad[:13]  # inputs 0, 1, 2, 12
     fp8 = ctx.fields[1] != 0  # e4m3 weights and their scales get no gradient
-    wanted = [needs[0], needs[1] and not fp8, needs[2] and not fp8, needs[12]]
+    wanted = [x_needed, w13_needed and not fp8, w2_needed and not fp8, weights_needed]
     grads = torch.ops.moe_triton.experts_backward(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, ids,
                                                   weights, *ctx.fields, wanted)
     dx, dw13, dw2, dweights = (grad if want else None for grad, want in zip(grads, wanted))

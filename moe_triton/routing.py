@@ -188,7 +188,8 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
 
     `out` is an optional preallocated (topk_ids, topk_weights) pair (static CUDA-graph buffers),
     `config` an explicit tile choice (tests); both are written and returned. Under torch.compile
-    or torch.export this is the registered op `torch.ops.moe_triton.route` (fresh outputs only).
+    or torch.export, and when the logits require grad in grad mode, this is the registered op
+    `torch.ops.moe_triton.route` (fresh outputs only; its backward differentiates topk_weights_torch).
     """
     if torch.compiler.is_compiling():
         if out is not None or config is not None:
