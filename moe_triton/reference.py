@@ -63,7 +63,10 @@ def fused_experts_backward_torch(
         if group.numel() == 0:
             continue
         tokens, slots = group // K, group % K  # [n]
-        w13, w2 = (w[0] for w in weights.expert(e).dequantized())  # [2I, H], [H, I] float32
+        if native:
+            w13, w2 = weights.w13[e].float(), weights.w2[e].float()  # [2I, H], [H, I]
+        else:
+            w13, w2 = (w[0] for w in weights.expert(e).dequantized())  # [2I, H], [H, I] float32
         xe = x[tokens]  # [n, H]
         gate_up = xe @ w13.T  # [n, 2I]
         h = activation_torch(gate_up, activation)  # [n, I]
