@@ -531,7 +531,8 @@ def test_gradients_bf16_at_a_real_size():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", [WeightFormat.fp8_block(128, 128), WeightFormat.fp8_channel()], ids=str)
+@pytest.mark.parametrize("fmt", [WeightFormat.fp8_block(128, 128), WeightFormat.fp8_channel()],
+                         ids=["block128", "channel"])
 def test_fp8_straight_through_gradients_bf16_at_a_real_size(fmt):
     """As on CPU (test_fp8_gradients_are_straight_through), at a real size on the FP8 kernels."""
     x, w13, w2, ids, weights, grad_out = real_grad_layer()
