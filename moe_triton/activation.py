@@ -74,6 +74,33 @@ def activation_torch(gate_up: torch.Tensor, activation: Activation) -> torch.Ten
     return (up + 1.0) * gate * torch.sigmoid(gate * activation.swiglu_alpha)
 
 
+def activation_backward_torch(gate_up: torch.Tensor, grad: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The gradient of `activation_torch` at gate_up (M, 2I) or (M, I), given its output's (M, I); float32."""
+    x, dy = gate_up.float(), grad.float()
+    kind = activation.kind
+    if kind is ActivationKind.RELU2:
+        return 2 * torch.relu(x) * dy  # [M, I]
+    gate, up = x.chunk(2, dim=-1)  # [M, I] each
+    if kind is ActivationKind.CLAMPED_SWIGLU:  # the clamps pass gradient inside their bounds, as torch's do
+        limit, alpha = activation.swiglu_limit, activation.swiglu_alpha
+        g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)  # [M, I]
+        s = torch.sigmoid(alpha * g)  # [M, I]
+        dgate = dy * (u + 1.0) * (s + alpha * g * s * (1 - s)) * (gate <= limit)  # [M, I]
+        dup = dy * g * s * ((up >= -limit) & (up <= limit))  # [M, I]
+        return torch.cat([dgate, dup], dim=-1)  # [M, 2I]
+    if kind is ActivationKind.SILU_AND_MUL:
+        s = torch.sigmoid(gate)  # [M, I]
+        act, dact = gate * s, s * (1 + gate * (1 - s))  # silu and its derivative, [M, I]
+    elif kind is ActivationKind.GELU_AND_MUL:
+        cdf = 0.5 * (1 + torch.erf(gate * 0.7071067811865476))  # [M, I]
+        act, dact = gate * cdf, cdf + gate * torch.exp(-0.5 * gate * gate) * 0.3989422804014327
+    else:  # GELU_TANH_AND_MUL
+        c, k = 0.7978845608028654, 0.044715
+        t = torch.tanh(c * (gate + k * gate * gate * gate))  # [M, I]
+        act, dact = 0.5 * gate * (1 + t), 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * k * gate * gate)
+    return torch.cat([dy * up * dact, dy * act], dim=-1)  # [M, 2I]
+
+
 @triton.jit
 def _apply_activation(gate, up, KIND: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     """float32 in, float32 out; `up` is ignored for the non-gated RELU2."""

@@ -10,6 +10,7 @@ import numbers
 
 import torch
 
+from .graphs.capture import is_capture_mode
 from .weights import FLOAT_DTYPES
 
 
@@ -55,3 +56,26 @@ def layer_input(hidden_states, weight: torch.Tensor) -> None:
     if hidden_states.device != device:
         raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights on {device}; "
                          "move one of them (layer.to(...))")
+
+
+def grad_needed(*tensors) -> bool:
+    """Grad mode is on and one of `tensors` requires grad: the call must give gradients."""
+    if torch.is_grad_enabled():  # a loop, not any(...): this runs on every eager call
+        for t in tensors:
+            if getattr(t, "requires_grad", False):
+                return True
+    return False
+
+
+def no_grad_needed(what: str, fix: str, *tensors) -> None:
+    """An inference-only tool refuses a call that needs gradients, rather than detach them silently."""
+    if grad_needed(*tensors):
+        raise ValueError(f"{what} has no backward, but grad mode is on and an input or weight requires grad: "
+                         f"run it under torch.no_grad(), or {fix}")
+
+
+def not_capturing(what: str) -> None:
+    """A differentiable call cannot be captured in a CUDA graph: its backward reads sizes on the host."""
+    if is_capture_mode() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        raise ValueError(f"{what} with gradients cannot be captured in a CUDA graph (its backward reads "
+                         "sizes on the host): capture under torch.no_grad()")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate
 from .config import MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
@@ -24,6 +25,7 @@ from .expert_gemm import Fp8Scales, plan_expert_gemm
 from .finalize import plan_finalize
 from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, interpreter_hint, triton_can_run_on
 from .quantize import plan_quantize
+from .reference import fused_experts_backward_torch
 from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
 
 
@@ -107,7 +109,8 @@ def run_experts(
     other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
     under top-8); topk_weights (T, K). `config` overrides the launch
     configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
-    Under torch.compile or torch.export this is the registered op `torch.ops.moe_triton.experts`.
+    Under torch.compile or torch.export, and in grad mode with an input or weight requiring grad,
+    this is the registered op `torch.ops.moe_triton.experts` (its backward: reference.py).
 
     The checks, the configuration and every launch argument are worked out once per call
     signature (shapes, strides, dtypes, devices, options: `LayerPlan`) and reused by later calls
@@ -117,6 +120,15 @@ def run_experts(
         _refuse_eager_tools(config, fuse_activation, out)
         return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
                                             *_activation_fields(activation))
+    if checks.grad_needed(hidden_states, topk_weights, getattr(weights, "w13", None), getattr(weights, "w2", None)):
+        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config,
+                                  fuse_activation, out)
+    plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out)
+    return plan(hidden_states, weights, topk_ids, topk_weights, out)
+
+
+def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out) -> "LayerPlan":
+    """The call signature's plan: made (every check) by its first call, then looked up."""
     signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation,
                                 out)
     plan = _PLANS.get(signature) if signature is not None else None
@@ -125,7 +137,19 @@ def run_experts(
                             fuse_activation=fuse_activation, out=out)
         if signature is not None:
             _remember_plan(signature, plan)
-    return plan(hidden_states, weights, topk_ids, topk_weights, out)
+    return plan
+
+
+def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out):
+    """Gradients needed: the checks, then the registered op, whose backward is registered below."""
+    if config is not None or not fuse_activation or out is not None:
+        raise ValueError("config=, fuse_activation=False and out= have no backward; with gradients needed (grad "
+                         "mode on, an input or weight requiring grad) call the experts without them, or under "
+                         "torch.no_grad()")
+    checks.not_capturing("run_experts")
+    _plan(hidden_states, weights, topk_ids, topk_weights, activation, None, True, None)
+    return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
+                                        *_activation_fields(activation))
 
 
 def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *, activation: Activation,
@@ -274,6 +298,50 @@ def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 @_experts_op.register_fake
 def _(hidden_states, *args):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
+
+
+# ---- its backward: the float32 torch recomputation (reference.py), itself an opaque op -----------
+
+def _experts_setup_context(ctx, inputs, output):
+    hidden_states, w13, w2, w13_scale, w2_scale, _, gated, fp8, block_n, block_c, _, ids, weights, *act = inputs
+    ctx.save_for_backward(hidden_states, w13, w2, w13_scale, w2_scale, ids, weights)
+    ctx.fields = (gated, fp8, block_n, block_c, *act)
+
+
+def _experts_backward(ctx, grad_out):
+    hidden_states, w13, w2, w13_scale, w2_scale, ids, weights = ctx.saved_tensors
+    x_needed, w13_needed, w2_needed, *_, weights_needed = ctx.needs_input_grad[:13]  # inputs 0, 1, 2, 12
+    fp8 = ctx.fields[1] != 0  # e4m3 weights and their scales get no gradient
+    wanted = [x_needed, w13_needed and not fp8, w2_needed and not fp8, weights_needed]
+    grads = torch.ops.moe_triton.experts_backward(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, ids,
+                                                  weights, *ctx.fields, wanted)
+    dx, dw13, dw2, dweights = (grad if want else None for grad, want in zip(grads, wanted))
+    return dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights, None, None, None
+
+
+_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+
+
+@torch.library.custom_op("moe_triton::experts_backward", mutates_args=())
+def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, gated: bool, fp8: int, block_n: int, block_c: int,
+                         activation: int, swiglu_limit: float, swiglu_alpha: float,
+                         wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden_states, d w13, d w2, d topk_weights); an empty tensor where not wanted."""
+    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None)  # the input scale plays no part
+    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale)
+    act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
+    grads = fused_experts_backward_torch(grad_out, hidden_states, weights, topk_ids, topk_weights, activation=act,
+                                         needs=tuple(wanted))
+    return tuple(grad if grad is not None else grad_out.new_empty(0) for grad in grads)
+
+
+@_experts_backward_op.register_fake
+def _(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weights, *args):
+    wanted = args[-1]
+    return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
+                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
 
 
 def _check_fp8_config(weights: ExpertWeights, config: MoEConfig, fuse_activation: bool) -> None:

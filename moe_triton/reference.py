@@ -1,13 +1,15 @@
-"""The pure-torch reference of the whole expert layer, in float32: the ground truth of every test.
+"""The pure-torch reference of the whole expert layer, in float32: the ground truth of every test,
+and the gradients of the Triton path (`fused_experts_backward_torch`, the backward of its op).
 
-It shares no code with the Triton path but `activation_torch` (itself a plain torch function):
-a per-expert loop, as transformers' eager experts compute it.
+It shares no code with the Triton path but the activation's plain torch functions: a per-expert
+loop, as transformers' eager experts compute it.
 """
 from __future__ import annotations
 
 import torch
 
-from .activation import SILU_AND_MUL, Activation, activation_torch
+from .activation import SILU_AND_MUL, Activation, activation_backward_torch, activation_torch
+from .weights import ExpertWeights
 
 
 def fused_experts_torch(
@@ -30,3 +32,54 @@ def fused_experts_torch(
         y = h @ w2[e].float().T  # [n, H]
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].float().unsqueeze(-1))
     return out
+
+
+def fused_experts_backward_torch(
+    grad_out: torch.Tensor,  # [T, H], the gradient of the layer's output
+    hidden_states: torch.Tensor,  # [T, H]
+    weights: ExpertWeights,
+    topk_ids: torch.Tensor,  # [T, K]; filtered ids get no gradient and pass none on
+    topk_weights: torch.Tensor,  # [T, K]
+    *,
+    activation: Activation = SILU_AND_MUL,
+    needs: tuple[bool, bool, bool, bool] = (True, True, True, True),
+) -> tuple[torch.Tensor | None, ...]:
+    """(d hidden_states, d w13, d w2, d topk_weights), each in its input's dtype (None where `needs`
+    says no), by recomputing each expert's rows in float32. FP8 weights: through their dequantized
+    values, with no gradient of their own (the activations' quantization counts as the identity)."""
+    T, K = topk_ids.shape
+    E = weights.num_experts
+    x, dout = hidden_states.float(), grad_out.float()  # [T, H]
+    dx = torch.zeros_like(x, memory_format=torch.contiguous_format) if needs[0] else None  # [T, H]
+    native = weights.format.fp8 is None
+    dw13 = weights.w13.new_zeros(weights.w13.shape) if needs[1] and native else None  # [E, 2I, H]
+    dw2 = weights.w2.new_zeros(weights.w2.shape) if needs[2] and native else None  # [E, H, I]
+    dscale = x.new_zeros(T, K) if needs[3] else None  # [T, K]
+    ids = topk_ids.reshape(-1).long()  # [T * K]
+    expert = torch.where((ids >= 0) & (ids < E), ids, E)  # [T * K], E: filtered
+    pairs = torch.argsort(expert, stable=True)  # [T * K], grouped by expert, filtered last
+    counts = torch.bincount(expert, minlength=E + 1).tolist()  # one host read for the whole layer
+    for e, group in enumerate(pairs.split(counts)[:E]):
+        if group.numel() == 0:
+            continue
+        tokens, slots = group // K, group % K  # [n]
+        if native:
+            w13, w2 = weights.w13[e].float(), weights.w2[e].float()  # [2I, H], [H, I]
+        else:
+            w13, w2 = (w[0] for w in weights.expert(e).dequantized())  # [2I, H], [H, I] float32
+        xe = x[tokens]  # [n, H]
+        gate_up = xe @ w13.T  # [n, 2I]
+        h = activation_torch(gate_up, activation)  # [n, I]
+        de = dout[tokens]  # [n, H]
+        if dscale is not None:
+            dscale[tokens, slots] = (de * (h @ w2.T)).sum(dim=1)  # [n]
+        dy = de * topk_weights[tokens, slots].float()[:, None]  # [n, H]
+        if dw2 is not None:
+            dw2[e] = dy.T @ h  # [H, I]
+        dgate_up = activation_backward_torch(gate_up, dy @ w2, activation)  # [n, 2I]
+        if dw13 is not None:
+            dw13[e] = dgate_up.T @ xe  # [2I, H]
+        if dx is not None:
+            dx.index_add_(0, tokens, dgate_up @ w13)  # [n, H]
+    return (None if dx is None else dx.to(hidden_states.dtype), dw13, dw2,
+            None if dscale is None else dscale.to(topk_weights.dtype))

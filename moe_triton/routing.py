@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import checks
 from .launch import interpreter_serialized
 from .platform import interpreter_hint, triton_can_run_on
 
@@ -189,12 +190,20 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
 
     `out` is an optional preallocated (topk_ids, topk_weights) pair (static CUDA-graph buffers),
     `config` an explicit tile choice (tests); both are written and returned. Under torch.compile
-    or torch.export this is the registered op `torch.ops.moe_triton.route` (fresh outputs only).
+    or torch.export, and when the logits require grad in grad mode, this is the registered op
+    `torch.ops.moe_triton.route` (fresh outputs only; its backward differentiates topk_weights_torch).
     """
     if torch.compiler.is_compiling():
         if out is not None or config is not None:
             raise ValueError("route(out=..., config=...) writes caller buffers / overrides tiles eagerly; under "
                              "torch.compile or torch.export call it without them (outputs are fresh)")
+        return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
+    if checks.grad_needed(logits):  # the op, whose backward is registered below
+        if out is not None or config is not None:
+            raise ValueError("route(out=..., config=...) has no backward; with gradients needed (grad mode on, the "
+                             "logits requiring grad) call it without them, or under torch.no_grad()")
+        _check_inputs(logits, spec, correction_bias, None)
+        checks.not_capturing("route")
         return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
     _check_inputs(logits, spec, correction_bias, out)
     num_tokens, num_experts = logits.shape
@@ -230,12 +239,18 @@ def _spec_fields(spec: RoutingSpec) -> tuple:
             spec.n_group, spec.topk_group, float(spec.routed_scaling_factor))
 
 
+def _spec_of(correction_bias, top_k, scoring, select_on, renormalize, n_group, topk_group,
+             routed_scaling_factor) -> RoutingSpec:
+    return RoutingSpec(top_k, _SCORING[scoring], _SELECT_ON[select_on], renormalize, n_group, topk_group,
+                       routed_scaling_factor, correction_bias=correction_bias is not None)
+
+
 @torch.library.custom_op("moe_triton::route", mutates_args=())
 def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, scoring: int,
               select_on: int, renormalize: bool, n_group: int, topk_group: int,
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = RoutingSpec(top_k, _SCORING[scoring], _SELECT_ON[select_on], renormalize, n_group, topk_group,
-                       routed_scaling_factor, correction_bias=correction_bias is not None)
+    spec = _spec_of(correction_bias, top_k, scoring, select_on, renormalize, n_group, topk_group,
+                    routed_scaling_factor)
     return route(logits, spec, correction_bias)
 
 
@@ -243,6 +258,24 @@ def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k:
 def _(logits, correction_bias, top_k, *spec):
     return (logits.new_empty(logits.shape[0], top_k, dtype=torch.int32),
             logits.new_empty(logits.shape[0], top_k, dtype=torch.float32))
+
+
+def _route_setup_context(ctx, inputs, output):
+    ctx.spec = _spec_of(*inputs[1:])
+    ctx.save_for_backward(inputs[0], output[0])
+
+
+def _route_backward(ctx, grad_ids, grad_weights):
+    # The weights are a smooth function of the logits at the chosen ids (the bias only steers the
+    # choice): torch differentiates their reference formula.
+    logits, topk_ids = ctx.saved_tensors
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_()
+        (grad_logits,) = torch.autograd.grad(topk_weights_torch(x, topk_ids, ctx.spec), x, grad_weights)
+    return grad_logits, None, None, None, None, None, None, None, None
+
+
+_route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
 
 
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -312,14 +345,23 @@ def route_torch(logits, spec: RoutingSpec, correction_bias=None):
         kept.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)  # [T, G]
         key = key.masked_fill(~kept.repeat_interleave(num_experts // spec.n_group, dim=1), float("-inf"))
     topk_ids = key.topk(spec.top_k, dim=-1).indices  # [T, K]
+    return topk_ids.to(torch.int32), topk_weights_torch(x, topk_ids, spec)
+
+
+def topk_weights_torch(logits, topk_ids, spec: RoutingSpec):
+    """The weights of the chosen experts (T, K) float32, from the logits (T, E) by the spec's rule;
+    differentiable in the logits (the backward of `route` differentiates this)."""
+    x = logits.float()  # [T, E]
+    topk_ids = topk_ids.long()
     if spec.select_on is SelectOn.LOGITS:
         chosen = x.gather(1, topk_ids)  # [T, K]
         topk_weights = chosen.sigmoid() if spec.scoring is Scoring.SIGMOID else chosen.softmax(dim=-1)
     else:
+        scores = x.sigmoid() if spec.scoring is Scoring.SIGMOID else x.softmax(dim=-1)  # [T, E]
         topk_weights = scores.gather(1, topk_ids)  # [T, K]
     if spec.renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_ids.to(torch.int32), topk_weights * spec.routed_scaling_factor
+    return topk_weights * spec.routed_scaling_factor
 
 
 def softmax_topk(logits, top_k, renormalize=False, *, out=None):

@@ -1,9 +1,10 @@
-"""activation: the standalone kernel against activation_torch, every kind, awkward widths."""
+"""activation: the standalone kernel against activation_torch, every kind, awkward widths; the
+hand-written gradient against autograd through activation_torch."""
 import pytest
 import torch
 from helpers import assert_close
 
-from moe_triton.activation import Activation, ActivationKind, activate, activation_torch
+from moe_triton.activation import Activation, ActivationKind, activate, activation_backward_torch, activation_torch
 
 KINDS = [
     Activation(ActivationKind.SILU_AND_MUL),
@@ -22,6 +23,15 @@ def test_activate(activation, M, I, dtype, poisoned_empty):
     torch.manual_seed(M * 1000 + I)
     x = (torch.randn(M, 2 * I if activation.gated else I) * 3).to(dtype)
     assert_close(activate(x, activation), activation_torch(x, activation), dtype)
+
+
+@pytest.mark.parametrize("activation", KINDS, ids=lambda a: a.kind.name)
+def test_activation_backward(activation):
+    g = torch.Generator().manual_seed(activation.kind.value)
+    x = (torch.randn(33, 2 * 40 if activation.gated else 40, generator=g) * 3).requires_grad_()  # clamps hit
+    grad = torch.randn(33, 40, generator=g)
+    (expected,) = torch.autograd.grad(activation_torch(x, activation), x, grad)
+    assert_close(activation_backward_torch(x.detach(), grad, activation), expected, torch.float32)
 
 
 def test_clamped_swiglu_clamps():

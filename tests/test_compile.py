@@ -83,6 +83,34 @@ def test_layer_compiles_into_one_graph_for_every_token_count(variant):
     assert counters["stats"]["unique_graphs"] == 1  # one compilation for T in {1, 3, 17}
 
 
+def grads_of(forward, x, grad_out, parameters) -> list:
+    """The gradients of (forward(x) . grad_out) for x and `parameters`, read off and cleared."""
+    x = x.clone().requires_grad_()
+    forward(x).backward(grad_out)
+    grads = [x.grad] + [p.grad for p in parameters]
+    for p in parameters:
+        p.grad = None
+    return grads
+
+
+@pytest.mark.parametrize("variant", ["plain", "biased-sigmoid"])
+def test_layer_compiles_with_gradients(variant):
+    """Grad mode, the parameters requiring grad (a model's default): forward and backward compiled,
+    the gradients of eager (the backward graph may reorder float32 sums: fp16 tolerance)."""
+    routing = {"plain": RoutingSpec(K, renormalize=True),
+               "biased-sigmoid": RoutingSpec(K, Scoring.SIGMOID, renormalize=True, correction_bias=True)}[variant]
+    layer = make_layer(shared=True, routing=routing)
+    parameters = list(layer.parameters())
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    g = torch.Generator().manual_seed(3)
+    for T in (3, 17):
+        x, grad_out = torch.randn(T, H, generator=g).half(), torch.randn(T, H, generator=g).half()
+        eager = grads_of(layer, x, grad_out, parameters)
+        for got, expected in zip(grads_of(compiled, x, grad_out, parameters), eager):
+            assert expected is not None and got is not None
+            assert_close(got, expected.float(), torch.float16)
+
+
 @pytest.mark.gpu
 def test_the_layer_compiles_exports_and_runs_reduce_overhead_on_the_gpu_in_bf16():
     """The CPU checks again on the H200, in bf16 (refused under the interpreter) and with inductor's own
@@ -108,6 +136,25 @@ def test_the_layer_compiles_exports_and_runs_reduce_overhead_on_the_gpu_in_bf16(
         for _ in range(3):  # reduce-overhead records its graph on a later call
             for x in batches:
                 assert_close(overhead(x), layer(x).float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_the_layer_compiles_with_gradients_under_inductor_on_the_gpu_in_bf16():
+    """test_layer_compiles_with_gradients with inductor's codegen, bf16 on CUDA: forward and backward
+    at T = 3 and 17, gradients within bf16 of eager's (inductor fuses the router's and the shared
+    expert's bf16 ops differently). The router runs in float32, so that no near tie of bf16 logits
+    picks other experts under inductor than in eager."""
+    layer = make_layer(shared=True, device="cuda", dtype=torch.bfloat16,
+                       routing=RoutingSpec(K, renormalize=True, router_in_float32=True))
+    parameters = list(layer.parameters())
+    compiled = torch.compile(layer, fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for T in (3, 17):
+        x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+        grad_out = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+        eager = grads_of(layer, x, grad_out, parameters)
+        for got, expected in zip(grads_of(compiled, x, grad_out, parameters), eager):
+            assert_close(got, expected.float(), torch.bfloat16, scale=2)
 
 
 @pytest.mark.gpu
@@ -187,6 +234,25 @@ def test_transformers_model_with_moe_triton_experts_compiles(tmp_path):
     compiled = torch.compile(lambda i: model(i, use_cache=False).logits, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         assert torch.equal(compiled(ids), eager)
+
+
+def test_transformers_model_with_moe_triton_experts_compiles_with_gradients(tmp_path):
+    """The default for a transformers model (parameters requiring grad, grad mode on), compiled and
+    differentiated: loss and every parameter's gradient as in eager."""
+    from helpers import all_sparse_qwen3_moe_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    path = all_sparse_qwen3_moe_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton", dtype=torch.float32)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(5))
+    loss = lambda i: model(i, labels=i, use_cache=False).loss  # noqa: E731
+    grads = {}
+    for name, forward in (("eager", loss), ("compiled", torch.compile(loss, fullgraph=True, backend="aot_eager"))):
+        model.zero_grad()
+        forward(ids).backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, expected in grads["eager"].items():
+        assert_close(grads["compiled"][name], expected, torch.float32, scale=10)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"])  # every family traces the same way (one run each by hand)

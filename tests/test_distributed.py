@@ -392,6 +392,22 @@ def test_fused_moe_rejects_a_scattered_output():
         FusedMoE(8, 2, 16, 10, placement=Placement(parallel=groups))
 
 
+@pytest.mark.parametrize("spec", [ParallelSpec(ep_size=2), ParallelSpec(tp_size=2)], ids=["ep2", "tp2"])
+def test_gradients_are_refused_not_detached(spec):
+    """The collectives are not differentiated: a sharded layer in grad mode with its parameters
+    requiring grad (their default) refuses in one line before any collective."""
+    from moe_triton.parallel import ParallelGroups
+
+    groups = ParallelGroups(spec, 0, None, None, None)  # never reaches a collective
+    layer = FusedMoE(8, 2, 16, 10, placement=Placement("torch", parallel=groups))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    with pytest.raises(ValueError, match="moe_triton.parallel has no backward") as refusal:
+        layer(torch.randn(3, 16))
+    assert "\n" not in str(refusal.value)
+
+
 def test_resolver_keeps_flashinfer_off_sharded_experts():
     from moe_triton.backends import ExpertBackend, ModelContext, resolve
     from moe_triton.platform import Platform

@@ -148,10 +148,27 @@ def test_forward_before_prepare_weights_fails_loudly(calls):
 def test_empty_batch_and_wrong_dtype(calls):
     layer = make_layer(CUTLASS)
     layer.prepare_weights()
-    assert layer(torch.randn(0, 128).bfloat16()).shape == (0, 128)
-    with pytest.raises(ValueError, match="bfloat16"):
-        layer.runner.experts(torch.randn(3, 128), layer.expert_weights(), torch.zeros(3, 2, dtype=torch.int32),
-                             torch.ones(3, 2))
+    with torch.no_grad():  # inference: in grad mode the layer refuses (the next test)
+        assert layer(torch.randn(0, 128).bfloat16()).shape == (0, 128)
+        with pytest.raises(ValueError, match="bfloat16"):
+            layer.runner.experts(torch.randn(3, 128), layer.expert_weights(), torch.zeros(3, 2, dtype=torch.int32),
+                                 torch.ones(3, 2))
+    assert calls == []
+
+
+@pytest.mark.parametrize("backend", [FUSED, ROUTED, CUTLASS])
+def test_gradients_are_refused_not_detached(backend, calls):
+    """FlashInfer's kernels have no backward: grad mode with the layer's parameters requiring grad
+    (their default) is a one-line ValueError before FlashInfer runs, also with frozen experts."""
+    layer = make_layer(backend)
+    layer.prepare_weights()
+    x = torch.randn(3, 128).bfloat16()
+    for frozen in (False, True):
+        layer.gate_up_proj.requires_grad_(not frozen)
+        layer.down_proj.requires_grad_(not frozen)
+        with pytest.raises(ValueError, match=f"the {backend} backend has no backward") as refusal:
+            layer(x)
+        assert "\n" not in str(refusal.value)
     assert calls == []
 
 

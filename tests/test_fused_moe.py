@@ -9,9 +9,11 @@ from moe_triton import (
     SILU_AND_MUL,
     Activation,
     ActivationKind,
+    ExpertWeights,
     GemmConfig,
     LayoutKind,
     MoEConfig,
+    WeightFormat,
     activate,
     activation_torch,
     choose_config,
@@ -21,6 +23,7 @@ from moe_triton import (
     finalize_torch,
     fused_experts,
     fused_experts_torch,
+    run_experts,
 )
 from moe_triton.routing import RoutingSpec, route, route_torch
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
@@ -219,6 +222,146 @@ def test_nan_hidden_states_stay_in_their_rows():
     others[3] = False
     assert not out[others].isnan().any()
 
+# ---- gradients: the op's backward against autograd through the float32 reference ----------------
+# The backward recomputes each expert's rows in float32 from the inputs and rounds each gradient
+# once, to its input's dtype: fp16 gradients sit within fp16's tolerance of the float32 reference.
+
+def reference_grads(x, w13, w2, ids, weights, grad_out, activation=SILU_AND_MUL):
+    """Autograd through fused_experts_torch on float32 copies: (d x, d w13, d w2, d weights)."""
+    leaves = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
+    out = fused_experts_torch(leaves[0], leaves[1], leaves[2], ids, leaves[3], activation=activation)
+    grads = torch.autograd.grad(out, leaves, grad_out.float(), allow_unused=True)
+    return [torch.zeros_like(t) if grad is None else grad for t, grad in zip(leaves, grads)]
+
+
+def grad_layer(T, E, K, dtype, seed, activation=SILU_AND_MUL, filtered=0.0):
+    """make_layer's tensors requiring grad, with ids drawn with repeats when K > E, and a grad_out."""
+    x, w13, w2, ids, weights = make_layer(T, E, min(K, E), 40, 33, dtype, seed, activation, filtered)
+    g = torch.Generator().manual_seed(seed)
+    if K > E:  # an expert-parallel shard's view: more slots than local experts, others' ids filtered
+        ids = torch.randint(-1, E + 1, (T, K), generator=g).int()
+        weights = torch.rand(T, K, generator=g)
+    leaves = [t.requires_grad_() for t in (x, w13, w2, weights)]
+    return leaves, ids, torch.randn(T, 40, generator=g).to(dtype)
+
+
+GRAD_CASES = {"T1": (1, 4, 2, 0.0), "T17-filtered": (17, 8, 2, 0.3), "K>E": (9, 3, 5, 0.0)}
+
+
+@pytest.mark.parametrize("activation", [Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.RELU2)],
+                         ids=lambda a: a.kind.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_fused_experts_gradients(case, dtype, activation):
+    T, E, K, filtered = GRAD_CASES[case]
+    (x, w13, w2, weights), ids, grad_out = grad_layer(T, E, K, dtype, seed=T, activation=activation,
+                                                      filtered=filtered)
+    out = fused_experts(x, w13, w2, ids, weights, activation=activation)
+    assert out.grad_fn is not None
+    grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
+    expected = reference_grads(x, w13, w2, ids, weights, grad_out, activation)
+    for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected, (x, w13, w2, weights)):
+        assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
+        assert_close(grad, ref, dtype, scale=2)
+
+
+@pytest.mark.parametrize("activation", [Activation(ActivationKind.GELU_TANH_AND_MUL),
+                                        Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5)],
+                         ids=lambda a: a.kind.name)
+def test_run_experts_gradients(activation):
+    (x, w13, w2, weights), ids, grad_out = grad_layer(17, 8, 2, torch.float32, seed=5, activation=activation,
+                                                      filtered=0.2)
+    out = run_experts(x, ExpertWeights(w13, w2, activation.gated), ids, weights, activation=activation)
+    grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
+    for grad, ref in zip(grads, reference_grads(x, w13, w2, ids, weights, grad_out, activation)):
+        assert_close(grad, ref, torch.float32)
+
+
+def test_gradients_of_an_empty_batch():
+    (x, w13, w2, weights), ids, grad_out = grad_layer(0, 4, 2, torch.float32, seed=0)
+    out = fused_experts(x, w13, w2, ids, weights)
+    assert out.shape == (0, 40) and out.grad_fn is not None
+    grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
+    assert all(grad.shape == t.shape and not grad.any() for grad, t in zip(grads, (x, w13, w2, weights)))
+
+
+def test_only_the_gradients_needed_are_computed(monkeypatch):
+    import moe_triton.fused_moe as fused_moe
+
+    asked, real = [], fused_moe.fused_experts_backward_torch
+    monkeypatch.setattr(fused_moe, "fused_experts_backward_torch",
+                        lambda *a, **k: asked.append(k["needs"]) or real(*a, **k))
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=2)
+    x.requires_grad_()  # frozen experts, fixed routing weights
+    grad_out = torch.randn(9, 40)
+    fused_experts(x, w13, w2, ids, weights).backward(grad_out)
+    assert asked == [(True, False, False, False)]
+    assert_close(x.grad, reference_grads(x, w13, w2, ids, weights, grad_out)[0], torch.float32)
+
+
+class OpsSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ATen and custom ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_inference_takes_the_planned_path_not_the_op():
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=3)
+    with OpsSeen() as ops:
+        out = fused_experts(x, w13, w2, ids, weights)  # grad mode on, nothing requires grad
+        with torch.no_grad():
+            fused_experts(x, w13.requires_grad_(), w2, ids, weights)  # the weights do, grad mode off
+    assert "moe_triton.experts.default" not in ops.seen and out.grad_fn is None
+    with OpsSeen() as ops:  # the spy sees the op where it runs
+        fused_experts(x, w13, w2, ids, weights)
+    assert "moe_triton.experts.default" in ops.seen
+
+
+@pytest.mark.parametrize("tool", ["out", "config", "fuse_activation"])
+def test_eager_tools_refuse_when_gradients_are_needed(tool, no_launch):
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=4)
+    kwargs = {"out": dict(out=torch.empty(9, 40)), "config": dict(config=config_for(LayoutKind.SORTED)),
+              "fuse_activation": dict(fuse_activation=False)}[tool]
+    with pytest.raises(ValueError, match="have no backward") as refusal:
+        fused_experts(x, w13.requires_grad_(), w2, ids, weights, **kwargs)
+    assert "\n" not in str(refusal.value)
+
+
+def test_capture_refuses_gradients(no_launch):
+    from moe_triton.graphs import capture_mode
+
+    x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=4)
+    with capture_mode(), pytest.raises(ValueError, match="cannot be captured in a CUDA graph") as refusal:
+        fused_experts(x.requires_grad_(), w13, w2, ids, weights)
+    assert "\n" not in str(refusal.value)
+
+
+def test_fp8_gradients_are_straight_through():
+    """x and topk_weights get the gradient of the dequantized float32 layer (the activations'
+    quantization counts as the identity); e4m3 weights and their scales get none."""
+    g = torch.Generator().manual_seed(6)
+    E, K, H, I, T = 4, 2, 64, 32, 9
+    fp8 = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6
+                        ).to_format(WeightFormat.fp8_block(32, 32))
+    tensors = [torch.nn.Parameter(t) for t in (fp8.w13, fp8.w2, fp8.w13_scale, fp8.w2_scale)]  # as FusedMoE holds them
+    x = torch.randn(T, H, generator=g).half().requires_grad_()  # the interpreter's FP8 dtype
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
+    weights = torch.rand(T, K, generator=g).requires_grad_()
+    out = run_experts(x, ExpertWeights(tensors[0], tensors[1], True, fp8.format, tensors[2], tensors[3]), ids, weights)
+    grad_out = torch.randn(T, H, generator=g).half()
+    grads = torch.autograd.grad(out, (x, weights, *tensors), grad_out, allow_unused=True)
+    assert all(grad is None for grad in grads[2:])
+    expected = reference_grads(x, *fp8.dequantized(), ids, weights, grad_out)
+    assert_close(grads[0], expected[0], torch.float16)
+    assert_close(grads[1], expected[3], torch.float16)
+
+
 # ---- on the GPU (pytest -m gpu): bf16 at real sizes ----------------------------------------------
 # Shapes: Qwen3-30B-A3B (E=128, K=8, H=2048, I=768) and Mixtral-8x7B (E=8, K=2, H=4096, I=14336).
 # bf16 operands with float32 accumulation: intermediates are rounded to bf16 (8 mantissa bits) once
@@ -357,3 +500,46 @@ def test_layer_is_graph_capturable():
         graph.replay()
         ref = fused_experts_torch(static[0], w13, w2, static[1], static[2])
         assert relative_error(out, ref) < 1e-2
+
+
+# bf16 gradients at a real size: the backward recomputes in float32 from the bf16 inputs, so each
+# gradient differs from the float32 reference by its one rounding to bf16 (2^-9 relative) and the
+# order of float32 sums: well inside 1e-2 in norm.
+GRAD_SHAPE = dict(E=64, K=8, H=1024, I=512, T=512)
+
+
+def real_grad_layer(dtype=torch.bfloat16, seed=0):
+    E, K, H, I, T = GRAD_SHAPE.values()
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = random_expert_weights(g, E, H, I, dtype=dtype)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    ids = random_ids(T, K, E, seed, filtered=0.05).int()
+    weights = torch.rand(T, K, generator=g)
+    grad_out = torch.randn(T, H, generator=g).to(dtype)
+    return [t.cuda() for t in (x, w13, w2, ids, weights, grad_out)]
+
+
+@pytest.mark.gpu
+def test_gradients_bf16_at_a_real_size():
+    x, w13, w2, ids, weights, grad_out = real_grad_layer()
+    leaves = [t.requires_grad_() for t in (x, w13, w2, weights)]
+    grads = torch.autograd.grad(fused_experts(x, w13, w2, ids, weights), leaves, grad_out)
+    expected = reference_grads(x, w13, w2, ids, weights, grad_out)
+    for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected, leaves):
+        assert grad.dtype == leaf.dtype and not grad.isnan().any(), name
+        assert relative_error(grad, ref) < 1e-2, (name, relative_error(grad, ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [WeightFormat.fp8_block(128, 128), WeightFormat.fp8_channel()],
+                         ids=["block128", "channel"])
+def test_fp8_straight_through_gradients_bf16_at_a_real_size(fmt):
+    """As on CPU (test_fp8_gradients_are_straight_through), at a real size on the FP8 kernels."""
+    x, w13, w2, ids, weights, grad_out = real_grad_layer()
+    fp8 = ExpertWeights(w13, w2).to_format(fmt)
+    x.requires_grad_()
+    weights.requires_grad_()
+    grads = torch.autograd.grad(run_experts(x, fp8, ids, weights), (x, weights), grad_out)
+    expected = reference_grads(x, *fp8.dequantized(), ids, weights, grad_out)
+    assert relative_error(grads[0], expected[0]) < 1e-2
+    assert relative_error(grads[1], expected[3]) < 1e-2

@@ -52,7 +52,7 @@ from moe_triton import (
     topk_softmax,
 )
 from moe_triton.backends.quantization import ExpertsQuantization, QuantFormat, experts_quantization
-from moe_triton.routing import router_logits
+from moe_triton.routing import router_logits, topk_weights_torch
 
 SCALE = int(os.environ.get("MOE_TRITON_FUZZ_SCALE", "1"))
 SEED = int(os.environ.get("MOE_TRITON_FUZZ_SEED", "18"))
@@ -100,17 +100,18 @@ def run_cases(family: str, make_case: Callable[[random.Random], Case], count: in
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:25])
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 2.0):
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 2.0,
+                   what: str = "output"):
     """Non-finite exactly where the float32 reference is; elsewhere within the dtype's tolerance
     of max |reference| (the tests' assert_close rule)."""
-    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
     finite = torch.isfinite(expected)
-    assert torch.equal(torch.isfinite(actual), finite), "non-finite values where the reference has none (or v.v.)"
+    assert torch.equal(torch.isfinite(actual), finite), f"{what}: non-finite values where the reference has none (or v.v.)"
     if finite.any():
         err = (actual[finite] - expected[finite]).abs().max().item()
         ref = max(expected[finite].abs().max().item(), 1e-6)
-        assert err <= TOLERANCE[dtype] * scale * ref, f"max abs error {err:.3e} vs max |ref| {ref:.3e} ({dtype})"
+        assert err <= TOLERANCE[dtype] * scale * ref, f"{what}: max abs error {err:.3e} vs max |ref| {ref:.3e} ({dtype})"
 
 
 def seeded(rng: random.Random) -> torch.Generator:
@@ -167,7 +168,8 @@ def experts_case(rng: random.Random) -> Case:
     if filtered.any() and rng.random() < 0.5:
         a["topk_weights"] = a["topk_weights"].masked_fill(filtered, float("nan"))  # never read
         notes.append("NaN weights on filtered slots")
-    if T and rng.random() < 0.15:
+    finite = not (T and rng.random() < 0.15)
+    if not finite:
         a["hidden_states"] = a["hidden_states"].clone()
         a["hidden_states"][rng.randrange(T), rng.randrange(H)] = rng.choice([float("nan"), float("inf"), -float("inf")])
         notes.append("a non-finite hidden state")
@@ -187,6 +189,15 @@ def experts_case(rng: random.Random) -> Case:
         notes.append(f"INVALID {name}")
         expect = REFUSE
     functional = rng.random() < 0.7
+    grad = finite and rng.random() < 0.3  # grad mode, every floating input requiring grad
+    if grad:
+        for k in GRAD_ARGS:
+            if isinstance(a[k], torch.Tensor) and a[k].dtype.is_floating_point:
+                a[k] = a[k].detach().requires_grad_()
+        notes.append("grad mode")
+        if expect == OK and (a["config"] is not None or not a["fuse_activation"] or a["out"] is not None):
+            expect = REFUSE  # the eager tools have no backward
+            notes.append("INVALID an eager tool with gradients")
 
     def call():
         args = {k: v() if k == "config" and callable(v) else v for k, v in a.items()}
@@ -201,8 +212,27 @@ def experts_case(rng: random.Random) -> Case:
         expected = fused_experts_torch(a["hidden_states"], a["w13"], a["w2"], a["topk_ids"],
                                        a["topk_weights"], activation=a["activation"])
         assert_matches(out, expected, dtype)
+        if grad:
+            assert_experts_grads(out, a, dtype)
 
     return Case(("fused_experts " if functional else "run_experts ") + ", ".join(notes), call, check, expect)
+
+
+GRAD_ARGS = ("hidden_states", "w13", "w2", "topk_weights")
+
+
+def assert_experts_grads(out, a: dict, dtype):
+    """The gradients of out . grad_out against autograd through fused_experts_torch on float32 copies."""
+    assert out.requires_grad, "the output has no grad_fn: the gradients were dropped"
+    leaves = [a[k] for k in GRAD_ARGS]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    copies = [t.detach().float().requires_grad_() for t in leaves]
+    ref = fused_experts_torch(copies[0], copies[1], copies[2], a["topk_ids"], copies[3], activation=a["activation"])
+    expected = (torch.autograd.grad(ref, copies, grad_out.float(), allow_unused=True) if ref.requires_grad
+                else [None] * len(copies))  # T = 0: nothing flows
+    for name, grad, ref_grad, copy in zip(GRAD_ARGS, grads, expected, copies):
+        assert_matches(grad, torch.zeros_like(copy) if ref_grad is None else ref_grad, dtype, what=f"d {name}")
 
 
 def _set(key, make):
@@ -324,6 +354,13 @@ def routing_case(rng: random.Random) -> Case:
         mutate(a, T=T, E=E, K=K)
         notes.append(f"INVALID {name}")
         expect = REFUSE
+    grad = rng.random() < 0.3 and isinstance(a["logits"], torch.Tensor) and a["logits"].dtype.is_floating_point
+    if grad:  # grad mode, the logits requiring grad
+        a["logits"] = a["logits"].detach().requires_grad_()
+        notes.append("grad mode")
+        if expect == OK and out is not None:
+            expect = REFUSE  # out= has no backward
+            notes.append("INVALID out= with gradients")
 
     def spec_of() -> tuple[RoutingSpec, torch.Tensor | None]:
         if router in ("route", "softmax_topk"):
@@ -364,8 +401,20 @@ def routing_case(rng: random.Random) -> Case:
         clean = clean_rows(logits, spec, b)
         assert torch.equal(ids[clean], ref_ids[clean]), f"ids {ids[clean].tolist()} != {ref_ids[clean].tolist()}"
         torch.testing.assert_close(weights[clean], ref_weights[clean], rtol=1e-4, atol=1e-6)
+        if grad:  # an upstream gradient per expert, so that the slot order does not matter
+            assert weights.requires_grad, "the weights have no grad_fn: the gradients were dropped"
+            per_expert = torch.randn(E, generator=torch.Generator().manual_seed(E))
+            (grad_logits,) = torch.autograd.grad((weights * per_expert[ids.long()]).sum(), a["logits"])
+            ref_ids, ref_weights = route_torch(a["logits"], spec, b)
+            (expected,) = torch.autograd.grad((ref_weights * per_expert[ref_ids.long()]).sum(), a["logits"])
+            assert grad_logits.dtype == a["logits"].dtype
+            tol = GRAD_TOLERANCE[grad_logits.dtype] * max(expected[clean].abs().max().item() if clean.any() else 0, 1e-6)
+            torch.testing.assert_close(grad_logits[clean].double(), expected[clean].double(), rtol=0, atol=tol)
 
     return Case(", ".join(notes), call, check, expect)
+
+
+GRAD_TOLERANCE = TOLERANCE | {torch.float64: 1e-5}  # logits' gradients come in their dtype
 
 
 ROUTING_MUTATIONS = {
@@ -457,6 +506,10 @@ def layer_case(rng: random.Random) -> Case:
         mutate(a, E=E, K=K, H=H, I=I)
         notes.append(f"INVALID {name}")
         expect = REFUSE
+    grad = rng.random() < 0.25  # grad mode: the parameters require grad (their default), the input too
+    if grad and isinstance(a["x"], torch.Tensor) and a["x"].dtype.is_floating_point:
+        a["x"] = a["x"].detach().requires_grad_()
+    notes += ["grad mode"] if grad else []
 
     def call():
         layer = FusedMoE(*a["args"], **a["kwargs"])
@@ -466,7 +519,7 @@ def layer_case(rng: random.Random) -> Case:
                     p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
                 if layer.e_score_correction_bias is not None:
                     layer.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.3)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             return layer, layer(a["x"])
 
     def check(result):
@@ -483,8 +536,36 @@ def layer_case(rng: random.Random) -> Case:
                 if combination is SharedCombination.AVERAGE:
                     expected = expected / 2
         assert_matches(out.reshape(-1, H), expected, dtype, scale=4)
+        if grad:
+            assert_layer_grads(layer, a["x"], out)
 
     return Case(", ".join(notes), call, check, expect)
+
+
+def assert_layer_grads(layer: FusedMoE, x: torch.Tensor, out: torch.Tensor):
+    """The gradients of out . grad_out for x and every parameter, against torch autograd through the
+    same parts in float32: the router, the reference weights at the layer's chosen ids, the experts."""
+    assert out.requires_grad, "the output has no grad_fn: the gradients were dropped"
+    leaves = [x, *layer.parameters()]
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out.dtype)
+    grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
+    x2 = x.reshape(-1, x.shape[-1])
+    logits = router_logits(x2, layer.gate_weight, layer.routing)
+    with torch.no_grad():
+        ids, _ = layer.runner.route(logits, layer.e_score_correction_bias)
+    expected = fused_experts_torch(x2, layer.gate_up_proj, layer.down_proj, ids,
+                                   topk_weights_torch(logits, ids, layer.routing), activation=layer.activation)
+    if layer.shared_experts is not None:
+        expected = expected + layer.shared_experts(x2).float()
+        if layer.shared_combination is SharedCombination.AVERAGE:
+            expected = expected / 2
+    ref_grads = (torch.autograd.grad(expected, leaves, grad_out.reshape(expected.shape).float(), allow_unused=True)
+                 if expected.requires_grad else [None] * len(leaves))  # T = 0: nothing flows
+    names = ["x", *(name for name, _ in layer.named_parameters())]
+    for name, leaf, grad, ref in zip(names, leaves, grads, ref_grads):
+        zeros = torch.zeros_like(leaf)
+        assert_matches(zeros if grad is None else grad, zeros if ref is None else ref, x.dtype, scale=4,
+                       what=f"d {name}")
 
 
 def _kw(**changes):

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, relative_error
 
 from moe_triton import (
     SILU_AND_MUL,
@@ -13,7 +13,9 @@ from moe_triton import (
     Placement,
     RoutingSpec,
     Scoring,
+    SelectOn,
     SharedCombination,
+    WeightFormat,
     fused_experts_torch,
     route_torch,
 )
@@ -160,3 +162,75 @@ def test_shared_experts_of_the_wrong_width_are_named():
 def test_the_runner_holds_the_layers_activation_and_routing():
     layer = make_layer()
     assert layer.runner.activation is SILU_AND_MUL and layer.runner.routing is layer.routing
+
+
+# ---- gradients: every backend differentiable, and in agreement ------------------------------------
+
+def layer_grads(layer: FusedMoE, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
+    """d(output . grad_out) for the input and every parameter (None where a parameter gets none)."""
+    layer.zero_grad()
+    x = x.clone().requires_grad_()
+    layer(x).backward(grad_out)
+    return {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("variant", ["plain", "shared-average", "biased-sigmoid-scaled", "logits-softmax"])
+def test_layer_gradients_match_the_torch_backend(variant):
+    """The linear loss keeps the comparison to the backward: triton's forward rounds differently."""
+    kwargs = {"plain": dict, "shared-average": lambda: dict(shared=torch.nn.Linear(H, H), combination="average"),
+              "biased-sigmoid-scaled": lambda: dict(routing=RoutingSpec(K, Scoring.SIGMOID, renormalize=True,
+                                                                        routed_scaling_factor=2.5, correction_bias=True)),
+              "logits-softmax": lambda: dict(routing=RoutingSpec(K, select_on=SelectOn.LOGITS))}[variant]
+    g = torch.Generator().manual_seed(4)
+    x, grad_out = torch.randn(2, 5, H, generator=g), torch.randn(2, 5, H, generator=g)
+    grads = {backend: layer_grads(make_layer(backend, **kwargs()), x, grad_out) for backend in ("triton", "torch")}
+    assert grads["triton"].keys() == grads["torch"].keys()
+    for name, expected in grads["torch"].items():
+        assert expected is not None and grads["triton"][name] is not None, name
+        assert_close(grads["triton"][name], expected, torch.float32, scale=2)
+
+
+def test_fp8_layer_gradients_match_the_torch_backend():
+    """FP8 experts: straight-through on both backends (the input, the router), none for e4m3 or scales."""
+    fmt = WeightFormat.fp8_block(32, 32)
+    layers = []
+    for backend in ("triton", "torch"):
+        layer = FusedMoE(E, K, 64, 32, weight_format=fmt, placement=Placement(backend), dtype=torch.float16)
+        g = torch.Generator().manual_seed(5)
+        experts = ExpertWeights(torch.randn(E, 64, 64, generator=g) / 8, torch.randn(E, 64, 32, generator=g) / 6
+                                ).to_format(fmt)
+        with torch.no_grad():
+            layer.gate_weight.copy_(torch.randn(E, 64, generator=g) / 8)
+            for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"), ("gate_up_proj_scale", "w13_scale"),
+                                ("down_proj_scale", "w2_scale")):
+                getattr(layer, name).copy_(getattr(experts, field))
+        layers.append(layer)
+    g = torch.Generator().manual_seed(6)
+    x, grad_out = torch.randn(7, 64, generator=g).half(), torch.randn(7, 64, generator=g).half()
+    ours, expected = (layer_grads(layer, x, grad_out) for layer in layers)
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale"):
+        assert ours[name] is None and expected[name] is None, name
+    for name in ("x", "gate_weight"):
+        assert_close(ours[name], expected[name], torch.float16, scale=2)
+
+
+@pytest.mark.gpu
+def test_layer_gradients_bf16_at_a_real_size_match_the_torch_backend():
+    """E=64 K=8 H=1024 I=512, 512 tokens, bf16. The router runs in float32 (router_in_float32) so that
+    both backends pick the same experts (bf16 logits tie often at this size). Both backends compute
+    the backward in float32 from the same bf16 values and round each gradient once to bf16."""
+    routing = RoutingSpec(8, renormalize=True, router_in_float32=True)
+    grads = {}
+    for backend in ("triton", "torch"):
+        layer = FusedMoE(64, 8, 1024, 512, routing=routing, placement=Placement(backend), dtype=torch.bfloat16,
+                         device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        x = torch.randn(512, 1024, generator=g, device="cuda").bfloat16()
+        grads[backend] = layer_grads(layer, x, torch.randn(512, 1024, generator=g, device="cuda").bfloat16())
+    for name, expected in grads["torch"].items():
+        error = relative_error(grads["triton"][name], expected)
+        assert error < 1e-2, (name, error)

@@ -271,3 +271,36 @@ def test_nemotron_h_router(num_experts, n_group, topk_group, top_k, norm_topk_pr
     logits = F.linear(hidden, router.weight)  # [T, E]
     ours = grouped_topk(logits, router.e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob, 2.5)
     _compare(router(hidden), ours, num_experts)
+
+
+# ---- gradients: the logits' gradient flows through topk_weights -----------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_route_gradient(kind, dtype):
+    """Against autograd through route_torch. The upstream gradient is a function of the chosen
+    expert (not of its slot), so the slot order, which ties may change, does not matter."""
+    spec = make_spec(kind, 8, 3)
+    g = torch.Generator().manual_seed(KINDS.index(kind))
+    logits = (torch.randn(17, 8, generator=g) * 3).to(dtype).to(test_device()).requires_grad_()  # [T, E]
+    bias = torch.rand(8, generator=g).to(test_device()) * 0.5 if spec.correction_bias else None  # [E]
+    per_expert = torch.randn(8, generator=g).to(test_device())  # [E]
+    ids, weights = route(logits, spec, bias)
+    assert weights.grad_fn is not None
+    (grad,) = torch.autograd.grad((weights * per_expert[ids.long()]).sum(), logits)
+    ref_ids, ref_weights = route_torch(logits, spec, bias)
+    assert torch.equal(ids.sort(dim=1).values.cpu(), ref_ids.sort(dim=1).values.cpu())
+    (expected,) = torch.autograd.grad((ref_weights * per_expert[ref_ids.long()]).sum(), logits)
+    assert grad.dtype == dtype
+    assert_close(grad, expected, dtype)
+
+
+def test_route_refuses_its_eager_tools_when_gradients_are_needed():
+    logits = torch.randn(4, 8, requires_grad=True)
+    out = poisoned_out(4, 2, logits.device)
+    for kwargs in (dict(out=out), dict(config=RouteConfig(block_t=4))):
+        with pytest.raises(ValueError, match="has no backward") as refusal:
+            route(logits, RoutingSpec(2), **kwargs)
+        assert "\n" not in str(refusal.value)
+    with torch.no_grad():
+        assert route(logits, RoutingSpec(2), out=out)[0] is out[0]  # inference keeps them

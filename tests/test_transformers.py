@@ -97,6 +97,24 @@ def test_experts_implementation_in_transformers(tmp_path):
     assert_close(logits["moe_triton"], logits["eager"], torch.float32, scale=10)
 
 
+def test_experts_implementation_gives_transformers_gradients(tmp_path):
+    """Fine-tuning through the drop-in: loss.backward() reaches every parameter as eager's does
+    (experts, routers, norms, embeddings), float32 against float32."""
+    from transformers import AutoModelForCausalLM
+
+    path = all_sparse_qwen3_moe_checkpoint(tmp_path)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for impl in ("eager", "moe_triton"):
+        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl, dtype=torch.float32)
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {name: p.grad for name, p in model.named_parameters()}
+    assert grads["moe_triton"].keys() == grads["eager"].keys()
+    for name, expected in grads["eager"].items():
+        assert grads["moe_triton"][name] is not None, f"{name} got no gradient"
+        assert_close(grads["moe_triton"][name], expected, torch.float32, scale=10)
+
+
 def test_experts_implementation_uses_our_kernels(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -188,6 +206,23 @@ def test_fp8_experts_interface_runs_transformers_fp8_experts_on_our_fp8_kernels(
                                                ids, weights)
     rms = ((out.float() - reference).square().mean() / reference.square().mean()).sqrt()
     assert rms < FP8_RMS_TOL, f"relative RMS error {rms:.3f}"
+
+
+def test_fp8_experts_interface_gives_straight_through_gradients():
+    """transformers' FP8Experts on our kernels in grad mode: the input's and routing weights' gradients
+    of the dequantized float32 experts (the activations' quantization counts as the identity)."""
+    experts = fp8_experts((32, 32))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 64, generator=g).half().requires_grad_()
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g).requires_grad_()
+    grad_out = torch.randn(9, 64, generator=g).half()
+    grads = torch.autograd.grad(experts(x, ids, weights), (x, weights), grad_out)
+    leaves = (x.detach().float().requires_grad_(), weights.detach().requires_grad_())
+    reference = moe_triton.fused_experts_torch(leaves[0], dequantized(experts, "gate_up_proj"),
+                                               dequantized(experts, "down_proj"), ids, leaves[1])
+    for grad, expected in zip(grads, torch.autograd.grad(reference, leaves, grad_out.float())):
+        assert_close(grad, expected, torch.float16)
 
 
 def test_fp8_experts_the_kernels_cannot_run_are_refused_naming_why():

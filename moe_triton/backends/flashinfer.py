@@ -35,6 +35,7 @@ from types import ModuleType
 
 import torch
 
+from .. import checks
 from ..activation import Activation, ActivationKind
 from ..routing import RoutingSpec, Scoring, SelectOn
 from ..weights import ExpertWeights
@@ -127,12 +128,15 @@ class FlashInferRunner(ExpertsRunner):
         return weights
 
     @traced
-    def check_input(self, hidden_states: torch.Tensor) -> None:
+    def check_input(self, hidden_states: torch.Tensor, *tensors: torch.Tensor) -> None:
+        """`tensors`: the call's other inputs, which must not need gradients either."""
         if torch.compiler.is_compiling():  # FlashInfer's entry points have not been traced through
             refuse_compile(hidden_states, f"the {self.spec.backend} backend")
         if self.prepared is None:
             raise RuntimeError(f"backend {self.spec.backend} runs on prepared weights: call layer.prepare_weights() "
                                "once after loading them")
+        checks.no_grad_needed(f"the {self.spec.backend} backend", "use the triton or torch backend",
+                              hidden_states, *tensors)
         if hidden_states.dtype != torch.bfloat16:
             raise ValueError(f"x is {hidden_states.dtype}; FlashInfer backends take bfloat16 hidden states")
 
@@ -145,7 +149,7 @@ class TrtllmRoutedRunner(FlashInferRunner):
 
     @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        self.check_input(hidden_states)
+        self.check_input(hidden_states, topk_weights, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:
             return torch.empty_like(hidden_states)
         return run_trtllm_routed(self.prepared, self.fi, hidden_states, topk_ids, topk_weights)
@@ -160,7 +164,7 @@ class TrtllmRunner(TrtllmRoutedRunner):
 
     @traced
     def __call__(self, weights, hidden_states, router_logits, correction_bias=None):
-        self.check_input(hidden_states)
+        self.check_input(hidden_states, router_logits, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:
             return torch.empty_like(hidden_states)
         return run_trtllm(self.prepared, self.fi, hidden_states, router_logits, self.routing)
@@ -174,7 +178,7 @@ class CutlassRunner(FlashInferRunner):
 
     @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        self.check_input(hidden_states)
+        self.check_input(hidden_states, topk_weights, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:
             return torch.empty_like(hidden_states)
         return run_cutlass(self.prepared, self.fi, hidden_states, topk_ids, topk_weights)

@@ -111,7 +111,10 @@ class TorchRunner(ExpertsRunner):
 
     @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        out = fused_experts_torch(hidden_states, *weights.dequantized(), topk_ids, topk_weights,
+        w13, w2 = weights.dequantized()
+        if weights.format.fp8 is not None:  # as on triton: no gradient for e4m3 weights or their scales
+            w13, w2 = w13.detach(), w2.detach()
+        out = fused_experts_torch(hidden_states, w13, w2, topk_ids, topk_weights,
                                   activation=self.activation)  # [T, H] float32
         return out.to(hidden_states.dtype)
 

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .. import checks
 from ..activation import SILU_AND_MUL, Activation
 from ..fused_moe import run_experts
 from ..graphs.capture import is_capture_mode
@@ -65,6 +66,8 @@ def parallel_experts(
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
+    checks.no_grad_needed("moe_triton.parallel", "train on one rank", hidden_states, topk_weights, weights.w13,
+                          weights.w2)  # the collectives are not differentiated
     spec = groups.spec
     num_local = weights.num_experts
     if spec.all_to_all and is_capture_mode():  # fixed shapes, no host read: the decode graphs' way
