@@ -26,28 +26,47 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<p
 
 
 def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of `directory`'s model.safetensors, or of the shards its index names."""
+    """Every tensor of `directory`'s model.safetensors, or of a sharded checkpoint: each tensor its
+    index's weight_map names, read from the shard it names there. A copy in another shard is not
+    read; a tensor the index does not list, or one missing from its shard, is an error."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        files = _shard_names(index)
+        by_file = _weight_map(index)
     elif (directory / "model.safetensors").exists():
-        files = ["model.safetensors"]
+        by_file = {"model.safetensors": None}  # None: every tensor of the file
     else:
         raise ValueError(f"{directory} holds neither model.safetensors nor model.safetensors.index.json")
+    listed = {key for keys in by_file.values() if keys is not None for key in keys}
     tensors = {}
-    for name in files:
+    for name, keys in by_file.items():
         try:
             with safe_open(directory / name, framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                held = f.keys()
+                if keys is not None:
+                    _check_shard(index.name, name, set(held), keys, listed)
+                for key in held:
+                    if keys is None or key in keys:
+                        tensors[key] = f.get_tensor(key)
         except (OSError, SafetensorError) as error:  # missing shard, truncated or corrupt file
             raise ValueError(f"{directory / name} cannot be read as safetensors: {error}") from None
     return tensors
 
 
-def _shard_names(index: Path) -> list[str]:
-    """The shard files an index's weight_map names (plain file names beside the index)."""
+def _check_shard(index: str, name: str, held: set[str], wanted: set[str], listed: set[str]) -> None:
+    """The index and one shard agree: it holds what the index maps to it, and nothing unlisted."""
+    missing = sorted(wanted - held)
+    if missing:
+        raise ValueError(f"{index} maps tensor {missing[0]} to {name}, which does not hold it "
+                         f"({len(missing)} such tensors): fix the index's weight_map or the shard")
+    unlisted = sorted(held - listed)
+    if unlisted:
+        raise ValueError(f"{name} holds tensor {unlisted[0]}, which {index} does not list ({len(unlisted)} such "
+                         "tensors): add it to the index's weight_map, or remove it from the shard")
+
+
+def _weight_map(index: Path) -> dict[str, set[str]]:
+    """Shard file -> the tensor names an index's weight_map maps to it (plain file names beside the index)."""
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -55,7 +74,10 @@ def _shard_names(index: Path) -> list[str]:
     names = list(weight_map.values()) if isinstance(weight_map, dict) else None
     if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
         raise ValueError(f"{index} is not a safetensors index: it needs a \"weight_map\" of tensor name -> shard file")
-    return sorted(set(names))
+    by_file: dict[str, set[str]] = defaultdict(set)
+    for key, file in weight_map.items():
+        by_file[file].add(key)
+    return dict(sorted(by_file.items()))
 
 
 def fuse_per_expert(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat = CheckpointFormat(),

@@ -75,6 +75,56 @@ def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
         assert torch.equal(a, b), name
 
 
+def write_shards(tmp_path, config_dir, shards: dict, weight_map: dict):
+    """shards: file -> {name: tensor}; weight_map as the index should say it, written beside config_dir's config."""
+    for file, tensors in shards.items():
+        save_file(tensors, tmp_path / file)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text((config_dir / "config.json").read_text())
+    return tmp_path
+
+
+def two_shards(state):
+    names = sorted(state)
+    return {"a.safetensors": {k: state[k] for k in names[: len(names) // 2]},
+            "b.safetensors": {k: state[k] for k in names[len(names) // 2:]}}
+
+
+def test_a_tensor_in_two_shards_is_read_from_the_one_the_index_names(checkpoint, tmp_path):
+    """model.norm.weight lies in both shards, a stale copy in the file read last: the index names the first."""
+    from safetensors.torch import load_file
+
+    _, path = checkpoint
+    state = load_file(path / "model.safetensors")
+    name = "model.norm.weight"
+    shards = two_shards({k: v for k, v in state.items() if k != name})
+    weight_map = {k: file for file, tensors in shards.items() for k in tensors} | {name: "a.safetensors"}
+    shards["a.safetensors"][name] = state[name]
+    shards["b.safetensors"][name] = torch.full_like(state[name], 7.0)
+    ours = load_model(write_shards(tmp_path, path, shards, weight_map), dtype=torch.float32)
+    assert torch.equal(ours.model.norm.weight, state[name])
+
+
+@pytest.mark.parametrize("case,match", [
+    ("mapped, not held", r"index\.json maps tensor model\.norm\.weight to b\.safetensors, which does not hold it"),
+    ("held, not listed", r"a\.safetensors holds tensor model\.extra\.weight, which model\.safetensors\.index\.json "
+                         r"does not list"),
+])
+def test_an_index_that_disagrees_with_its_shards_is_refused_naming_both(checkpoint, tmp_path, case, match):
+    from safetensors.torch import load_file
+
+    _, path = checkpoint
+    state = load_file(path / "model.safetensors")
+    shards = two_shards({k: v for k, v in state.items() if k != "model.norm.weight"})
+    weight_map = {k: file for file, tensors in shards.items() for k in tensors}
+    if case == "mapped, not held":
+        weight_map["model.norm.weight"] = "b.safetensors"
+    else:
+        shards["a.safetensors"]["model.extra.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=match):
+        load_model(write_shards(tmp_path, path, shards, weight_map))
+
+
 def break_checkpoint(path, tmp_path, edit):
     from safetensors.torch import load_file
 
