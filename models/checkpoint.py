@@ -130,6 +130,27 @@ def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor]
     return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
+# A per-expert projection -> the fused tensors it is stacked into (up_proj alone: non-gated experts)
+_FUSED_INTO = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
+                             origins: dict[str, str]) -> None:
+    """Refuse experts stored in both layouts, fused (experts.gate_up_proj) and per expert
+    (experts.N.gate_proj.weight): fusing would keep one copy and drop the other."""
+    fused = {renamed(name, renames): name for name in tensors if _PER_EXPERT.match(name) is None}
+    for name in tensors:
+        match = _PER_EXPERT.match(name)
+        if match is None or match["kind"] != "weight":
+            continue
+        for leaf in _FUSED_INTO[match["proj"]]:
+            target = renamed(f"{match['prefix']}.{leaf}", renames)
+            if target in fused:
+                both = origins.get(target, fused[target]), origins.get(name, name)
+                raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} and per expert "
+                                 f"as {both[1]}: keep one layout")
+
+
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
     """Apply every (pattern, replacement) regex rule, in order, to every tensor name."""
     return {renamed(name, renames): tensor for name, tensor in tensors.items()}
@@ -174,7 +195,9 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
     origins = {renamed(renamed(name, renames), renames): name for name in tensors}  # for errors: the checkpoint's names
-    tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint, origins), renames)
+    tensors = rename(tensors, renames)
+    _check_one_expert_layout(tensors, renames, origins)
+    tensors = rename(fuse_per_expert(tensors, checkpoint, origins), renames)
     tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint, dtype, origins)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     tensors = fuse_qkv(tensors, model)

@@ -125,6 +125,18 @@ def test_an_index_that_disagrees_with_its_shards_is_refused_naming_both(checkpoi
         load_model(write_shards(tmp_path, path, shards, weight_map))
 
 
+def test_experts_in_both_layouts_are_refused_naming_both_keys(checkpoint, tmp_path):
+    """The per-expert tensors of the Hub layout and transformers 5's fused ones, for the same layer."""
+    reference, path = checkpoint  # saved in the Hub layout: experts.N.gate_proj.weight, ...
+    fused = {k: v.clone() for k, v in reference.state_dict().items() if re.search(r"layers\.0\..*experts\.", k)}
+    assert fused and all(not re.search(r"experts\.\d", k) for k in fused)
+    with pytest.raises(ValueError, match=r"holds these experts twice") as refused:
+        load_model(break_checkpoint(path, tmp_path, lambda s: s.update(fused)))
+    message = str(refused.value)
+    assert re.search(r"fused as model\.layers\.0\.\S*experts\.(gate_up_proj|down_proj)", message), message
+    assert re.search(r"per expert as model\.layers\.0\.\S*experts\.\d+\.\w+\.weight", message), message
+
+
 def break_checkpoint(path, tmp_path, edit):
     from safetensors.torch import load_file
 
