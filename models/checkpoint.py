@@ -194,6 +194,7 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     `checkpoint` says how the checkpoint stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
+    fp8.check_float8_dtypes(tensors)
     origins = {renamed(renamed(name, renames), renames): name for name in tensors}  # for errors: the checkpoint's names
     tensors = rename(tensors, renames)
     _check_one_expert_layout(tensors, renames, origins)

@@ -574,6 +574,10 @@ CHECKPOINT_MUTATIONS = {
     "an extra tensor": lambda p, a: edit_tensors(p, lambda s: s.update({"model.extra.weight": torch.zeros(2)})),
     "a misshapen expert": lambda p, a: edit_tensors(p, lambda s: s.update({_expert_key(s): torch.zeros(3, 16)})),
     "an expert missing": lambda p, a: edit_tensors(p, lambda s: s.pop(_expert_key(s))),
+    "an e5m2 norm weight": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {"model.norm.weight": s["model.norm.weight"].to(torch.float8_e5m2)})),
+    "an e5m2 attention weight": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {"model.layers.0.self_attn.q_proj.weight": s["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e5m2)})),
     "an int tensor": lambda p, a: edit_tensors(p, lambda s: s.update({"model.norm.weight": torch.ones(16, dtype=torch.int32)})),
     "truncated weights": lambda p, a: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:200]),
     "garbage weights": lambda p, a: (p / "model.safetensors").write_bytes(b"\x07" * 64),
