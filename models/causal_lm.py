@@ -7,7 +7,10 @@ eagerly when a layer cannot be captured (expert-parallel all-to-all dispatch syn
 """
 from __future__ import annotations
 
+import enum
 import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,6 +20,51 @@ from ..layer import FusedMoE
 from .layers import Batch, StaticKVCache
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")
+FINISHED_CHECK_EVERY = 8  # generate reads "every sequence has stopped" on the host once per this many steps
+
+
+class FromConfig(enum.Enum):
+    """generate's default eos / pad ids: the checkpoint's (generation_config.json, else config.json)."""
+
+    FROM_CONFIG = "from the checkpoint's generation config"
+
+
+FROM_CONFIG = FromConfig.FROM_CONFIG
+
+
+@dataclass(frozen=True)
+class StopTokens:
+    """Where generate stops a sequence: at the first of `eos_token_ids` it emits (none: never), each
+    later position of it getting `pad_token_id` (None: the first eos id, as transformers does)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @classmethod
+    def of(cls, eos_token_id, pad_token_id, where: str) -> StopTokens:
+        """From an eos id, a list of them or None, and a pad id or None; `where` names them in errors."""
+        ids = () if eos_token_id is None else eos_token_id
+        ids = (ids,) if not isinstance(ids, Iterable) or isinstance(ids, torch.Tensor) and ids.dim() == 0 else ids
+        eos = tuple(_token_id(f"{where}eos_token_id", i) for i in ids)
+        pad = None if pad_token_id is None else _token_id(f"{where}pad_token_id", pad_token_id)
+        return cls(eos, pad)
+
+    @classmethod
+    def from_generation_config(cls, generation_config, where: str = "") -> StopTokens:
+        return cls.of(generation_config.eos_token_id, generation_config.pad_token_id, where)
+
+    @property
+    def pad(self) -> int:
+        return self.eos_token_ids[0] if self.pad_token_id is None else self.pad_token_id
+
+
+def _token_id(name: str, value) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a token id (an integer) or a list of them, got {value!r}") from None
 
 
 def _count(name: str, value, minimum: int) -> int:
@@ -38,11 +86,15 @@ class CausalLM(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        from transformers import GenerationConfig
+
         self.config = config
         self.cache: StaticKVCache | None = None
         self.graphs: DecodeGraphRunner | None = None
         self.use_graphs = True  # decode through CUDA graphs where CUDA is present
         self.use_overlap = True  # overlap independent branches on alternate streams in captured decode
+        # generate's default stop: load_model replaces it with the checkpoint's generation_config.json
+        self.stop_tokens = StopTokens.from_generation_config(GenerationConfig.from_model_config(config), "config's ")
 
     def _output_head(self, config) -> None:
         """lm_head (H -> vocab), or None when tied to the input embeddings, whose checkpoint copy
@@ -219,23 +271,69 @@ class CausalLM(nn.Module):
                                                    if limit else ""))
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: (B, L) -> (B, L + max_new_tokens). Eager prefill, then decode steps."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id=FROM_CONFIG,
+                 pad_token_id=FROM_CONFIG) -> torch.Tensor:
+        """Greedy decoding, as transformers' generate(do_sample=False): (B, L) -> (B, L + n). Each
+        sequence stops at its first `eos_token_id` (an id or a list; default the checkpoint's, None:
+        never), later positions getting `pad_token_id` (default the checkpoint's, else the first eos
+        id); n is max_new_tokens, or fewer when every sequence has stopped. Eager prefill, then
+        decode steps (through CUDA graphs on a GPU)."""
         self._check_input_ids(input_ids)
         max_new_tokens = _count("max_new_tokens", max_new_tokens, 0)
+        stop = self._stop_tokens(eos_token_id, pad_token_id)
         B, L = input_ids.shape
+        if max_new_tokens == 0:
+            return input_ids.clone()
         if self.cache is None or self.cache.max_batch < B or self.cache.max_seq < L + max_new_tokens:
             self._check_cache_fits(B, L + max_new_tokens, "ask for fewer new tokens",
                                    f"generate({B} x {L} prompt tokens, max_new_tokens={max_new_tokens})")
             self.setup(B, L + max_new_tokens)
         slots = torch.arange(B, device=input_ids.device)
-        tokens = [input_ids, self.prefill_last(input_ids, slots).argmax(-1, keepdim=True)]
         step = self.graphs.run if self.graphs is not None else self._decode_step  # positions known valid: no checks
-        for i in range(max_new_tokens - 1):
+        token = self.prefill_last(input_ids, slots).argmax(-1)  # [B]
+        tokens, generated = [input_ids], _Generated(stop, B, max_new_tokens, input_ids.device)
+        for i in range(max_new_tokens):
+            tokens.append(generated.add(i, token)[:, None])
+            if i == max_new_tokens - 1 or generated.all_stopped(i):
+                break
             positions = torch.full((B,), L + i, dtype=torch.int64, device=input_ids.device)
-            logits = step({"token_ids": tokens[-1][:, 0], "positions": positions, "slots": slots})
-            tokens.append(logits.argmax(-1, keepdim=True))
-        return torch.cat(tokens, dim=1)[:, : L + max_new_tokens]
+            token = step({"token_ids": token, "positions": positions, "slots": slots}).argmax(-1)
+        return torch.cat(tokens, dim=1)[:, : L + generated.length()]
+
+    def _stop_tokens(self, eos_token_id, pad_token_id) -> StopTokens:
+        default = self.stop_tokens
+        eos = default.eos_token_ids if eos_token_id is FROM_CONFIG else eos_token_id
+        pad = default.pad_token_id if pad_token_id is FROM_CONFIG else pad_token_id
+        return StopTokens.of(eos, pad, "generate's ")
+
+
+class _Generated:
+    """generate's per-sequence stop, on the device: the token each step emits, and how many steps the
+    output needs (transformers returns as soon as every sequence has stopped)."""
+
+    def __init__(self, stop: StopTokens, batch: int, max_new_tokens: int, device):
+        self.max_new_tokens = max_new_tokens
+        self.eos = torch.tensor(stop.eos_token_ids, dtype=torch.int64, device=device) if stop.eos_token_ids else None
+        self.pad = stop.pad if self.eos is not None else None
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]: has emitted an eos
+        self.lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64, device=device)  # [B]
+
+    def add(self, i: int, token: torch.Tensor) -> torch.Tensor:
+        """The output of step i: the greedy `token` [B], or pad where the sequence has stopped."""
+        if self.eos is None:
+            return token
+        out = torch.where(self.stopped, self.pad, token)
+        now = ~self.stopped & torch.isin(token, self.eos)
+        self.lengths = torch.where(now, i + 1, self.lengths)
+        self.stopped |= now
+        return out
+
+    def all_stopped(self, i: int) -> bool:
+        """Read on the host once per FINISHED_CHECK_EVERY steps, not every step (later steps emit pad)."""
+        return self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0 and bool(self.stopped.all())
+
+    def length(self) -> int:
+        return self.max_new_tokens if self.eos is None else int(self.lengths.max())
 
 
 def _bucket_sizes(batch_sizes, max_batch: int) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from ..backends.catalog import ModelContext
 from ..backends.quantization import checkpoint_format
 from ..layer import FusedMoE
 from ..placement import Placement
+from .causal_lm import StopTokens
 from .checkpoint import load_into, read_safetensors
 
 if TYPE_CHECKING:
@@ -108,4 +109,19 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     for layer in model.modules():
         if isinstance(layer, FusedMoE):
             layer.prepare_weights()  # pads I / builds FlashInfer weights where the resolved backend needs it
+    if (path / "generation_config.json").is_file():
+        model.stop_tokens = _stop_tokens(path)
     return model.eval()
+
+
+def _stop_tokens(path: Path) -> StopTokens:
+    """generate's eos / pad ids from generation_config.json, which transformers' generate prefers to
+    config.json's (the model's own default)."""
+    from transformers import GenerationConfig
+
+    name = "generation_config.json"
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except Exception as error:  # transformers complains in its own types
+        raise ValueError(f"{path / name} cannot be read by transformers: {' '.join(str(error).split())}") from None
+    return StopTokens.from_generation_config(generation, f"{name}'s ")

@@ -8,12 +8,13 @@ import re
 
 import pytest
 import torch
-from helpers import FAMILIES, assert_close, prompt, randomize_, relative_error
+from helpers import FAMILIES, assert_close, eos_for_early_stops, prompt, randomize_, relative_error
 from safetensors.torch import save_file
 
 from moe_triton import fused_experts
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
+from moe_triton.models.causal_lm import FINISHED_CHECK_EVERY
 from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 
 
@@ -55,6 +56,35 @@ def test_greedy_generation_matches_transformers(checkpoint):
     actual = ours.generate(ids, max_new_tokens=16)
     assert len(set(expected[:, 7:].flatten().tolist())) > 2, "degenerate reference generation: pick another seed"
     assert torch.equal(actual, expected)
+
+
+def test_generation_stops_at_eos_as_transformers_does(tmp_path):
+    """Per-sequence stop, pad after it, and the early return once every row has stopped, against
+    transformers' own generate: eos ids passed in, or read from generation_config.json, or turned off."""
+    from transformers import AutoModelForCausalLM
+
+    make, seed = FAMILIES["minimax_m2"]  # two layers: the cheapest family to decode under the interpreter
+    torch.manual_seed(0)
+    reference = randomize_(make().eval(), seed=seed)
+    reference.save_pretrained(tmp_path)
+    ids, N = prompt(), 12
+    L = ids.shape[1]
+    free = reference.generate(ids, max_new_tokens=N, do_sample=False)  # its config's eos lies outside the vocab
+    eos, stops = eos_for_early_stops(free, L)
+    assert None not in stops and max(stops) < FINISHED_CHECK_EVERY - 1, (eos, stops)  # both rows stop, early
+    pad = next(t for t in range(reference.config.vocab_size - 1, 0, -1) if t not in ids and t not in eos)
+    ours = load_model(tmp_path, dtype=torch.float32, backend="torch")  # the experts' backend is not what is tested
+    expected = reference.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eos)
+    assert expected.shape[1] == L + max(stops) + 1  # every row stopped: transformers returns early
+    assert torch.equal(ours.generate(ids, N, eos_token_id=eos), expected)
+    one = dict(eos_token_id=eos[0], pad_token_id=pad)  # an int, and a pad of our own
+    assert torch.equal(ours.generate(ids, N, **one), reference.generate(ids, max_new_tokens=N, do_sample=False, **one))
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": eos}))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(tmp_path, dtype=torch.float32, backend="torch")
+    assert torch.equal(ours.generate(ids, N), theirs.generate(ids, max_new_tokens=N, do_sample=False))
+    assert torch.equal(ours.generate(ids, N, eos_token_id=None), free)  # off
 
 
 def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
