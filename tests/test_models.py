@@ -294,6 +294,62 @@ def test_float32_generation_through_graphs_matches_transformers(checkpoint):
 
 
 @pytest.mark.gpu
+def test_decode_past_the_cache_through_graphs_is_refused_and_writes_nothing(checkpoint):
+    """decode_step and the graph runner refuse positions and slots outside setup()'s cache before any
+    copy; the captured step replayed unchecked (graphs.run) with them writes nothing and faults nowhere;
+    generation afterwards still equals transformers'."""
+    reference, path = checkpoint
+    model = load_model(path, dtype=torch.float32, device="cuda")
+    ids = prompt().cuda()
+    model.setup(2, 12, batch_sizes=(2,))
+    assert model.graphs is not None and model.graphs.stats.num_graphs == 1
+    model.prefill(ids)
+
+    def inputs(positions=(7, 7), slots=(0, 1)):
+        return {"token_ids": ids[:, -1], "positions": torch.tensor(positions, device="cuda"),
+                "slots": torch.tensor(slots, device="cuda")}
+
+    before = [t.clone() for t in model.cache.keys + model.cache.values]
+    static = {name: t.clone() for name, t in model.graphs.static.items()}
+    for bad in (inputs(positions=(12, 7)), inputs(positions=(7, 2**40)), inputs(slots=(0, -1)),
+                inputs(slots=(0, 2))):  # 2: the dummy slot, for the runner's padding rows only
+        with pytest.raises(ValueError, match="must lie in"):
+            model.decode_step(bad)
+        with pytest.raises(ValueError, match="must lie in"):
+            model.graphs(bad)
+        assert all(torch.equal(model.graphs.static[n], t) for n, t in static.items())  # nothing copied in
+    for unchecked in (inputs(positions=(12, 2**40)), inputs(slots=(-1, 5))):  # inside the graph: the kernels mask
+        logits = model.graphs.run(unchecked)
+        torch.cuda.synchronize()
+        assert logits.isnan().all()  # attention read nothing
+    assert all(torch.equal(a, b) for a, b in zip(model.cache.keys + model.cache.values, before))  # wrote nothing
+    expected = copy.deepcopy(reference).to("cuda").generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, 5), expected)
+
+
+@pytest.mark.gpu
+def test_eos_stopping_through_graphs_equals_eager_and_transformers():
+    make, seed = FAMILIES["minimax_m2"]
+    torch.manual_seed(0)
+    reference = randomize_(make().eval(), seed=seed)
+    ids, N = prompt(), 12
+    eos, stops = eos_for_early_stops(reference.generate(ids, max_new_tokens=N, do_sample=False), ids.shape[1])
+    expected = reference.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eos)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        reference.save_pretrained(path)
+        model = load_model(path, dtype=torch.float32, device="cuda")
+    tokens = {}
+    for graphs in (True, False):
+        model.use_graphs = graphs
+        model.setup(2, ids.shape[1] + N)
+        assert (model.graphs is not None) == graphs
+        tokens[graphs] = model.generate(ids.cuda(), N, eos_token_id=eos).cpu()
+    assert torch.equal(tokens[True], tokens[False]) and torch.equal(tokens[True], expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("cohere2_moe")])  # the overlapping family
 def test_overlap_on_and_off_give_the_same_tokens(family, tmp_path, monkeypatch):
     import moe_triton.layer as layer
