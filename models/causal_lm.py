@@ -153,6 +153,7 @@ class CausalLM(nn.Module):
             self._check_decode_inputs(inputs)
         return self._decode_step(inputs)
 
+    @torch.no_grad()
     def _decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """decode_step unchecked: what the graphs capture and generate runs."""
         batch = self.batch(ForwardMode.DECODE, inputs["positions"][:, None], inputs["slots"])

@@ -404,6 +404,16 @@ def test_decode_step_in_bounds_matches_prefill(tiny_model):
     assert_close(logits, tiny_model.prefill(ids)[:, 3], torch.float32)
 
 
+def test_the_step_the_graphs_capture_records_no_autograd(tiny_model):
+    """setup() captures the unchecked step outside any no_grad: it must not record a backward graph."""
+    tiny_model.setup(2, 8)
+    tiny_model.prefill(torch.tensor([[5, 6, 7], [9, 10, 11]]))
+    with torch.enable_grad():
+        logits = tiny_model._decode_step({"token_ids": torch.tensor([1, 2]), "positions": torch.tensor([3, 3]),
+                                          "slots": torch.arange(2)})
+    assert logits.grad_fn is None and not logits.requires_grad
+
+
 @pytest.mark.parametrize("slots,match", [
     (torch.tensor([0, 2]), r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[0, 2\]"),
     (torch.tensor([-1, 0]), r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[-1, 0\]"),
