@@ -6,7 +6,7 @@ The runner owns the static buffers; it never looks inside the step.
 
     runner = DecodeGraphRunner(step, {"token_ids": StaticInput(dtype=torch.int64)})
     runner.capture()                       # largest bucket first, one shared memory pool
-    logits = runner({"token_ids": ids})    # checked, copied in, padded to a bucket, replayed, sliced back
+    logits = runner({"token_ids": ids})    # checked, copied, padded to a bucket, replayed, sliced
     logits = runner.run({"token_ids": ids})  # the same without the host check of bounded inputs
 """
 from __future__ import annotations
@@ -180,10 +180,12 @@ class DecodeGraphRunner:
                    if spec.bounds is not None and inputs[name].numel()}
         if not bounded:
             return
-        extremes = torch.stack([torch.stack([inputs[name].min(), inputs[name].max()]).long() for name in bounded])
-        for (name, (low, high)), (least, most) in zip(bounded.items(), extremes.tolist()):  # the one host sync
+        extremes = torch.stack([torch.stack([inputs[name].min(), inputs[name].max()]).long()
+                                for name in bounded]).tolist()  # the one host sync
+        for (name, (low, high)), (least, most) in zip(bounded.items(), extremes):
             if least < low or most >= high:
-                raise ValueError(f"input {name!r} must lie in [{low}, {high}), got values in [{least}, {most}]")
+                raise ValueError(f"input {name!r} must lie in [{low}, {high}), "
+                                 f"got values in [{least}, {most}]")
 
 
 def capture_graph(step: Callable[[int], object], num_variants: int) -> torch.cuda.CUDAGraph:

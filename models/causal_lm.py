@@ -20,11 +20,11 @@ from ..layer import FusedMoE
 from .layers import Batch, StaticKVCache
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")
-FINISHED_CHECK_EVERY = 8  # generate reads "every sequence has stopped" on the host once per this many steps
+FINISHED_CHECK_EVERY = 8  # generate reads "has every sequence stopped?" on the host once per 8 steps
 
 
 class FromConfig(enum.Enum):
-    """generate's default eos / pad ids: the checkpoint's (generation_config.json, else config.json)."""
+    """generate's default eos / pad ids, the checkpoint's (generation_config.json, else config.json)."""
 
     FROM_CONFIG = "from the checkpoint's generation config"
 
@@ -44,8 +44,8 @@ class StopTokens:
     def of(cls, eos_token_id, pad_token_id, where: str) -> StopTokens:
         """From an eos id, a list of them or None, and a pad id or None; `where` names them in errors."""
         ids = () if eos_token_id is None else eos_token_id
-        ids = (ids,) if not isinstance(ids, Iterable) or isinstance(ids, torch.Tensor) and ids.dim() == 0 else ids
-        eos = tuple(_token_id(f"{where}eos_token_id", i) for i in ids)
+        single = not isinstance(ids, Iterable) or isinstance(ids, torch.Tensor) and ids.dim() == 0
+        eos = tuple(_token_id(f"{where}eos_token_id", i) for i in ((ids,) if single else ids))
         pad = None if pad_token_id is None else _token_id(f"{where}pad_token_id", pad_token_id)
         return cls(eos, pad)
 
@@ -64,11 +64,12 @@ def _token_id(name: str, value) -> int:
             raise TypeError
         return operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be a token id (an integer) or a list of them, got {value!r}") from None
+        raise ValueError(f"{name} must be a token id (an integer) or a list of them, "
+                         f"got {value!r}") from None
 
 
 def _count(name: str, value, minimum: int) -> int:
-    """An integer-like `value` >= minimum (numpy and 0-d integer tensors too), or a one-line ValueError."""
+    """An integer-like `value` >= minimum (numpy and 0-d integer tensors too), else a ValueError."""
     try:
         count = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
@@ -93,8 +94,9 @@ class CausalLM(nn.Module):
         self.graphs: DecodeGraphRunner | None = None
         self.use_graphs = True  # decode through CUDA graphs where CUDA is present
         self.use_overlap = True  # overlap independent branches on alternate streams in captured decode
-        # generate's default stop: load_model replaces it with the checkpoint's generation_config.json
-        self.stop_tokens = StopTokens.from_generation_config(GenerationConfig.from_model_config(config), "config's ")
+        # generate's default stop; load_model reads generation_config.json over it where there is one
+        generation = GenerationConfig.from_model_config(config)
+        self.stop_tokens = StopTokens.from_generation_config(generation, "config's ")
 
     def _output_head(self, config) -> None:
         """lm_head (H -> vocab), or None when tied to the input embeddings, whose checkpoint copy
@@ -161,10 +163,11 @@ class CausalLM(nn.Module):
         return self.logits(hidden[:, 0])
 
     def _check_input_ids(self, input_ids) -> None:
-        if isinstance(input_ids, torch.Tensor) and (input_ids.is_nested or input_ids.layout != torch.strided):
-            raise ValueError(f"input_ids is a {'nested (ragged)' if input_ids.is_nested else str(input_ids.layout)} "
-                             "tensor: pass prompts of equal length as one dense (batch, length) tensor, or each "
-                             "prompt in its own call")
+        if isinstance(input_ids, torch.Tensor) and (input_ids.is_nested
+                                                    or input_ids.layout != torch.strided):
+            kind = "nested (ragged)" if input_ids.is_nested else str(input_ids.layout)
+            raise ValueError(f"input_ids is a {kind} tensor: pass prompts of equal length as one "
+                             "dense (batch, length) tensor, or each prompt in its own call")
         if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0
                 or input_ids.shape[1] == 0 or input_ids.dtype not in (torch.int32, torch.int64)):
             got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
@@ -181,13 +184,14 @@ class CausalLM(nn.Module):
         device = self.model.embed_tokens.weight.device
         if (not isinstance(slots, torch.Tensor) or slots.shape != (batch,) or slots.device != device
                 or slots.dtype not in (torch.int32, torch.int64)):
-            got = f"{slots.dtype} {tuple(slots.shape)} on {slots.device}" if isinstance(slots, torch.Tensor) else slots
-            raise ValueError(f"slots must be an int64/int32 tensor of shape ({batch},) on {device}, got {got}")
+            raise ValueError(f"slots must be an int64/int32 tensor of shape ({batch},) on {device}, "
+                             f"got {_described(slots)}")
         self._check_ranges({"slots": slots})
 
     def _check_decode_inputs(self, inputs) -> None:
         if self.cache is None:
-            raise ValueError("decode_step before setup(): call model.setup(max_batch, max_seq), then prefill")
+            raise ValueError("decode_step before setup(): call model.setup(max_batch, max_seq), "
+                             "then prefill")
         if not isinstance(inputs, dict) or set(inputs) != set(DECODE_INPUTS):
             got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
             raise ValueError(f"decode_step takes a dict of exactly {list(DECODE_INPUTS)}, got {got}")
@@ -195,30 +199,31 @@ class CausalLM(nn.Module):
         for name, tensor in inputs.items():
             if (not isinstance(tensor, torch.Tensor) or tensor.dim() != 1
                     or tensor.dtype not in (torch.int32, torch.int64) or tensor.device != device):
-                got = (f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}" if isinstance(tensor, torch.Tensor)
-                       else type(tensor).__name__)
-                raise ValueError(f"decode_step's {name} must be an int64/int32 tensor of shape (batch,) on {device}, "
-                                 f"got {got}")
+                raise ValueError(f"decode_step's {name} must be an int64/int32 tensor of shape (batch,) "
+                                 f"on {device}, got {_described(tensor)}")
         if len({len(tensor) for tensor in inputs.values()}) != 1:
             sizes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in inputs.items())
             raise ValueError(f"decode_step's inputs must have one batch size, got {sizes}")
         self._check_ranges(inputs)
 
     def _check_ranges(self, inputs: dict[str, torch.Tensor]) -> None:
-        """Token ids in the vocabulary, positions and slots in setup()'s cache: one host sync for all."""
+        """Token ids in the vocabulary, positions and slots in setup()'s cache: one host sync."""
         bounds = {"token_ids": (self.model.embed_tokens.num_embeddings, "vocab_size"),
                   "positions": (self.cache.max_seq, "setup()'s max_seq"),
                   "slots": (self.cache.max_batch, "setup()'s max_batch")}
         present = [name for name in inputs if inputs[name].numel()]
         if not present:
             return
-        extremes = torch.stack([torch.stack([inputs[n].min(), inputs[n].max()]).long() for n in present]).tolist()
+        extremes = torch.stack([torch.stack([inputs[n].min(), inputs[n].max()]).long()
+                                for n in present]).tolist()
+        fixes = {"positions": "max_seq", "slots": "max_batch"}
         for name, (least, most) in zip(present, extremes):
             high, what = bounds[name]
             if least < 0 or most >= high:
-                fix = "a larger max_seq" if name == "positions" else "a larger max_batch" if name == "slots" else None
-                raise ValueError(f"{name} must lie in [0, {what}={high}), got values in [{least}, {most}]"
-                                 + (f": call model.setup(max_batch, max_seq) with {fix}" if fix else ""))
+                fix = (f": call model.setup(max_batch, max_seq) with a larger {fixes[name]}"
+                       if name in fixes else "")
+                raise ValueError(f"{name} must lie in [0, {what}={high}), got values in "
+                                 f"[{least}, {most}]{fix}")
 
     # ---- set-up and generation ---------------------------------------------------------------
 
@@ -228,10 +233,12 @@ class CausalLM(nn.Module):
         A cache larger than the free memory is refused before anything is allocated. Under all-to-all
         expert parallelism every rank must call it with the same max_batch: one graph of max_batch
         rows, replayed in lockstep."""
-        max_batch, max_seq = _count("setup's max_batch", max_batch, 1), _count("setup's max_seq", max_seq, 1)
+        max_batch = _count("setup's max_batch", max_batch, 1)
+        max_seq = _count("setup's max_seq", max_seq, 1)
         if batch_sizes is not None:
             batch_sizes = _bucket_sizes(batch_sizes, max_batch)
-        self._check_cache_fits(max_batch, max_seq, "ask for fewer sequences (max_batch) or a shorter max_seq")
+        self._check_cache_fits(max_batch, max_seq,
+                               "ask for fewer sequences (max_batch) or a shorter max_seq")
         self.cache = self.graphs = None  # freed before the new one is allocated
         parameter = next(self.parameters())
         config = self.config
@@ -244,20 +251,22 @@ class CausalLM(nn.Module):
         # other: one bucket (max_batch, the same on every rank), replayed by every rank at every step.
         lockstep = any(runner.lockstep for runner in runners)
         if self.use_graphs and capturable and parameter.device.type == "cuda":
-            inputs = {"token_ids": StaticInput(bounds=(0, self.model.embed_tokens.num_embeddings)),
+            vocab = self.model.embed_tokens.num_embeddings
+            inputs = {"token_ids": StaticInput(bounds=(0, vocab)),  # a caller's, checked by graphs(...)
                       "positions": StaticInput(bounds=(0, max_seq)),
                       "slots": StaticInput(pad_value=self.cache.dummy_slot, bounds=(0, max_batch))}
             sizes = (max_batch,) if lockstep else batch_sizes or default_batch_sizes(max_batch)
-            self.graphs = DecodeGraphRunner(self._decode_step, inputs, GraphConfig(batch_sizes=sizes,
-                                                                                   lockstep=lockstep))
+            config = GraphConfig(batch_sizes=sizes, lockstep=lockstep)
+            self.graphs = DecodeGraphRunner(self._decode_step, inputs, config)
             self.graphs.capture()
 
     def cache_bytes(self, max_batch: int, max_seq: int) -> int:
-        """What setup(max_batch, max_seq) allocates: K and V per layer, [max_batch + 1, Hkv, max_seq, D]."""
+        """What setup(max_batch, max_seq) allocates: K and V per layer, [max_batch + 1, Hkv, S, D]."""
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         element = next(self.parameters()).element_size()
-        return 2 * config.num_hidden_layers * (max_batch + 1) * config.num_key_value_heads * max_seq * head_dim * element
+        per_slot = config.num_key_value_heads * max_seq * head_dim * element
+        return 2 * config.num_hidden_layers * (max_batch + 1) * per_slot
 
     def _check_cache_fits(self, max_batch: int, max_seq: int, fix: str, what: str = "") -> None:
         device = next(self.parameters()).device
@@ -266,10 +275,10 @@ class CausalLM(nn.Module):
             free += self.cache_bytes(self.cache.max_batch, self.cache.max_seq)
         if free is not None and needed > free:
             limit = getattr(self.config, "max_position_embeddings", None)
-            raise ValueError(f"{what or f'setup({max_batch}, {max_seq})'} needs a KV cache of {needed / 2**30:.3g} GiB "
-                             f"for {max_batch} x {max_seq} tokens, more than the {free / 2**30:.3g} GiB free on "
-                             f"{device}: {fix}" + (f" (config.json's max_position_embeddings is {limit})"
-                                                   if limit else ""))
+            hint = f" (config.json's max_position_embeddings is {limit})" if limit else ""
+            raise ValueError(f"{what or f'setup({max_batch}, {max_seq})'} needs a KV cache of "
+                             f"{needed / 2**30:.3g} GiB for {max_batch} x {max_seq} tokens, more than the "
+                             f"{free / 2**30:.3g} GiB free on {device}: {fix}{hint}")
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id=FROM_CONFIG,
@@ -290,7 +299,8 @@ class CausalLM(nn.Module):
                                    f"generate({B} x {L} prompt tokens, max_new_tokens={max_new_tokens})")
             self.setup(B, L + max_new_tokens)
         slots = torch.arange(B, device=input_ids.device)
-        step = self.graphs.run if self.graphs is not None else self._decode_step  # positions known valid: no checks
+        # generate's positions and slots lie in the cache by construction: the unchecked step
+        step = self.graphs.run if self.graphs is not None else self._decode_step
         token = self.prefill_last(input_ids, slots).argmax(-1)  # [B]
         tokens, generated = [input_ids], _Generated(stop, B, max_new_tokens, input_ids.device)
         for i in range(max_new_tokens):
@@ -314,7 +324,8 @@ class _Generated:
 
     def __init__(self, stop: StopTokens, batch: int, max_new_tokens: int, device):
         self.max_new_tokens = max_new_tokens
-        self.eos = torch.tensor(stop.eos_token_ids, dtype=torch.int64, device=device) if stop.eos_token_ids else None
+        ids = stop.eos_token_ids
+        self.eos = torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
         self.pad = stop.pad if self.eos is not None else None
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]: has emitted an eos
         self.lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64, device=device)  # [B]
@@ -330,8 +341,10 @@ class _Generated:
         return out
 
     def all_stopped(self, i: int) -> bool:
-        """Read on the host once per FINISHED_CHECK_EVERY steps, not every step (later steps emit pad)."""
-        return self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0 and bool(self.stopped.all())
+        """Read on the host once per FINISHED_CHECK_EVERY steps, not at every step (the steps
+        computed past the last stop are trimmed: they emit only pad)."""
+        checked = self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0
+        return checked and bool(self.stopped.all())
 
     def length(self) -> int:
         return self.max_new_tokens if self.eos is None else int(self.lengths.max())
@@ -343,13 +356,20 @@ def _bucket_sizes(batch_sizes, max_batch: int) -> tuple[int, ...]:
     except (TypeError, ValueError):  # not iterable, or not positive integers
         sizes = ()
     if not sizes or max(sizes) > max_batch:
-        raise ValueError(f"setup's batch_sizes must be integers in [1, max_batch={max_batch}], got {batch_sizes!r}")
+        raise ValueError(f"setup's batch_sizes must be integers in [1, max_batch={max_batch}], "
+                         f"got {batch_sizes!r}")
     return sizes
 
 
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
 def _free_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation on `device` can take: the GPU's free memory plus what torch's allocator
-    holds unused; the machine's available memory on CPU; None elsewhere (meta)."""
+    """Memory a new allocation on `device` can take: the GPU's free memory plus what torch's
+    allocator holds unused; the machine's available memory on CPU; None elsewhere (meta)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -61,12 +61,13 @@ def _check_shard(index: str, name: str, held: set[str], wanted: set[str], listed
                          f"({len(missing)} such tensors): fix the index's weight_map or the shard")
     unlisted = sorted(held - listed)
     if unlisted:
-        raise ValueError(f"{name} holds tensor {unlisted[0]}, which {index} does not list ({len(unlisted)} such "
-                         "tensors): add it to the index's weight_map, or remove it from the shard")
+        raise ValueError(f"{name} holds tensor {unlisted[0]}, which {index} does not list "
+                         f"({len(unlisted)} such tensors): add it to the index's weight_map, "
+                         "or remove it from the shard")
 
 
 def _weight_map(index: Path) -> dict[str, set[str]]:
-    """Shard file -> the tensor names an index's weight_map maps to it (plain file names beside the index)."""
+    """Shard file -> the tensor names an index's weight_map maps to it (files beside the index)."""
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -131,7 +132,8 @@ def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor]
 
 
 # A per-expert projection -> the fused tensors it is stacked into (up_proj alone: non-gated experts)
-_FUSED_INTO = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_proj"), "down_proj": ("down_proj",)}
+_FUSED_INTO = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_proj"),
+               "down_proj": ("down_proj",)}
 
 
 def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
@@ -147,8 +149,8 @@ def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: list[tup
             target = renamed(f"{match['prefix']}.{leaf}", renames)
             if target in fused:
                 both = origins.get(target, fused[target]), origins.get(name, name)
-                raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} and per expert "
-                                 f"as {both[1]}: keep one layout")
+                raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} and "
+                                 f"per expert as {both[1]}: keep one layout")
 
 
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:

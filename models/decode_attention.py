@@ -41,7 +41,7 @@ def _split_kernel(
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = tl.load(positions_ptr + b).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    # a (slot, position) outside the cache reads nothing: every split stays empty and the row comes out NaN
+    # a (slot, position) outside the cache reads nothing: every split stays empty, the row is NaN
     in_cache = (slot >= 0) & (slot < NUM_SLOTS) & (pos >= 0) & (pos < S)
     start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
     # split boundaries on BLOCK_N multiples, each split an equal share of the real context
@@ -99,7 +99,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """q (B, Hq, D) of the token at `positions` (B,) of the sequences in cache `slots` (B,), whose
     keys / values (slots + 1, Hkv, S, D) are already written -> a fresh (B, Hq, D) in q's dtype.
     A sliding `window` W attends to positions (pos - W, pos], as transformers does. A row whose slot
-    or position lies outside the cache reads nothing of it and comes out NaN (never checked on the host)."""
+    or position lies outside the cache reads nothing of it and comes out NaN (no host check)."""
     _check(q, keys, values, slots, positions)
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale, window or 0)
@@ -132,7 +132,8 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int) -> tor
     group = Hq // Hkv
     _split_kernel[(B, Hkv, splits)](
         q, keys, values, slots, positions, part_out, part_stats,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[0], S, scale, window,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[0], S,
+        scale, window,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32,
     )

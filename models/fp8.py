@@ -161,8 +161,9 @@ def check_float8_dtypes(tensors: dict[str, torch.Tensor]) -> None:
     forms, e8m0 scales) is refused by the checkpoint's name for it."""
     for name, tensor in tensors.items():
         if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and tensor.dtype != FP8_DTYPE:
-            raise ValueError(f"tensor {name} is {tensor.dtype}: FP8 checkpoints are read as {FP8_DTYPE} weights "
-                             "with float scales; convert it to e4m3 (and its scale), or store it unquantized")
+            raise ValueError(f"tensor {name} is {tensor.dtype}: FP8 checkpoints are read as {FP8_DTYPE} "
+                             "weights with float scales; convert it to e4m3 (and its scale), or store "
+                             "it unquantized")
 
 
 def check_fp8_dtype(name: str, tensor: torch.Tensor, expected: torch.dtype) -> None:

@@ -99,12 +99,12 @@ class ModelPlan:
     checkpoint: CheckpointFormat  # how FP8 tensors and their scales are stored
 
     def build(self, placement: Placement, device) -> torch.nn.Module:
-        with torch.device(device), default_dtype(self.dtype):  # built in its dtype: a bf16 model never exists in fp32
+        with torch.device(device), default_dtype(self.dtype):  # a bf16 model never exists in fp32
             return self.family(self.config, placement)
 
 
 def plan_model(path: str | Path, dtype: torch.dtype | None = None) -> ModelPlan:
-    """Read config.json (and hf_quant_config.json) as load_model does; a ValueError for what it refuses there."""
+    """Read config.json (and hf_quant_config.json) as load_model does: a ValueError where it refuses."""
     dtype = checks.float_dtype("load_model", "dtype", dtype)
     path = _checkpoint_dir(path)
     config, raw_config = _read_config(path)
@@ -116,11 +116,13 @@ def plan_model(path: str | Path, dtype: torch.dtype | None = None) -> ModelPlan:
     return ModelPlan(path, family, config, dtype, context, checkpoint_format(context.quant_config))
 
 
-def layer_resolutions(plan: ModelPlan, backend: str = "auto", platform: Platform | None = None) -> list[Resolution]:
+def layer_resolutions(plan: ModelPlan, backend: str = "auto",
+                      platform: Platform | None = None) -> list[Resolution]:
     """The backend every MoE layer of `plan` resolves to on `platform` (None: CPU, as load_model's
     default device), from the model built on the meta device as load_model builds it (the same layer
     traits: dtype, weight format, activation, routing); no weights are read."""
-    model = plan.build(Placement(backend, plan.context, platform=platform or platforms.detect_platform("cpu")), "meta")
+    platform = platform or platforms.detect_platform("cpu")
+    model = plan.build(Placement(backend, plan.context, platform=platform), "meta")
     return [layer.resolution for layer in model.modules() if isinstance(layer, FusedMoE)]
 
 
@@ -154,5 +156,6 @@ def _stop_tokens(path: Path) -> StopTokens:
     try:
         generation = GenerationConfig.from_pretrained(path)
     except Exception as error:  # transformers complains in its own types
-        raise ValueError(f"{path / name} cannot be read by transformers: {' '.join(str(error).split())}") from None
+        message = " ".join(str(error).split())
+        raise ValueError(f"{path / name} cannot be read by transformers: {message}") from None
     return StopTokens.from_generation_config(generation, f"{name}'s ")

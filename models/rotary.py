@@ -198,7 +198,8 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tens
 
 def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
            norm_eps: float = 0.0) -> None:
-    if not triton_computes_exactly(k.device, k.dtype) or not keys.is_contiguous() or not values.is_contiguous():
+    contiguous = keys.is_contiguous() and values.is_contiguous()
+    if not triton_computes_exactly(k.device, k.dtype) or not contiguous:
         return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys, values, slots,
                                        positions, interleaved)
     k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))  # the kernel needs unit last strides
@@ -211,9 +212,10 @@ def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, no
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
         _rotary_into_cache_kernel[(triton.cdiv(R, BLOCK_R),)](
             k, v, cos, sin, k if norm_weight is None else norm_weight, keys, values, slots, positions, R, heads,
-            keys.shape[0], keys.shape[2], norm_eps, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            keys.stride(0), keys.stride(1), keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
-            INTERLEAVED=interleaved, NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+            keys.shape[0], keys.shape[2], norm_eps, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), D=D,
+            D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate, INTERLEAVED=interleaved,
+            NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
 
 
 @torch.library.custom_op("moe_triton::rotate_into_cache", mutates_args=("keys", "values"))
@@ -233,7 +235,7 @@ def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, inte
     (slot, position) lies in the cache (selecting them reads the device on the host)."""
     if cos is not None:
         k = rotated_once_torch(k, cos, sin, interleaved)
-    ok = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < keys.shape[2])  # [B]
+    ok = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < keys.shape[2])
     keys[slots[ok], :, positions[ok]] = k[ok, :, 0]
     values[slots[ok], :, positions[ok]] = v[ok, :, 0]
 

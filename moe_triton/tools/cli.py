@@ -128,10 +128,12 @@ def resolve_backend(args) -> int:
     print(f"all-to-all:    {context.all_to_all or 'none'}   LoRA: {'on' if context.lora else 'off'}")
     if layers:
         dtype = str(layers[0][1]).removeprefix("torch.")
-        print(f"layers:        {len(layers)} MoE layers, resolved as load_model builds them ({dtype})")
+        print(f"layers:        {len(layers)} MoE layers, resolved as load_model builds them "
+              f"({dtype})")
         resolution = layers[0][0]
     else:
-        print(f"layers:        not built ({not_built}): resolved without the layers' dtype and weight format")
+        print(f"layers:        not built ({not_built}): resolved without the layers' dtype and "
+              "weight format")
     print(f"requested:     {resolution.requested}")
     print(f"backend:       {resolution.backend}")
     print(f"rule:          {resolution.rule}")
@@ -150,13 +152,13 @@ def _layer_resolutions(model_dir: Path, args, platform, context) -> tuple[list, 
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
-        plan = plan_model(model_dir, dtype)  # what load_model reads before building: refusals here are reported
+        plan = plan_model(model_dir, dtype)  # what load_model reads before building
     except ValueError as error:
         return [], str(error)
-    plan = dataclasses.replace(plan, context=context)  # --all-to-all and --lora: what a serving engine would add
+    plan = dataclasses.replace(plan, context=context)  # with --all-to-all and --lora
     with warnings.catch_warnings():  # load_model's fallback warning: the backend line says it
         warnings.simplefilter("ignore")
-        resolutions = layer_resolutions(plan, args.backend, platform)  # an impossible request raises, as load_model
+        resolutions = layer_resolutions(plan, args.backend, platform)  # may refuse, as load_model
     return [(r, plan.dtype) for r in resolutions], None if resolutions else "no MoE layers"
 
 
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                                 help="the serving engine's expert-parallel all-to-all backend, e.g. deepep")
     resolve_parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
     resolve_parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                                help="the dtype load_model gets (default: config.json's, as load_model)")
+                                help="load_model's dtype (default: config.json's, as load_model)")
     resolve_parser.set_defaults(run=resolve_backend)
     probe_parser = commands.add_parser("probe", help="run a small layer on two backends and compare (temperature 0)")
     probe_parser.add_argument("backends", nargs=2, choices=backends, metavar="BACKEND",

@@ -147,9 +147,11 @@ def _reference(path: Path, dtype, device):
 
 
 def _agreement(ours: torch.Tensor, expected: torch.Tensor) -> float:
-    """The fraction of equal new tokens; both stop at EOS, so one may be longer: its extra tokens disagree."""
+    """The fraction of equal new tokens; both stop at EOS, so one may be longer: its extra tokens
+    count as disagreeing."""
     width = max(ours.shape[1], expected.shape[1])
-    ours, expected = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in (ours, expected))
+    ours, expected = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1)
+                      for t in (ours, expected))
     return (ours == expected).float().mean().item()
 
 
@@ -215,7 +217,8 @@ def run_demo(options: DemoOptions, print_=print) -> int:
         agree = _agreement(ours[:, options.prompt_length:], expected[:, options.prompt_length:])
 
     new_tokens = ours.shape[1] - options.prompt_length  # fewer than asked when every sequence hit EOS
-    shown = f"{options.batch} x {new_tokens} tokens" + (", stopped at EOS" if new_tokens < options.tokens else "")
+    stopped = ", stopped at EOS" if new_tokens < options.tokens else ""
+    shown = f"{options.batch} x {new_tokens} tokens{stopped}"
     rows = [("generate", options.batch * new_tokens / seconds, seconds * 1e3)]
     rows.append(("prefill", options.batch * options.prompt_length / prefill_seconds, prefill_seconds * 1e3))
     if on_gpu and options.graphs and options.overlap:  # the same generation without overlap
@@ -225,7 +228,8 @@ def run_demo(options: DemoOptions, print_=print) -> int:
         serial_tokens = model.generate(prompt, options.tokens)
         _, serial_seconds = _timed(lambda: model.generate(prompt, options.tokens))
         match = match and torch.equal(serial_tokens, ours)
-        rows.append(("generate, overlap off", options.batch * new_tokens / serial_seconds, serial_seconds * 1e3))
+        serial = options.batch * new_tokens / serial_seconds
+        rows.append(("generate, overlap off", serial, serial_seconds * 1e3))
     print_(f"decode: {'CUDA graphs' if model.graphs is not None else 'eager'}, "
            f"overlap {'on' if options.overlap and on_gpu else 'off'}")
     print_(f"{'stage':<24}{'tokens/s':>12}{'ms':>12}")
