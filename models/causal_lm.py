@@ -302,7 +302,10 @@ class CausalLM(nn.Module):
         # generate's positions and slots lie in the cache by construction: the unchecked step
         step = self.graphs.run if self.graphs is not None else self._decode_step
         token = self.prefill_last(input_ids, slots).argmax(-1)  # [B]
-        tokens, generated = [input_ids], _Generated(stop, B, max_new_tokens, input_ids.device)
+        # Expert-parallel ranks decode their own sequences in lockstep: none may return early alone
+        lockstep = any(layer.runner.lockstep for layer in self.modules() if isinstance(layer, FusedMoE))
+        generated = _Generated(stop, B, max_new_tokens, input_ids.device, early=not lockstep)
+        tokens = [input_ids]
         for i in range(max_new_tokens):
             tokens.append(generated.add(i, token)[:, None])
             if i == max_new_tokens - 1 or generated.all_stopped(i):
@@ -322,8 +325,8 @@ class _Generated:
     """generate's per-sequence stop, on the device: the token each step emits, and how many steps the
     output needs (transformers returns as soon as every sequence has stopped)."""
 
-    def __init__(self, stop: StopTokens, batch: int, max_new_tokens: int, device):
-        self.max_new_tokens = max_new_tokens
+    def __init__(self, stop: StopTokens, batch: int, max_new_tokens: int, device, early: bool):
+        self.max_new_tokens, self.early = max_new_tokens, early  # early: may stop before max_new_tokens
         ids = stop.eos_token_ids
         self.eos = torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
         self.pad = stop.pad if self.eos is not None else None
@@ -343,7 +346,7 @@ class _Generated:
     def all_stopped(self, i: int) -> bool:
         """Read on the host once per FINISHED_CHECK_EVERY steps, not at every step (the steps
         computed past the last stop are trimmed: they emit only pad)."""
-        checked = self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0
+        checked = self.early and self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0
         return checked and bool(self.stopped.all())
 
     def length(self) -> int:

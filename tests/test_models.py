@@ -11,7 +11,7 @@ import torch
 from helpers import FAMILIES, assert_close, eos_for_early_stops, prompt, randomize_, relative_error
 from safetensors.torch import save_file
 
-from moe_triton import fused_experts
+from moe_triton import FusedMoE, fused_experts
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
 from moe_triton.models.causal_lm import FINISHED_CHECK_EVERY
@@ -85,6 +85,12 @@ def test_generation_stops_at_eos_as_transformers_does(tmp_path):
     ours = load_model(tmp_path, dtype=torch.float32, backend="torch")
     assert torch.equal(ours.generate(ids, N), theirs.generate(ids, max_new_tokens=N, do_sample=False))
     assert torch.equal(ours.generate(ids, N, eos_token_id=None), free)  # off
+    steps, step = [], ours._decode_step
+    ours._decode_step = lambda inputs: steps.append(1) or step(inputs)
+    for layer in ours.modules():  # expert-parallel ranks step together: no rank may return early
+        if isinstance(layer, FusedMoE):
+            layer.runner.lockstep = True
+    assert torch.equal(ours.generate(ids, N), expected) and len(steps) == N - 1
 
 
 def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
