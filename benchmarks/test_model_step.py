@@ -62,9 +62,9 @@ def test_decode_step(benchmark, model, context, ceilings, record):
     config, layers = model.config, model.config.num_hidden_layers
     for batch in BATCHES:
         inputs = decode_setup(model, batch, context)
-        step_s = event_median_seconds(lambda: model.graphs(inputs))
+        step_s = event_median_seconds(lambda: model.graphs.run(inputs))
         floor_s = decode_step_bytes(config, batch, context) / ceilings.bandwidth
-        kernels = kernels_per_step(lambda: model.graphs(inputs))
+        kernels = kernels_per_step(lambda: model.graphs.run(inputs))
         record("Qwen3-30B-A3B-shaped decode step, 48 layers, bf16, through graphs", dict(
             context=context, batch=batch, step_us=f"{step_s * 1e6:.0f}", floor_us=f"{floor_s * 1e6:.0f}",
             floor_frac=f"{floor_s / step_s:.2f}", tokens_per_s=f"{batch / step_s:.0f}",
@@ -92,9 +92,9 @@ def test_prefill(benchmark, model, record):
 def test_decode_step_profile(benchmark, model, batch, record):
     layers = model.config.num_hidden_layers
     inputs = decode_setup(model, batch, 1024)
-    step_s = event_median_seconds(lambda: model.graphs(inputs))
+    step_s = event_median_seconds(lambda: model.graphs.run(inputs))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        model.graphs(inputs)
+        model.graphs.run(inputs)
         torch.cuda.synchronize()
     kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, list[float]] = {}

@@ -6,7 +6,8 @@ The runner owns the static buffers; it never looks inside the step.
 
     runner = DecodeGraphRunner(step, {"token_ids": StaticInput(dtype=torch.int64)})
     runner.capture()                       # largest bucket first, one shared memory pool
-    logits = runner({"token_ids": ids})    # copied in, padded to a bucket, replayed, sliced back
+    logits = runner({"token_ids": ids})    # checked, copied, padded to a bucket, replayed, sliced
+    logits = runner.run({"token_ids": ids})  # the same without the host check of bounded inputs
 """
 from __future__ import annotations
 
@@ -35,12 +36,19 @@ def bucket_for(batch_size: int, batch_sizes: tuple[int, ...]) -> int | None:
 
 @dataclass(frozen=True)
 class StaticInput:
-    """One input of the decode step: its shape after the batch dimension, its dtype, and the
-    value padding rows get (it must be valid input, e.g. a dummy KV-cache slot)."""
+    """One input of the decode step: its shape after the batch dimension, its dtype, the value
+    padding rows get (it must be valid input, e.g. a dummy KV-cache slot), and the [low, high) its
+    values must lie in when a caller passes them (integer inputs; None: any). The padding value may
+    lie outside the bounds: only the runner writes it."""
 
     shape: tuple[int, ...] = ()
     dtype: torch.dtype = torch.int64
     pad_value: float = 0
+    bounds: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.bounds is not None and (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise ValueError(f"StaticInput.bounds is for integer inputs, not {self.dtype}")
 
 
 @dataclass(frozen=True)
@@ -121,8 +129,16 @@ class DecodeGraphRunner:
         current.wait_stream(side)
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`run(inputs)` once the inputs with bounds are checked on the host (one sync), before
+        anything is copied: a ValueError naming the input outside its bounds."""
+        self._check(inputs)
+        self._check_bounds(inputs)
+        return self.run(inputs)
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The step's output for this batch: replayed from the bucket's graph, or eager when the
-        batch is larger than every bucket or graphs are off. A batch of 0 launches nothing once
+        batch is larger than every bucket or graphs are off. Values are not checked (no host sync):
+        for callers that know theirs lie in bounds. A batch of 0 launches nothing once
         graphs exist (an empty output of the captured shape); before that it runs the step.
         Lockstep: always the largest bucket's graph, a batch of 0 included; a larger batch is an error."""
         batch_size = self._check(inputs)
@@ -158,6 +174,18 @@ class DecodeGraphRunner:
                 raise ValueError(f"input {name!r} must be (batch, *{spec.shape}) {spec.dtype}, "
                                  f"got {tuple(value.shape)} {value.dtype}")
         return sizes.pop()
+
+    def _check_bounds(self, inputs: dict[str, torch.Tensor]) -> None:
+        bounded = {name: spec.bounds for name, spec in self.specs.items()
+                   if spec.bounds is not None and inputs[name].numel()}
+        if not bounded:
+            return
+        extremes = torch.stack([torch.stack([inputs[name].min(), inputs[name].max()]).long()
+                                for name in bounded]).tolist()  # the one host sync
+        for (name, (low, high)), (least, most) in zip(bounded.items(), extremes):
+            if least < low or most >= high:
+                raise ValueError(f"input {name!r} must lie in [{low}, {high}), "
+                                 f"got values in [{least}, {most}]")
 
 
 def capture_graph(step: Callable[[int], object], num_variants: int) -> torch.cuda.CUDAGraph:

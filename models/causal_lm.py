@@ -7,12 +7,76 @@ eagerly when a layer cannot be captured (expert-parallel all-to-all dispatch syn
 """
 from __future__ import annotations
 
+import enum
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ..graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, default_batch_sizes, overlap_enabled
 from ..layer import FusedMoE
 from .layers import Batch, StaticKVCache
+
+DECODE_INPUTS = ("token_ids", "positions", "slots")
+FINISHED_CHECK_EVERY = 8  # generate reads "has every sequence stopped?" on the host once per 8 steps
+
+
+class FromConfig(enum.Enum):
+    """generate's default eos / pad ids, the checkpoint's (generation_config.json, else config.json)."""
+
+    FROM_CONFIG = "from the checkpoint's generation config"
+
+
+FROM_CONFIG = FromConfig.FROM_CONFIG
+
+
+@dataclass(frozen=True)
+class StopTokens:
+    """Where generate stops a sequence: at the first of `eos_token_ids` it emits (none: never), each
+    later position of it getting `pad_token_id` (None: the first eos id, as transformers does)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @classmethod
+    def of(cls, eos_token_id, pad_token_id, where: str) -> StopTokens:
+        """From an eos id, a list of them or None, and a pad id or None; `where` names them in errors."""
+        ids = () if eos_token_id is None else eos_token_id
+        single = not isinstance(ids, Iterable) or isinstance(ids, torch.Tensor) and ids.dim() == 0
+        eos = tuple(_token_id(f"{where}eos_token_id", i) for i in ((ids,) if single else ids))
+        pad = None if pad_token_id is None else _token_id(f"{where}pad_token_id", pad_token_id)
+        return cls(eos, pad)
+
+    @classmethod
+    def from_generation_config(cls, generation_config, where: str = "") -> StopTokens:
+        return cls.of(generation_config.eos_token_id, generation_config.pad_token_id, where)
+
+    @property
+    def pad(self) -> int:
+        return self.eos_token_ids[0] if self.pad_token_id is None else self.pad_token_id
+
+
+def _token_id(name: str, value) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a token id (an integer) or a list of them, "
+                         f"got {value!r}") from None
+
+
+def _count(name: str, value, minimum: int) -> int:
+    """An integer-like `value` >= minimum (numpy and 0-d integer tensors too), else a ValueError."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return count
 
 
 class CausalLM(nn.Module):
@@ -23,11 +87,16 @@ class CausalLM(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        from transformers import GenerationConfig
+
         self.config = config
         self.cache: StaticKVCache | None = None
         self.graphs: DecodeGraphRunner | None = None
         self.use_graphs = True  # decode through CUDA graphs where CUDA is present
         self.use_overlap = True  # overlap independent branches on alternate streams in captured decode
+        # generate's default stop; load_model reads generation_config.json over it where there is one
+        generation = GenerationConfig.from_model_config(config)
+        self.stop_tokens = StopTokens.from_generation_config(generation, "config's ")
 
     def _output_head(self, config) -> None:
         """lm_head (H -> vocab), or None when tied to the input embeddings, whose checkpoint copy
@@ -69,18 +138,36 @@ class CausalLM(nn.Module):
             have = "no KV cache" if self.cache is None else f"a cache for {self.cache.max_batch} x {self.cache.max_seq}"
             raise ValueError(f"prefill of {B} x {L} tokens with {have}: call model.setup(max_batch, max_seq) first "
                              "with room for them (generate() does it for you)")
-        slots = torch.arange(B, device=input_ids.device) if slots is None else slots
+        if slots is None:
+            slots = torch.arange(B, device=input_ids.device)
+        else:
+            self._check_slots(slots, B)
         positions = torch.arange(L, device=input_ids.device).expand(B, L)
         return self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
 
     @torch.no_grad()
     def decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """token_ids (B,), positions (B,), slots (B,) -> logits (B, V) float32; graph-capturable."""
+        """token_ids (B,), positions (B,), slots (B,) -> logits (B, V) float32. Called eagerly, the
+        inputs are checked on the host first (one sync): positions in [0, max_seq), slots in
+        [0, max_batch) of setup()'s cache. Traced or captured, nothing is read on the host, and the
+        kernels write nothing outside the cache."""
+        if not torch.compiler.is_compiling():
+            self._check_decode_inputs(inputs)
+        return self._decode_step(inputs)
+
+    @torch.no_grad()
+    def _decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """decode_step unchecked: what the graphs capture and generate runs."""
         batch = self.batch(ForwardMode.DECODE, inputs["positions"][:, None], inputs["slots"])
         hidden = self.model(inputs["token_ids"][:, None], batch, self.cache)  # [B, 1, H]
         return self.logits(hidden[:, 0])
 
     def _check_input_ids(self, input_ids) -> None:
+        if isinstance(input_ids, torch.Tensor) and (input_ids.is_nested
+                                                    or input_ids.layout != torch.strided):
+            kind = "nested (ragged)" if input_ids.is_nested else str(input_ids.layout)
+            raise ValueError(f"input_ids is a {kind} tensor: pass prompts of equal length as one "
+                             "dense (batch, length) tensor, or each prompt in its own call")
         if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0
                 or input_ids.shape[1] == 0 or input_ids.dtype not in (torch.int32, torch.int64)):
             got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
@@ -93,44 +180,204 @@ class CausalLM(nn.Module):
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got values in "
                              f"[{input_ids.min().item()}, {input_ids.max().item()}]")
 
+    def _check_slots(self, slots, batch: int) -> None:
+        device = self.model.embed_tokens.weight.device
+        if (not isinstance(slots, torch.Tensor) or slots.shape != (batch,) or slots.device != device
+                or slots.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"slots must be an int64/int32 tensor of shape ({batch},) on {device}, "
+                             f"got {_described(slots)}")
+        self._check_ranges({"slots": slots})
+
+    def _check_decode_inputs(self, inputs) -> None:
+        if self.cache is None:
+            raise ValueError("decode_step before setup(): call model.setup(max_batch, max_seq), "
+                             "then prefill")
+        if not isinstance(inputs, dict) or set(inputs) != set(DECODE_INPUTS):
+            got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(f"decode_step takes a dict of exactly {list(DECODE_INPUTS)}, got {got}")
+        device = self.model.embed_tokens.weight.device
+        for name, tensor in inputs.items():
+            if (not isinstance(tensor, torch.Tensor) or tensor.dim() != 1
+                    or tensor.dtype not in (torch.int32, torch.int64) or tensor.device != device):
+                raise ValueError(f"decode_step's {name} must be an int64/int32 tensor of shape (batch,) "
+                                 f"on {device}, got {_described(tensor)}")
+        if len({len(tensor) for tensor in inputs.values()}) != 1:
+            sizes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in inputs.items())
+            raise ValueError(f"decode_step's inputs must have one batch size, got {sizes}")
+        self._check_ranges(inputs)
+
+    def _check_ranges(self, inputs: dict[str, torch.Tensor]) -> None:
+        """Token ids in the vocabulary, positions and slots in setup()'s cache: one host sync."""
+        bounds = {"token_ids": (self.model.embed_tokens.num_embeddings, "vocab_size"),
+                  "positions": (self.cache.max_seq, "setup()'s max_seq"),
+                  "slots": (self.cache.max_batch, "setup()'s max_batch")}
+        present = [name for name in inputs if inputs[name].numel()]
+        if not present:
+            return
+        extremes = torch.stack([torch.stack([inputs[n].min(), inputs[n].max()]).long()
+                                for n in present]).tolist()
+        fixes = {"positions": "max_seq", "slots": "max_batch"}
+        for name, (least, most) in zip(present, extremes):
+            high, what = bounds[name]
+            if least < 0 or most >= high:
+                fix = (f": call model.setup(max_batch, max_seq) with a larger {fixes[name]}"
+                       if name in fixes else "")
+                raise ValueError(f"{name} must lie in [0, {what}={high}), got values in "
+                                 f"[{least}, {most}]{fix}")
+
     # ---- set-up and generation ---------------------------------------------------------------
 
     def setup(self, max_batch: int, max_seq: int, batch_sizes: tuple[int, ...] | None = None) -> None:
-        """Allocate the KV cache and, on CUDA, capture the decode graphs for batches up to max_batch
-        (the serving engines' buckets, or `batch_sizes`). Under all-to-all expert parallelism every
-        rank must call it with the same max_batch: one graph of max_batch rows, replayed in lockstep."""
+        """Allocate the KV cache for max_batch sequences of max_seq tokens and, on CUDA, capture the
+        decode graphs for batches up to max_batch (the serving engines' buckets, or `batch_sizes`).
+        A cache larger than the free memory is refused before anything is allocated. Under all-to-all
+        expert parallelism every rank must call it with the same max_batch: one graph of max_batch
+        rows, replayed in lockstep."""
+        max_batch = _count("setup's max_batch", max_batch, 1)
+        max_seq = _count("setup's max_seq", max_seq, 1)
+        if batch_sizes is not None:
+            batch_sizes = _bucket_sizes(batch_sizes, max_batch)
+        self._check_cache_fits(max_batch, max_seq,
+                               "ask for fewer sequences (max_batch) or a shorter max_seq")
+        self.cache = self.graphs = None  # freed before the new one is allocated
         parameter = next(self.parameters())
         config = self.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq, config.num_key_value_heads, head_dim,
                                    parameter.dtype, parameter.device)
-        self.graphs = None
         runners = [layer.runner for layer in self.modules() if isinstance(layer, FusedMoE)]
         capturable = all(runner.graph_capturable for runner in runners)
         # Expert-parallel ranks decode their own sequences, but their graphs hold a dispatch to each
         # other: one bucket (max_batch, the same on every rank), replayed by every rank at every step.
         lockstep = any(runner.lockstep for runner in runners)
         if self.use_graphs and capturable and parameter.device.type == "cuda":
-            inputs = {"token_ids": StaticInput(), "positions": StaticInput(),
-                      "slots": StaticInput(pad_value=self.cache.dummy_slot)}
+            vocab = self.model.embed_tokens.num_embeddings
+            inputs = {"token_ids": StaticInput(bounds=(0, vocab)),  # a caller's, checked by graphs(...)
+                      "positions": StaticInput(bounds=(0, max_seq)),
+                      "slots": StaticInput(pad_value=self.cache.dummy_slot, bounds=(0, max_batch))}
             sizes = (max_batch,) if lockstep else batch_sizes or default_batch_sizes(max_batch)
-            self.graphs = DecodeGraphRunner(self.decode_step, inputs, GraphConfig(batch_sizes=sizes, lockstep=lockstep))
+            config = GraphConfig(batch_sizes=sizes, lockstep=lockstep)
+            self.graphs = DecodeGraphRunner(self._decode_step, inputs, config)
             self.graphs.capture()
 
+    def cache_bytes(self, max_batch: int, max_seq: int) -> int:
+        """What setup(max_batch, max_seq) allocates: K and V per layer, [max_batch + 1, Hkv, S, D]."""
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = next(self.parameters()).element_size()
+        per_slot = config.num_key_value_heads * max_seq * head_dim * element
+        return 2 * config.num_hidden_layers * (max_batch + 1) * per_slot
+
+    def _check_cache_fits(self, max_batch: int, max_seq: int, fix: str, what: str = "") -> None:
+        device = next(self.parameters()).device
+        needed, free = self.cache_bytes(max_batch, max_seq), _free_bytes(device)
+        if free is not None and self.cache is not None:  # freed before the new cache is allocated
+            free += self.cache_bytes(self.cache.max_batch, self.cache.max_seq)
+        if free is not None and needed > free:
+            limit = getattr(self.config, "max_position_embeddings", None)
+            hint = f" (config.json's max_position_embeddings is {limit})" if limit else ""
+            raise ValueError(f"{what or f'setup({max_batch}, {max_seq})'} needs a KV cache of "
+                             f"{needed / 2**30:.3g} GiB for {max_batch} x {max_seq} tokens, more than the "
+                             f"{free / 2**30:.3g} GiB free on {device}: {fix}{hint}")
+
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: (B, L) -> (B, L + max_new_tokens). Eager prefill, then decode steps."""
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id=FROM_CONFIG,
+                 pad_token_id=FROM_CONFIG) -> torch.Tensor:
+        """Greedy decoding, as transformers' generate(do_sample=False): (B, L) -> (B, L + n). Each
+        sequence stops at its first `eos_token_id` (an id or a list; default the checkpoint's, None:
+        never), later positions getting `pad_token_id` (default the checkpoint's, else the first eos
+        id); n is max_new_tokens, or fewer when every sequence has stopped. Eager prefill, then
+        decode steps (through CUDA graphs on a GPU)."""
         self._check_input_ids(input_ids)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        max_new_tokens = _count("max_new_tokens", max_new_tokens, 0)
+        stop = self._stop_tokens(eos_token_id, pad_token_id)
         B, L = input_ids.shape
+        if max_new_tokens == 0:
+            return input_ids.clone()
         if self.cache is None or self.cache.max_batch < B or self.cache.max_seq < L + max_new_tokens:
+            self._check_cache_fits(B, L + max_new_tokens, "ask for fewer new tokens",
+                                   f"generate({B} x {L} prompt tokens, max_new_tokens={max_new_tokens})")
             self.setup(B, L + max_new_tokens)
         slots = torch.arange(B, device=input_ids.device)
-        tokens = [input_ids, self.prefill_last(input_ids, slots).argmax(-1, keepdim=True)]
-        step = self.graphs if self.graphs is not None else self.decode_step
-        for i in range(max_new_tokens - 1):
+        # generate's positions and slots lie in the cache by construction: the unchecked step
+        step = self.graphs.run if self.graphs is not None else self._decode_step
+        token = self.prefill_last(input_ids, slots).argmax(-1)  # [B]
+        # Expert-parallel ranks decode their own sequences in lockstep: none may return early alone
+        lockstep = any(layer.runner.lockstep for layer in self.modules() if isinstance(layer, FusedMoE))
+        generated = _Generated(stop, B, max_new_tokens, input_ids.device, early=not lockstep)
+        tokens = [input_ids]
+        for i in range(max_new_tokens):
+            tokens.append(generated.add(i, token)[:, None])
+            if i == max_new_tokens - 1 or generated.all_stopped(i):
+                break
             positions = torch.full((B,), L + i, dtype=torch.int64, device=input_ids.device)
-            logits = step({"token_ids": tokens[-1][:, 0], "positions": positions, "slots": slots})
-            tokens.append(logits.argmax(-1, keepdim=True))
-        return torch.cat(tokens, dim=1)[:, : L + max_new_tokens]
+            token = step({"token_ids": token, "positions": positions, "slots": slots}).argmax(-1)
+        return torch.cat(tokens, dim=1)[:, : L + generated.length()]
+
+    def _stop_tokens(self, eos_token_id, pad_token_id) -> StopTokens:
+        default = self.stop_tokens
+        eos = default.eos_token_ids if eos_token_id is FROM_CONFIG else eos_token_id
+        pad = default.pad_token_id if pad_token_id is FROM_CONFIG else pad_token_id
+        return StopTokens.of(eos, pad, "generate's ")
+
+
+class _Generated:
+    """generate's per-sequence stop, on the device: the token each step emits, and how many steps the
+    output needs (transformers returns as soon as every sequence has stopped)."""
+
+    def __init__(self, stop: StopTokens, batch: int, max_new_tokens: int, device, early: bool):
+        self.max_new_tokens, self.early = max_new_tokens, early  # early: may stop before max_new_tokens
+        ids = stop.eos_token_ids
+        self.eos = torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
+        self.pad = stop.pad if self.eos is not None else None
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]: has emitted an eos
+        self.lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64, device=device)  # [B]
+
+    def add(self, i: int, token: torch.Tensor) -> torch.Tensor:
+        """The output of step i: the greedy `token` [B], or pad where the sequence has stopped."""
+        if self.eos is None:
+            return token
+        out = torch.where(self.stopped, self.pad, token)
+        now = ~self.stopped & torch.isin(token, self.eos)
+        self.lengths = torch.where(now, i + 1, self.lengths)
+        self.stopped |= now
+        return out
+
+    def all_stopped(self, i: int) -> bool:
+        """Read on the host once per FINISHED_CHECK_EVERY steps, not at every step (the steps
+        computed past the last stop are trimmed: they emit only pad)."""
+        checked = self.early and self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0
+        return checked and bool(self.stopped.all())
+
+    def length(self) -> int:
+        return self.max_new_tokens if self.eos is None else int(self.lengths.max())
+
+
+def _bucket_sizes(batch_sizes, max_batch: int) -> tuple[int, ...]:
+    try:
+        sizes = tuple(_count("", size, 1) for size in batch_sizes)
+    except (TypeError, ValueError):  # not iterable, or not positive integers
+        sizes = ()
+    if not sizes or max(sizes) > max_batch:
+        raise ValueError(f"setup's batch_sizes must be integers in [1, max_batch={max_batch}], "
+                         f"got {batch_sizes!r}")
+    return sizes
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on `device` can take: the GPU's free memory plus what torch's
+    allocator holds unused; the machine's available memory on CPU; None elsewhere (meta)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        import psutil
+
+        return psutil.virtual_memory().available
+    return None

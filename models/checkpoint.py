@@ -26,28 +26,48 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<p
 
 
 def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of `directory`'s model.safetensors, or of the shards its index names."""
+    """Every tensor of `directory`'s model.safetensors, or of a sharded checkpoint: each tensor its
+    index's weight_map names, read from the shard it names there. A copy in another shard is not
+    read; a tensor the index does not list, or one missing from its shard, is an error."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        files = _shard_names(index)
+        by_file = _weight_map(index)
     elif (directory / "model.safetensors").exists():
-        files = ["model.safetensors"]
+        by_file = {"model.safetensors": None}  # None: every tensor of the file
     else:
         raise ValueError(f"{directory} holds neither model.safetensors nor model.safetensors.index.json")
+    listed = {key for keys in by_file.values() if keys is not None for key in keys}
     tensors = {}
-    for name in files:
+    for name, keys in by_file.items():
         try:
             with safe_open(directory / name, framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                held = f.keys()
+                if keys is not None:
+                    _check_shard(index.name, name, set(held), keys, listed)
+                for key in held:
+                    if keys is None or key in keys:
+                        tensors[key] = f.get_tensor(key)
         except (OSError, SafetensorError) as error:  # missing shard, truncated or corrupt file
             raise ValueError(f"{directory / name} cannot be read as safetensors: {error}") from None
     return tensors
 
 
-def _shard_names(index: Path) -> list[str]:
-    """The shard files an index's weight_map names (plain file names beside the index)."""
+def _check_shard(index: str, name: str, held: set[str], wanted: set[str], listed: set[str]) -> None:
+    """The index and one shard agree: it holds what the index maps to it, and nothing unlisted."""
+    missing = sorted(wanted - held)
+    if missing:
+        raise ValueError(f"{index} maps tensor {missing[0]} to {name}, which does not hold it "
+                         f"({len(missing)} such tensors): fix the index's weight_map or the shard")
+    unlisted = sorted(held - listed)
+    if unlisted:
+        raise ValueError(f"{name} holds tensor {unlisted[0]}, which {index} does not list "
+                         f"({len(unlisted)} such tensors): add it to the index's weight_map, "
+                         "or remove it from the shard")
+
+
+def _weight_map(index: Path) -> dict[str, set[str]]:
+    """Shard file -> the tensor names an index's weight_map maps to it (files beside the index)."""
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
@@ -55,7 +75,10 @@ def _shard_names(index: Path) -> list[str]:
     names = list(weight_map.values()) if isinstance(weight_map, dict) else None
     if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
         raise ValueError(f"{index} is not a safetensors index: it needs a \"weight_map\" of tensor name -> shard file")
-    return sorted(set(names))
+    by_file: dict[str, set[str]] = defaultdict(set)
+    for key, file in weight_map.items():
+        by_file[file].add(key)
+    return dict(sorted(by_file.items()))
 
 
 def fuse_per_expert(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat = CheckpointFormat(),
@@ -108,6 +131,28 @@ def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor]
     return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
+# A per-expert projection -> the fused tensors it is stacked into (up_proj alone: non-gated experts)
+_FUSED_INTO = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_proj"),
+               "down_proj": ("down_proj",)}
+
+
+def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
+                             origins: dict[str, str]) -> None:
+    """Refuse experts stored in both layouts, fused (experts.gate_up_proj) and per expert
+    (experts.N.gate_proj.weight): fusing would keep one copy and drop the other."""
+    fused = {renamed(name, renames): name for name in tensors if _PER_EXPERT.match(name) is None}
+    for name in tensors:
+        match = _PER_EXPERT.match(name)
+        if match is None or match["kind"] != "weight":
+            continue
+        for leaf in _FUSED_INTO[match["proj"]]:
+            target = renamed(f"{match['prefix']}.{leaf}", renames)
+            if target in fused:
+                both = origins.get(target, fused[target]), origins.get(name, name)
+                raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} and "
+                                 f"per expert as {both[1]}: keep one layout")
+
+
 def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
     """Apply every (pattern, replacement) regex rule, in order, to every tensor name."""
     return {renamed(name, renames): tensor for name, tensor in tensors.items()}
@@ -151,8 +196,11 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     `checkpoint` says how the checkpoint stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
+    fp8.check_float8_dtypes(tensors)
     origins = {renamed(renamed(name, renames), renames): name for name in tensors}  # for errors: the checkpoint's names
-    tensors = rename(fuse_per_expert(rename(tensors, renames), checkpoint, origins), renames)
+    tensors = rename(tensors, renames)
+    _check_one_expert_layout(tensors, renames, origins)
+    tensors = rename(fuse_per_expert(tensors, checkpoint, origins), renames)
     tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint, dtype, origins)
     tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
     tensors = fuse_qkv(tensors, model)

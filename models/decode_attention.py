@@ -36,23 +36,26 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, positions_ptr, part_out_ptr, part_stats_ptr,
-    stride_q_b, stride_q_h, stride_c_slot, stride_c_h, stride_c_s, scale, window,
+    stride_q_b, stride_q_h, stride_c_slot, stride_c_h, stride_c_s, NUM_SLOTS, S, scale, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pos = tl.load(positions_ptr + b)
+    pos = tl.load(positions_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    # a (slot, position) outside the cache reads nothing: every split stays empty, the row is NaN
+    in_cache = (slot >= 0) & (slot < NUM_SLOTS) & (pos >= 0) & (pos < S)
     start = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
     # split boundaries on BLOCK_N multiples, each split an equal share of the real context
     chunk = tl.cdiv(tl.cdiv(pos + 1 - start, SPLITS), BLOCK_N) * BLOCK_N
     lo = start + split * chunk
-    hi = tl.minimum(lo + chunk, pos + 1)
+    hi = tl.where(in_cache, tl.minimum(lo + chunk, pos + 1), lo)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP are padding for tl.dot's 16-row minimum
     d_ok = d < D
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
                 mask=(g[:, None] < GROUP) & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    row = tl.load(slots_ptr + b).to(tl.int64) * stride_c_slot + kv_head * stride_c_h
+    row = tl.where(in_cache, slot, 0) * stride_c_slot + kv_head * stride_c_h
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -98,7 +101,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                      positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """q (B, Hq, D) of the token at `positions` (B,) of the sequences in cache `slots` (B,), whose
     keys / values (slots + 1, Hkv, S, D) are already written -> a fresh (B, Hq, D) in q's dtype.
-    A sliding `window` W attends to positions (pos - W, pos], as transformers does."""
+    A sliding `window` W attends to positions (pos - W, pos], as transformers does. A row whose slot
+    or position lies outside the cache reads nothing of it and comes out NaN (no host check)."""
     _check(q, keys, values, slots, positions)
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale, window or 0)
@@ -131,7 +135,8 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int) -> tor
     group = Hq // Hkv
     _split_kernel[(B, Hkv, splits)](
         q, keys, values, slots, positions, part_out, part_stats,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), scale, window,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[0], S,
+        scale, window,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
         BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32,
     )
@@ -169,11 +174,13 @@ def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """The reference, float32: each sequence's cache row gathered, masked to its context, softmax."""
     B, Hq, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
-    k = keys[slots].float().repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, S, D]
-    v = values[slots].float().repeat_interleave(Hq // Hkv, dim=1)
+    in_cache = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < S)  # [B]
+    rows = torch.where(in_cache, slots, 0)
+    k = keys[rows].float().repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, S, D]
+    v = values[rows].float().repeat_interleave(Hq // Hkv, dim=1)
     scores = torch.einsum("bhd,bhsd->bhs", q.float(), k) * scale  # [B, Hq, S]
     columns = torch.arange(S, device=q.device)
-    allowed = columns[None, :] <= positions[:, None]  # [B, S]
+    allowed = (columns[None, :] <= positions[:, None]) & in_cache[:, None]  # [B, S]; none: a NaN row
     if window:
         allowed &= columns[None, :] > positions[:, None] - window
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))

@@ -156,6 +156,16 @@ def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor
                      f"({N}, {C}) FP8 weight")
 
 
+def check_float8_dtypes(tensors: dict[str, torch.Tensor]) -> None:
+    """The FP8 kernels and the dequantizer read e4m3 only: an 8-bit float of another kind (e5m2, the fnuz
+    forms, e8m0 scales) is refused by the checkpoint's name for it."""
+    for name, tensor in tensors.items():
+        if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"tensor {name} is {tensor.dtype}: FP8 checkpoints are read as {FP8_DTYPE} "
+                             "weights with float scales; convert it to e4m3 (and its scale), or store "
+                             "it unquantized")
+
+
 def check_fp8_dtype(name: str, tensor: torch.Tensor, expected: torch.dtype) -> None:
     """FP8 parameters take FP8 tensors and the others never do: a cast either way would drop the scale."""
     if (tensor.dtype == FP8_DTYPE) != (expected == FP8_DTYPE):

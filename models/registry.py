@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,9 +16,12 @@ import torch
 from .. import checks
 from .. import platform as platforms
 from ..backends.catalog import ModelContext
-from ..backends.quantization import checkpoint_format
+from ..backends.quantization import CheckpointFormat, checkpoint_format
+from ..backends.resolver import Resolution
 from ..layer import FusedMoE
 from ..placement import Placement
+from ..platform import Platform
+from .causal_lm import StopTokens
 from .checkpoint import load_into, read_safetensors
 
 if TYPE_CHECKING:
@@ -83,6 +87,45 @@ def model_class(config) -> type:
                      f"supported: {sorted(MODELS)}")
 
 
+@dataclass(frozen=True)
+class ModelPlan:
+    """What load_model reads from a checkpoint before it builds the model."""
+
+    path: Path  # the checkpoint directory
+    family: type  # the registered class of config.json's architecture
+    config: object  # transformers' config
+    dtype: torch.dtype  # the one asked for, else config.json's, else float32
+    context: ModelContext  # what backend choice reads from config.json
+    checkpoint: CheckpointFormat  # how FP8 tensors and their scales are stored
+
+    def build(self, placement: Placement, device) -> torch.nn.Module:
+        with torch.device(device), default_dtype(self.dtype):  # a bf16 model never exists in fp32
+            return self.family(self.config, placement)
+
+
+def plan_model(path: str | Path, dtype: torch.dtype | None = None) -> ModelPlan:
+    """Read config.json (and hf_quant_config.json) as load_model does: a ValueError where it refuses."""
+    dtype = checks.float_dtype("load_model", "dtype", dtype)
+    path = _checkpoint_dir(path)
+    config, raw_config = _read_config(path)
+    family = model_class(config)
+    if dtype is None:
+        dtype = checks.float_dtype("load_model", "config.json's dtype (or pass dtype=)",
+                                   getattr(config, "dtype", None) or torch.float32)
+    context = ModelContext.from_config(raw_config, path)
+    return ModelPlan(path, family, config, dtype, context, checkpoint_format(context.quant_config))
+
+
+def layer_resolutions(plan: ModelPlan, backend: str = "auto",
+                      platform: Platform | None = None) -> list[Resolution]:
+    """The backend every MoE layer of `plan` resolves to on `platform` (None: CPU, as load_model's
+    default device), from the model built on the meta device as load_model builds it (the same layer
+    traits: dtype, weight format, activation, routing); no weights are read."""
+    platform = platform or platforms.detect_platform("cpu")
+    model = plan.build(Placement(backend, plan.context, platform=platform), "meta")
+    return [layer.resolution for layer in model.modules() if isinstance(layer, FusedMoE)]
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                backend: str = "auto", parallel: ParallelGroups | None = None):
     """Build the registered model for `path`'s config.json and load its safetensors weights; every
@@ -92,20 +135,27 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     spec) shards every MoE layer's experts: each rank keeps its slice of the checkpoint's experts,
     and the rest of the model (attention, router, shared experts) is replicated."""
     device = platforms.check_device(device) or torch.device("cpu")
-    dtype = checks.float_dtype("load_model", "dtype", dtype)
-    path = _checkpoint_dir(path)
-    config, raw_config = _read_config(path)
-    cls = model_class(config)
-    if dtype is None:
-        dtype = checks.float_dtype("load_model", "config.json's dtype (or pass dtype=)",
-                                   getattr(config, "dtype", None) or torch.float32)
-    context = ModelContext.from_config(raw_config, path)
-    checkpoint = checkpoint_format(context.quant_config)  # FP8: how the tensors and their scales are stored
-    placement = Placement(backend, context, parallel)
-    with torch.device(device), default_dtype(dtype):  # built in its dtype: a bf16 model never exists in fp32
-        model = cls(config, placement)
-    load_into(model, read_safetensors(path), model.renames, model.ignore, checkpoint, dtype)
+    plan = plan_model(path, dtype)
+    model = plan.build(Placement(backend, plan.context, parallel), device)
+    path, dtype = plan.path, plan.dtype
+    load_into(model, read_safetensors(path), model.renames, model.ignore, plan.checkpoint, dtype)
     for layer in model.modules():
         if isinstance(layer, FusedMoE):
             layer.prepare_weights()  # pads I / builds FlashInfer weights where the resolved backend needs it
+    if (path / "generation_config.json").is_file():
+        model.stop_tokens = _stop_tokens(path)
     return model.eval()
+
+
+def _stop_tokens(path: Path) -> StopTokens:
+    """generate's eos / pad ids from generation_config.json, which transformers' generate prefers to
+    config.json's (the model's own default)."""
+    from transformers import GenerationConfig
+
+    name = "generation_config.json"
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except Exception as error:  # transformers complains in its own types
+        message = " ".join(str(error).split())
+        raise ValueError(f"{path / name} cannot be read by transformers: {message}") from None
+    return StopTokens.from_generation_config(generation, f"{name}'s ")

@@ -98,18 +98,21 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
 @interpreter_serialized
 @triton.jit
 def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr, values_ptr, slots_ptr,
-                              positions_ptr, R, HEADS, eps, stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,
-                              stride_cache_slot, stride_cache_h, stride_cache_s,
+                              positions_ptr, R, HEADS, NUM_SLOTS, S, eps, stride_k_b, stride_k_h, stride_v_b,
+                              stride_v_h, stride_c_b, stride_cache_slot, stride_cache_h, stride_cache_s,
                               D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
                               NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, kv head) flattened
     b, head = rows // HEADS, rows % HEADS
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < R
-    mask = row_ok[:, None] & (cols[None, :] < D)
     slot = tl.load(slots_ptr + b, mask=row_ok, other=0).to(tl.int64)
     position = tl.load(positions_ptr + b, mask=row_ok, other=0).to(tl.int64)
+    # a (slot, position) outside the cache writes nothing, also inside a graph the host never checks
+    in_cache = (slot >= 0) & (slot < NUM_SLOTS) & (position >= 0) & (position < S)
     cache_row = slot * stride_cache_slot + head * stride_cache_h + position * stride_cache_s  # [BLOCK_R]
+    mask = row_ok[:, None] & (cols[None, :] < D)
+    store_mask = mask & in_cache[:, None]
     k_row = b.to(tl.int64) * stride_k_b + head * stride_k_h
     k = tl.load(k_ptr + k_row[:, None] + cols[None, :], mask=mask, other=0.0)
     rstd = _rstd(k, D, eps)  # unused without NORM
@@ -118,10 +121,10 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr
     if ROTATE:
         k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols, norm_ptr, rstd,
                      D_ROT, INTERLEAVED, NORM)
-    tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=mask)
+    tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=store_mask)
     v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h + cols[None, :], mask=mask,
                 other=0.0)
-    tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=mask)
+    tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=store_mask)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
@@ -181,7 +184,8 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tens
     """One decode token per sequence into the cache: k (B, Hkv, 1, D) RMS-normalised per head when
     `norm_weight` is given, rotated by `rotary` = (cos, sin), each (B, 1, D_rot), or not at all
     (None: a NoPE layer), and v (B, Hkv, 1, D) stored at keys / values [slots[b], :, positions[b]]
-    (the cache: (slots + 1, Hkv, S, D)). Graph-capturable."""
+    (the cache: (slots + 1, Hkv, S, D)); a row whose slot or position lies outside the cache is not
+    written (never checked on the host). Graph-capturable."""
     B, heads, L, D = k.shape
     if L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D) or values.shape != keys.shape:
         raise ValueError(f"k / v must be (B, Hkv, 1, D) and the cache (slots, Hkv, S, D) with the same Hkv and D, "
@@ -197,10 +201,11 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tens
 
 def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
            norm_eps: float = 0.0) -> None:
-    if (not triton_computes_exactly(k.device, k.dtype) or k.stride(3) != 1 or v.stride(3) != 1
-            or not keys.is_contiguous() or not values.is_contiguous()):
+    contiguous = keys.is_contiguous() and values.is_contiguous()
+    if not triton_computes_exactly(k.device, k.dtype) or not contiguous:
         return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys, values, slots,
                                        positions, interleaved)
+    k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))  # the kernel needs unit last strides
     B, heads, _, D = k.shape
     R = B * heads
     if R:
@@ -210,9 +215,10 @@ def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, no
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
         _rotary_into_cache_kernel[(triton.cdiv(R, BLOCK_R),)](
             k, v, cos, sin, k if norm_weight is None else norm_weight, keys, values, slots, positions, R, heads,
-            norm_eps, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), keys.stride(0),
-            keys.stride(1), keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
-            INTERLEAVED=interleaved, NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+            keys.shape[0], keys.shape[2], norm_eps, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), D=D,
+            D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate, INTERLEAVED=interleaved,
+            NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
 
 
 @torch.library.custom_op("moe_triton::rotate_into_cache", mutates_args=("keys", "values"))
@@ -228,11 +234,13 @@ def _(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, 
 
 
 def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, interleaved: bool = False) -> None:
-    """The reference: the rotation of rotated_once_torch, then two index_put writes."""
+    """The reference: the rotation of rotated_once_torch, then two index_put writes of the rows whose
+    (slot, position) lies in the cache (selecting them reads the device on the host)."""
     if cos is not None:
         k = rotated_once_torch(k, cos, sin, interleaved)
-    keys[slots, :, positions] = k[:, :, 0]
-    values[slots, :, positions] = v[:, :, 0]
+    ok = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < keys.shape[2])
+    keys[slots[ok], :, positions[ok]] = k[ok, :, 0]
+    values[slots[ok], :, positions[ok]] = v[ok, :, 0]
 
 
 def _normed_torch(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:

@@ -65,7 +65,7 @@ def main(path: str, commit: str) -> None:
             model.setup(max_batch=batch, max_seq=512, batch_sizes=(batch,))
             inputs = {"token_ids": torch.randint(0, 1024, (batch,), device="cuda"),
                       "positions": torch.full((batch,), 200, device="cuda"), "slots": torch.arange(batch, device="cuda")}
-            kernels, span = kernels_of(lambda: model.graphs(inputs))
+            kernels, span = kernels_of(lambda: model.graphs.run(inputs))
             runs.append(dict(mode="decode", batch=batch, overlap=overlap, span_us=round(span, 1), kernels=kernels))
             print(f"decode batch {batch} overlap {overlap}: {span:.0f} us", flush=True)
     ids = torch.randint(0, 1024, (1, 512), device="cuda")

@@ -146,6 +146,25 @@ def prompt(batch=2, length=7, vocab=97):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
 
 
+def eos_for_early_stops(free: torch.Tensor, L: int) -> tuple[list[int], list[int | None]]:
+    """From an eos-free greedy generation `free` (B, L + N): one or two of its tokens as eos ids at which
+    the rows stop at different steps >= 1, as many rows as possible and as early as possible; with
+    each row's stop step (None: never)."""
+    from itertools import combinations
+
+    rows = free[:, L:].tolist()
+    candidates = sorted({t for row in rows for t in row})
+    found = []
+    for eos in [(t,) for t in candidates] + list(combinations(candidates, 2)):
+        stops = [next((i for i, t in enumerate(row) if t in eos), None) for row in rows]
+        steps = [i for i in stops if i is not None]
+        if steps and len(set(steps)) == len(steps) and min(steps) >= 1:
+            found.append(((len(steps), -max(steps)), list(eos), stops))
+    assert found, f"no eos choice makes the rows stop at different steps: {rows}"
+    _, eos, stops = max(found, key=lambda f: f[0])
+    return eos, stops
+
+
 def all_sparse_qwen3_moe_checkpoint(path, **overrides):
     """A tiny Qwen3-MoE whose two decoder layers are both sparse, randomize_all_'d and saved to `path`
     (the Hub layout) for transformers' own from_pretrained; `overrides` change the config; returns `path`."""

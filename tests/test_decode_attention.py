@@ -68,6 +68,32 @@ def test_an_empty_batch_launches_nothing():
     assert out.shape == (0, 4, 16)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rows_outside_the_cache_read_nothing_and_come_out_nan(dtype, device):
+    """Slots outside [0, slots + 1) and positions outside [0, S) (what a graph replays unchecked): the
+    cache sits in the middle of a buffer of random values, so a read past it would give a finite row.
+    (bf16 on CPU: the torch reference.)"""
+    B, Hq, Hkv, D, S, num_slots = 6, 4, 2, 16, 12, 4
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, Hq, D, generator=g).to(device, dtype)
+    slots = torch.tensor([0, num_slots, -1, 2, 1, 3], device=device)
+    positions = torch.tensor([S, 3, 2, 5, -1, S - 1], device=device)
+    valid, outside = [3, 5], [0, 1, 2, 4]
+    caches = []
+    for _ in range(2):  # keys, values: each the middle third of a random buffer
+        buffer = torch.randn(3 * num_slots * Hkv * S * D, generator=g).to(device, dtype)
+        caches.append(buffer[buffer.numel() // 3: 2 * buffer.numel() // 3].view(num_slots, Hkv, S, D))
+    keys, values = caches
+    out = decode_attention(q, keys, values, slots, positions, D**-0.5)
+    reference = decode_attention_torch(q, keys, values, slots, positions, D**-0.5)
+    assert out[outside].isnan().all() and reference[outside].isnan().all()
+    assert_close(out[valid], decode_attention_torch(q[valid], keys, values, slots[valid], positions[valid], D**-0.5),
+                 dtype)
+    assert torch.equal(reference[valid], decode_attention_torch(q[valid], keys, values, slots[valid],
+                                                                positions[valid], D**-0.5))
+
+
 @pytest.mark.parametrize("bad,match", [
     (lambda q, k, v, s, p: (q[0], k, v, s, p), "q must be"),
     (lambda q, k, v, s, p: (q, k, v[:, :, :-1], s, p), "q must be"),

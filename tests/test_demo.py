@@ -41,6 +41,30 @@ def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tm
     assert "tokens match transformers' generate: yes" in result.stdout
 
 
+def test_demo_agrees_with_transformers_when_sequences_stop_at_eos(tmp_path):
+    """A checkpoint whose generation_config.json names eos ids that the demo's two prompts hit early, at
+    different steps: the demo's generate stops them as transformers' does, and it says so."""
+    import torch
+    from helpers import FAMILIES, eos_for_early_stops, randomize_
+
+    from moe_triton.tools.demo import DemoOptions, run_demo
+
+    make, seed = FAMILIES["minimax_m2"]
+    torch.manual_seed(0)
+    reference = randomize_(make().eval(), seed=seed)
+    options = DemoOptions(model=tmp_path, backend="torch", tokens=12)  # torch experts: the demo's cheapest run
+    g = torch.Generator().manual_seed(1)  # the demo's prompts
+    prompts = torch.randint(0, reference.config.vocab_size, (options.batch, options.prompt_length), generator=g)
+    free = reference.generate(prompts, max_new_tokens=options.tokens, do_sample=False)
+    eos, stops = eos_for_early_stops(free, options.prompt_length)
+    assert None not in stops, stops
+    reference.generation_config.eos_token_id = eos
+    reference.save_pretrained(tmp_path)
+    lines = []
+    assert run_demo(options, print_=lines.append) == 0, lines
+    assert f"tokens match transformers' generate: yes (2 x {max(stops) + 1} tokens, stopped at EOS)" in lines
+
+
 @pytest.mark.parametrize("setup,match", [
     (lambda d: None, "not a checkpoint directory"),
     (lambda d: (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'),

@@ -315,6 +315,128 @@ def test_generate_bad_arguments(tiny_model, ids, new, match):
         tiny_model.generate(ids, new)
 
 
+def test_generate_takes_integer_like_counts(tiny_model):
+    import numpy as np
+
+    ids = torch.tensor([[1, 2, 3]])
+    expected = tiny_model.generate(ids, 2)
+    assert torch.equal(tiny_model.generate(ids, np.int64(2)), expected)
+    assert torch.equal(tiny_model.generate(ids, torch.tensor(2)), expected)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 0, got True"):
+        tiny_model.generate(ids, True)
+
+
+def test_generate_more_tokens_than_memory_holds_is_refused_before_allocating(tiny_model):
+    tiny_model.setup(1, 8)
+    cache = tiny_model.cache
+    with pytest.raises(ValueError, match=r"^generate\(1 x 3 prompt tokens, max_new_tokens=1000000000000\) needs a KV "
+                                         r"cache of .* GiB .* free on cpu: ask for fewer new tokens \(config\.json's "
+                                         r"max_position_embeddings is \d+\)$"):
+        tiny_model.generate(torch.tensor([[1, 2, 3]]), 10**12)
+    assert tiny_model.cache is cache  # nothing was freed or allocated
+
+
+@pytest.mark.parametrize("args,match", [
+    ((2.5, 8), "max_batch must be an integer >= 1, got 2.5"),
+    ((-1, 8), "max_batch must be an integer >= 1, got -1"),
+    ((0, 8), "max_batch must be an integer >= 1, got 0"),
+    ((True, 8), "max_batch must be an integer >= 1, got True"),
+    ((2, "8"), "max_seq must be an integer >= 1, got '8'"),
+    ((2, 0), "max_seq must be an integer >= 1, got 0"),
+    ((2, 8, (1, 4)), r"batch_sizes must be integers in \[1, max_batch=2\], got \(1, 4\)"),
+    ((2, 8, (0,)), r"batch_sizes must be integers in \[1, max_batch=2\]"),
+    ((2, 8, ()), r"batch_sizes must be integers in \[1, max_batch=2\]"),
+    ((2, 8, 3), r"batch_sizes must be integers in \[1, max_batch=2\], got 3"),
+    ((10**9, 10**9), r"^setup\(1000000000, 1000000000\) needs a KV cache of .* GiB for 1000000000 x 1000000000 "
+                     r"tokens, more than the .* GiB free on cpu: ask for fewer sequences"),
+])
+def test_setup_sizes_are_refused_in_one_line(tiny_model, args, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_model.setup(*args)
+
+
+def test_setup_takes_integer_like_sizes(tiny_model):
+    import numpy as np
+
+    tiny_model.setup(np.int64(2), torch.tensor(5), batch_sizes=[np.int32(1), 2])
+    assert (tiny_model.cache.max_batch, tiny_model.cache.max_seq) == (2, 5)
+
+
+def test_ragged_prompts_as_a_nested_tensor_are_refused(tiny_model):
+    ragged = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
+    with pytest.raises(ValueError, match=r"input_ids is a nested \(ragged\) tensor: pass prompts of equal length"):
+        tiny_model.generate(ragged, 2)
+
+
+def decode_inputs(B=2, position=3, **changes):
+    inputs = {"token_ids": torch.tensor([1, 2, 3][:B]), "positions": torch.full((B,), position),
+              "slots": torch.arange(B)}
+    return inputs | changes
+
+
+@pytest.mark.parametrize("inputs,match", [
+    (decode_inputs(position=8), r"^positions must lie in \[0, setup\(\)'s max_seq=8\), got values in \[8, 8\]: call "
+                                r"model\.setup\(max_batch, max_seq\) with a larger max_seq$"),
+    (decode_inputs(positions=torch.tensor([3, 10**12])), r"positions must lie in \[0, setup\(\)'s max_seq=8\), got "
+                                                         r"values in \[3, 1000000000000\]"),
+    (decode_inputs(positions=torch.tensor([-1, 2])), r"positions must lie in \[0, .*got values in \[-1, 2\]"),
+    (decode_inputs(slots=torch.tensor([0, -1])), r"^slots must lie in \[0, setup\(\)'s max_batch=2\), got values in "
+                                                 r"\[-1, 0\]: call model\.setup\(max_batch, max_seq\) with a larger "
+                                                 "max_batch$"),
+    (decode_inputs(slots=torch.tensor([0, 2])), r"slots must lie in \[0, setup\(\)'s max_batch=2\)"),  # the dummy
+    (decode_inputs(token_ids=torch.tensor([1, 97])), r"token_ids must lie in \[0, vocab_size=97\)"),
+    (decode_inputs(slots=torch.tensor([0.0, 1.0])), "decode_step's slots must be an int64/int32 tensor"),
+    (decode_inputs(slots=torch.tensor([0, 1, 1])), r"decode_step's inputs must have one batch size, got token_ids \(2,\), "
+                                                   r"positions \(2,\), slots \(3,\)"),
+    ({"token_ids": torch.tensor([1]), "positions": torch.tensor([1])}, "decode_step takes a dict of exactly"),
+    ([1, 2, 3], "decode_step takes a dict of exactly"),
+])
+def test_decode_step_refuses_inputs_outside_the_cache_before_writing(tiny_model, inputs, match):
+    tiny_model.setup(2, 8)
+    keys = [k.clone() for k in tiny_model.cache.keys]
+    with pytest.raises(ValueError, match=match):
+        tiny_model.decode_step(inputs)
+    assert all(torch.equal(a, b) for a, b in zip(tiny_model.cache.keys, keys))  # nothing written
+
+
+def test_decode_step_before_setup_says_to_call_setup(qwen3_checkpoint):
+    from moe_triton.models import load_model
+
+    with pytest.raises(ValueError, match=r"decode_step before setup\(\)"):
+        load_model(qwen3_checkpoint, dtype=torch.float32).decode_step(decode_inputs())
+
+
+def test_decode_step_in_bounds_matches_prefill(tiny_model):
+    """The checked eager step: the token after a prompt, at its position, equals prefill over both."""
+    tiny_model.setup(2, 8)
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    tiny_model.prefill(ids[:, :3])
+    logits = tiny_model.decode_step({"token_ids": ids[:, 3], "positions": torch.tensor([3, 3]),
+                                     "slots": torch.arange(2)})
+    assert_close(logits, tiny_model.prefill(ids)[:, 3], torch.float32)
+
+
+def test_the_step_the_graphs_capture_records_no_autograd(tiny_model):
+    """setup() captures the unchecked step outside any no_grad: it must not record a backward graph."""
+    tiny_model.setup(2, 8)
+    tiny_model.prefill(torch.tensor([[5, 6, 7], [9, 10, 11]]))
+    with torch.enable_grad():
+        logits = tiny_model._decode_step({"token_ids": torch.tensor([1, 2]), "positions": torch.tensor([3, 3]),
+                                          "slots": torch.arange(2)})
+    assert logits.grad_fn is None and not logits.requires_grad
+
+
+@pytest.mark.parametrize("slots,match", [
+    (torch.tensor([0, 2]), r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[0, 2\]"),
+    (torch.tensor([-1, 0]), r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[-1, 0\]"),
+    (torch.tensor([0]), r"slots must be an int64/int32 tensor of shape \(2,\)"),
+])
+def test_prefill_slots_are_checked(tiny_model, slots, match):
+    tiny_model.setup(2, 8)
+    with pytest.raises(ValueError, match=match):
+        tiny_model.prefill(torch.tensor([[1, 2], [3, 4]]), slots)
+
+
 def test_prefill_past_the_cache(tiny_model):
     tiny_model.setup(1, 4)
     with pytest.raises(ValueError, match=r"setup\("):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 from helpers import TOLERANCE
@@ -655,6 +656,10 @@ CHECKPOINT_MUTATIONS = {
     "an extra tensor": lambda p, a: edit_tensors(p, lambda s: s.update({"model.extra.weight": torch.zeros(2)})),
     "a misshapen expert": lambda p, a: edit_tensors(p, lambda s: s.update({_expert_key(s): torch.zeros(3, 16)})),
     "an expert missing": lambda p, a: edit_tensors(p, lambda s: s.pop(_expert_key(s))),
+    "an e5m2 norm weight": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {"model.norm.weight": s["model.norm.weight"].to(torch.float8_e5m2)})),
+    "an e5m2 attention weight": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {"model.layers.0.self_attn.q_proj.weight": s["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e5m2)})),
     "an int tensor": lambda p, a: edit_tensors(p, lambda s: s.update({"model.norm.weight": torch.ones(16, dtype=torch.int32)})),
     "truncated weights": lambda p, a: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:200]),
     "garbage weights": lambda p, a: (p / "model.safetensors").write_bytes(b"\x07" * 64),
@@ -724,6 +729,77 @@ def model_case_factory(tmp_path: Path):
 
 def test_load_model(tmp_path):
     run_cases("load_model", model_case_factory(tmp_path), 16)
+
+
+# ---- a loaded model's setup, decode_step and generate -------------------------------------------------
+
+# name -> (expected, mutate(case)): the case holds setup's args, the decode inputs, generate's count
+DECODE_MUTATIONS = {
+    "position at max_seq": (REFUSE, lambda c: c["inputs"]["positions"].fill_(c["max_seq"])),
+    "position far past the cache": (REFUSE, lambda c: c["inputs"]["positions"].__setitem__(0, 2**40)),
+    "position -1": (REFUSE, lambda c: c["inputs"]["positions"].__setitem__(-1, -1)),
+    "the dummy slot": (REFUSE, lambda c: c["inputs"]["slots"].__setitem__(0, c["max_batch"])),
+    "slot -1": (REFUSE, lambda c: c["inputs"]["slots"].__setitem__(-1, -1)),
+    "a slot past the cache": (REFUSE, lambda c: c["inputs"]["slots"].__setitem__(0, c["max_batch"] + 5)),
+    "a token past the vocabulary": (REFUSE, lambda c: c["inputs"]["token_ids"].__setitem__(0, 32)),
+    "float positions": (REFUSE, lambda c: c["inputs"].update(positions=c["inputs"]["positions"].float())),
+    "setup(0, S)": (REFUSE, lambda c: c.update(setup=(0, c["max_seq"]))),
+    "setup(B, -1)": (REFUSE, lambda c: c.update(setup=(c["max_batch"], -1))),
+    "setup(2.5, S)": (REFUSE, lambda c: c.update(setup=(2.5, c["max_seq"]))),
+    "setup(True, S)": (REFUSE, lambda c: c.update(setup=(True, c["max_seq"]))),
+    "setup with a bucket past max_batch": (REFUSE, lambda c: c.update(setup=(*c["setup"], (c["max_batch"] + 1,)))),
+    "numpy setup sizes": (OK, lambda c: c.update(setup=tuple(np.int64(v) for v in c["setup"]))),
+    "generate 10**12 tokens": (REFUSE, lambda c: c.update(generate=10**12)),
+    "generate -1 tokens": (REFUSE, lambda c: c.update(generate=-1)),
+    "generate 2.0 tokens": (REFUSE, lambda c: c.update(generate=2.0)),
+    "generate numpy 3 tokens": (OK, lambda c: c.update(generate=np.int64(3))),
+    "generate 2 tokens": (OK, lambda c: c.update(generate=2)),
+}
+
+
+def decode_case_factory(tmp_path: Path):
+    from moe_triton.models import load_model
+
+    reference = write_checkpoint(tmp_path / "decode", "qwen3_moe", E=2, K=1, layers=1, seed=5)
+    model = load_model(tmp_path / "decode", dtype=torch.float32, backend="torch")  # the attention kernels are fuzzed
+
+    def decode_case(rng: random.Random) -> Case:
+        max_batch, max_seq = rng.randint(1, 3), rng.randint(3, 8)
+        B, L = rng.randint(1, max_batch), rng.randint(1, max_seq - 1)
+        g = seeded(rng)
+        prompt, token = torch.randint(0, 32, (B, L), generator=g), torch.randint(0, 32, (B,), generator=g)
+        slots = torch.tensor(rng.sample(range(max_batch), B))
+        c = {"max_batch": max_batch, "max_seq": max_seq, "setup": (max_batch, max_seq), "generate": None,
+             "inputs": {"token_ids": token.clone(), "positions": torch.full((B,), L), "slots": slots.clone()}}
+        name = rng.choice([None, None, *DECODE_MUTATIONS])
+        expect = OK
+        if name is not None:
+            expect, mutate = DECODE_MUTATIONS[name]
+            mutate(c)
+
+        def call():
+            if c["generate"] is not None:
+                return model.generate(prompt, c["generate"])
+            model.setup(*c["setup"])
+            model.prefill(prompt, slots)
+            return model.decode_step(c["inputs"])
+
+        def check(out):
+            with torch.no_grad():
+                if c["generate"] is not None:
+                    assert torch.equal(out, reference.generate(prompt, max_new_tokens=int(c["generate"]), do_sample=False))
+                    return
+                expected = reference(torch.cat([prompt, token[:, None]], dim=1)).logits[:, -1]
+            assert_matches(out, expected, torch.float32, scale=5)
+
+        what = f"generate({c['generate']!r})" if c["generate"] is not None else f"setup{c['setup']!r}, decode_step"
+        return Case(f"B={B} L={L} slots={slots.tolist()} {what} {name or 'valid'}", call, check, expect)
+
+    return decode_case
+
+
+def test_setup_decode_step_and_generate(tmp_path):
+    run_cases("decode", decode_case_factory(tmp_path), 40)
 
 
 # ---- the CLI: main(argv) -----------------------------------------------------------------------------

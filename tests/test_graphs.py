@@ -80,6 +80,33 @@ def test_runner_rejects_bad_batches(inputs, match):
         runner(inputs)
 
 
+def slot_step(calls):
+    return lambda inputs: calls.append(inputs["slot"].clone()) or inputs["slot"].float()[:, None] * 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bounded_inputs_are_checked_before_anything_is_copied_or_run(device):
+    """The caller's slots must lie in [0, 4); the pad value 4 (a dummy slot) only the runner writes."""
+    calls = []
+    runner = DecodeGraphRunner(slot_step(calls), {"slot": StaticInput(pad_value=4, bounds=(0, 4))},
+                               GraphConfig(batch_sizes=(4,), show_progress=False), device)
+    runner.capture()
+    calls.clear()
+    before = {name: buffer.clone() for name, buffer in runner.static.items()}
+    for bad, shown in (([0, 4], r"\[0, 4\]"), ([-1, 2, 3], r"\[-1, 3\]")):
+        with pytest.raises(ValueError, match=rf"input 'slot' must lie in \[0, 4\), got values in {shown}"):
+            runner({"slot": torch.tensor(bad, device=device)})
+    assert not calls and all(torch.equal(runner.static[n], b) for n, b in before.items())
+    assert torch.equal(runner({"slot": torch.tensor([3, 0], device=device)}).cpu(), torch.tensor([[6.0], [0.0]]))
+    assert torch.equal(runner.run({"slot": torch.tensor([4], device=device)}).cpu(), torch.tensor([[8.0]]))  # unchecked
+    assert runner({"slot": torch.empty(0, dtype=torch.int64, device=device)}).shape == (0, 1)
+
+
+def test_bounds_are_for_integer_inputs():
+    with pytest.raises(ValueError, match="integer inputs"):
+        StaticInput((5,), torch.float32, bounds=(0, 1))
+
+
 # ---- GPU -------------------------------------------------------------------------------------
 
 

@@ -8,12 +8,13 @@ import re
 
 import pytest
 import torch
-from helpers import FAMILIES, assert_close, prompt, randomize_, relative_error
+from helpers import FAMILIES, assert_close, eos_for_early_stops, prompt, randomize_, relative_error
 from safetensors.torch import save_file
 
-from moe_triton import fused_experts
+from moe_triton import FusedMoE, fused_experts
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
+from moe_triton.models.causal_lm import FINISHED_CHECK_EVERY
 from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 
 
@@ -57,6 +58,41 @@ def test_greedy_generation_matches_transformers(checkpoint):
     assert torch.equal(actual, expected)
 
 
+def test_generation_stops_at_eos_as_transformers_does(tmp_path):
+    """Per-sequence stop, pad after it, and the early return once every row has stopped, against
+    transformers' own generate: eos ids passed in, or read from generation_config.json, or turned off."""
+    from transformers import AutoModelForCausalLM
+
+    make, seed = FAMILIES["minimax_m2"]  # two layers: the cheapest family to decode under the interpreter
+    torch.manual_seed(0)
+    reference = randomize_(make().eval(), seed=seed)
+    reference.save_pretrained(tmp_path)
+    ids, N = prompt(), 12
+    L = ids.shape[1]
+    free = reference.generate(ids, max_new_tokens=N, do_sample=False)  # its config's eos lies outside the vocab
+    eos, stops = eos_for_early_stops(free, L)
+    assert None not in stops and max(stops) < FINISHED_CHECK_EVERY - 1, (eos, stops)  # both rows stop, early
+    pad = next(t for t in range(reference.config.vocab_size - 1, 0, -1) if t not in ids and t not in eos)
+    ours = load_model(tmp_path, dtype=torch.float32, backend="torch")  # the experts' backend is not what is tested
+    expected = reference.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eos)
+    assert expected.shape[1] == L + max(stops) + 1  # every row stopped: transformers returns early
+    assert torch.equal(ours.generate(ids, N, eos_token_id=eos), expected)
+    one = dict(eos_token_id=eos[0], pad_token_id=pad)  # an int, and a pad of our own
+    assert torch.equal(ours.generate(ids, N, **one), reference.generate(ids, max_new_tokens=N, do_sample=False, **one))
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": eos}))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(tmp_path, dtype=torch.float32, backend="torch")
+    assert torch.equal(ours.generate(ids, N), theirs.generate(ids, max_new_tokens=N, do_sample=False))
+    assert torch.equal(ours.generate(ids, N, eos_token_id=None), free)  # off
+    steps, step = [], ours._decode_step
+    ours._decode_step = lambda inputs: steps.append(1) or step(inputs)
+    for layer in ours.modules():  # expert-parallel ranks step together: no rank may return early
+        if isinstance(layer, FusedMoE):
+            layer.runner.lockstep = True
+    assert torch.equal(ours.generate(ids, N), expected) and len(steps) == N - 1
+
+
 def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
     reference, path = checkpoint
     state = {k: v.clone() for k, v in reference.state_dict().items()}  # transformers 5 fused experts; untied copies
@@ -73,6 +109,68 @@ def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
     per_expert = load_model(path, dtype=torch.float32)
     for (name, a), (_, b) in zip(sorted(fused.state_dict().items()), sorted(per_expert.state_dict().items())):
         assert torch.equal(a, b), name
+
+
+def write_shards(tmp_path, config_dir, shards: dict, weight_map: dict):
+    """shards: file -> {name: tensor}; weight_map as the index should say it, written beside config_dir's config."""
+    for file, tensors in shards.items():
+        save_file(tensors, tmp_path / file)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text((config_dir / "config.json").read_text())
+    return tmp_path
+
+
+def two_shards(state):
+    names = sorted(state)
+    return {"a.safetensors": {k: state[k] for k in names[: len(names) // 2]},
+            "b.safetensors": {k: state[k] for k in names[len(names) // 2:]}}
+
+
+def test_a_tensor_in_two_shards_is_read_from_the_one_the_index_names(checkpoint, tmp_path):
+    """model.norm.weight lies in both shards, a stale copy in the file read last: the index names the first."""
+    from safetensors.torch import load_file
+
+    _, path = checkpoint
+    state = load_file(path / "model.safetensors")
+    name = "model.norm.weight"
+    shards = two_shards({k: v for k, v in state.items() if k != name})
+    weight_map = {k: file for file, tensors in shards.items() for k in tensors} | {name: "a.safetensors"}
+    shards["a.safetensors"][name] = state[name]
+    shards["b.safetensors"][name] = torch.full_like(state[name], 7.0)
+    ours = load_model(write_shards(tmp_path, path, shards, weight_map), dtype=torch.float32)
+    assert torch.equal(ours.model.norm.weight, state[name])
+
+
+@pytest.mark.parametrize("case,match", [
+    ("mapped, not held", r"index\.json maps tensor model\.norm\.weight to b\.safetensors, which does not hold it"),
+    ("held, not listed", r"a\.safetensors holds tensor model\.extra\.weight, which model\.safetensors\.index\.json "
+                         r"does not list"),
+])
+def test_an_index_that_disagrees_with_its_shards_is_refused_naming_both(checkpoint, tmp_path, case, match):
+    from safetensors.torch import load_file
+
+    _, path = checkpoint
+    state = load_file(path / "model.safetensors")
+    shards = two_shards({k: v for k, v in state.items() if k != "model.norm.weight"})
+    weight_map = {k: file for file, tensors in shards.items() for k in tensors}
+    if case == "mapped, not held":
+        weight_map["model.norm.weight"] = "b.safetensors"
+    else:
+        shards["a.safetensors"]["model.extra.weight"] = torch.zeros(2)
+    with pytest.raises(ValueError, match=match):
+        load_model(write_shards(tmp_path, path, shards, weight_map))
+
+
+def test_experts_in_both_layouts_are_refused_naming_both_keys(checkpoint, tmp_path):
+    """The per-expert tensors of the Hub layout and transformers 5's fused ones, for the same layer."""
+    reference, path = checkpoint  # saved in the Hub layout: experts.N.gate_proj.weight, ...
+    fused = {k: v.clone() for k, v in reference.state_dict().items() if re.search(r"layers\.0\..*experts\.", k)}
+    assert fused and all(not re.search(r"experts\.\d", k) for k in fused)
+    with pytest.raises(ValueError, match=r"holds these experts twice") as refused:
+        load_model(break_checkpoint(path, tmp_path, lambda s: s.update(fused)))
+    message = str(refused.value)
+    assert re.search(r"fused as model\.layers\.0\.\S*experts\.(gate_up_proj|down_proj)", message), message
+    assert re.search(r"per expert as model\.layers\.0\.\S*experts\.\d+\.\w+\.weight", message), message
 
 
 def break_checkpoint(path, tmp_path, edit):
@@ -199,6 +297,62 @@ def test_float32_generation_through_graphs_matches_transformers(checkpoint):
     actual = ours.generate(ids, max_new_tokens=16)
     assert ours.graphs is not None and ours.graphs.stats.num_graphs > 0  # decode ran through graphs
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.gpu
+def test_decode_past_the_cache_through_graphs_is_refused_and_writes_nothing(checkpoint):
+    """decode_step and the graph runner refuse positions and slots outside setup()'s cache before any
+    copy; the captured step replayed unchecked (graphs.run) with them writes nothing and faults nowhere;
+    generation afterwards still equals transformers'."""
+    reference, path = checkpoint
+    model = load_model(path, dtype=torch.float32, device="cuda")
+    ids = prompt().cuda()
+    model.setup(2, 12, batch_sizes=(2,))
+    assert model.graphs is not None and model.graphs.stats.num_graphs == 1
+    model.prefill(ids)
+
+    def inputs(positions=(7, 7), slots=(0, 1)):
+        return {"token_ids": ids[:, -1], "positions": torch.tensor(positions, device="cuda"),
+                "slots": torch.tensor(slots, device="cuda")}
+
+    before = [t.clone() for t in model.cache.keys + model.cache.values]
+    static = {name: t.clone() for name, t in model.graphs.static.items()}
+    for bad in (inputs(positions=(12, 7)), inputs(positions=(7, 2**40)), inputs(slots=(0, -1)),
+                inputs(slots=(0, 2))):  # 2: the dummy slot, for the runner's padding rows only
+        with pytest.raises(ValueError, match="must lie in"):
+            model.decode_step(bad)
+        with pytest.raises(ValueError, match="must lie in"):
+            model.graphs(bad)
+        assert all(torch.equal(model.graphs.static[n], t) for n, t in static.items())  # nothing copied in
+    for unchecked in (inputs(positions=(12, 2**40)), inputs(slots=(-1, 5))):  # inside the graph: the kernels mask
+        logits = model.graphs.run(unchecked)
+        torch.cuda.synchronize()
+        assert logits.isnan().all()  # attention read nothing
+    assert all(torch.equal(a, b) for a, b in zip(model.cache.keys + model.cache.values, before))  # wrote nothing
+    expected = copy.deepcopy(reference).to("cuda").generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(ids, 5), expected)
+
+
+@pytest.mark.gpu
+def test_eos_stopping_through_graphs_equals_eager_and_transformers():
+    make, seed = FAMILIES["minimax_m2"]
+    torch.manual_seed(0)
+    reference = randomize_(make().eval(), seed=seed)
+    ids, N = prompt(), 12
+    eos, stops = eos_for_early_stops(reference.generate(ids, max_new_tokens=N, do_sample=False), ids.shape[1])
+    expected = reference.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eos)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        reference.save_pretrained(path)
+        model = load_model(path, dtype=torch.float32, device="cuda")
+    tokens = {}
+    for graphs in (True, False):
+        model.use_graphs = graphs
+        model.setup(2, ids.shape[1] + N)
+        assert (model.graphs is not None) == graphs
+        tokens[graphs] = model.generate(ids.cuda(), N, eos_token_id=eos).cpu()
+    assert torch.equal(tokens[True], tokens[False]) and torch.equal(tokens[True], expected)
 
 
 @pytest.mark.gpu

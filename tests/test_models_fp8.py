@@ -221,8 +221,12 @@ def expert_key(state, proj="gate_proj", kind="weight_scale_inv", expert=1):
      r"\[\(1,\), \(64, 1\), \(2, 2\)\]"),
     (lambda s: [s.update({k: v.float()}) for k, v in list(s.items()) if re.search(r"experts\.\d+\.down_proj\.weight$", k)],
      r"tensor model\.layers\.\d\.mlp\.down_proj is torch\.float32, the model expects torch\.float8_e4m3fn"),
+    (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight":
+                         s["model.layers.0.self_attn.q_proj.weight"].float().to(torch.float8_e5m2)}),
+     r"^tensor model\.layers\.0\.self_attn\.q_proj\.weight is torch\.float8_e5m2: FP8 checkpoints are read as "
+     r"torch\.float8_e4m3fn weights"),
 ], ids=["missing-scale", "one-scale-misshapen", "scales-misshapen", "no-up-scales", "linear-scale-missing",
-        "linear-scale-misshapen", "bf16-experts"])
+        "linear-scale-misshapen", "bf16-experts", "e5m2-attention"])
 def test_bad_fp8_checkpoints_name_the_tensor(qwen3_fp8, tmp_path, edit, match):
     with pytest.raises(ValueError, match=match):
         load_model(edited(qwen3_fp8, tmp_path, edit))

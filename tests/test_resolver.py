@@ -248,6 +248,103 @@ def test_cli_resolve_refusals_exit_non_zero(tmp_path, capsys):
     assert "not a platform name" in capsys.readouterr().err
 
 
+# ---- moe-triton resolve reports what load_model runs ---------------------------------------------
+
+def save_tiny(model, path, dtype: str, quantize=None):
+    """`model` saved to `path` with config.json's dtype set; `quantize` (a compressed-tensors strategy):
+    every projection in FP8 with its weight_scale, as compressed-tensors writes them (helpers.fp8_quantize)."""
+    from helpers import ct_fp8, fp8_quantize
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text()) | {"dtype": dtype}
+    if quantize is not None:
+        tensors = {}
+        for name, w in load_file(path / "model.safetensors").items():
+            if name.endswith("proj.weight"):
+                q, scale = fp8_quantize(w, quantize, (32, 32))
+                tensors |= {name: q, name.removesuffix("weight") + "weight_scale": scale}
+                if quantize == "tensor":  # static activations: an input scale per module
+                    tensors[name.removesuffix("weight") + "input_scale"] = torch.ones(1) / 448
+            else:
+                tensors[name] = w
+        save_file(tensors, path / "model.safetensors")
+        config["quantization_config"] = ct_fp8(quantize, block=(32, 32) if quantize == "block" else None,
+                                               ignore=["lm_head", "re:.*mlp.gate$"])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from helpers import sparse_qwen3_moe, tiny_cohere2_moe
+
+    root = tmp_path_factory.mktemp("resolve")
+    torch.manual_seed(0)
+    paths = {"qwen3 bf16": save_tiny(sparse_qwen3_moe(), root / "bf16", "bfloat16"),
+             "qwen3 fp32": save_tiny(sparse_qwen3_moe(), root / "fp32", "float32"),
+             "cohere2 bf16": save_tiny(tiny_cohere2_moe(), root / "cohere2", "bfloat16")}
+    for strategy in ("block", "channel", "tensor"):
+        paths[f"qwen3 fp8 {strategy}"] = save_tiny(sparse_qwen3_moe(), root / strategy, "bfloat16", strategy)
+    return paths
+
+
+def printed_backend(capsys, *argv) -> str:
+    capsys.readouterr()
+    assert main(["resolve", *map(str, argv)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert re.search(r"^layers: +\d+ MoE layers, resolved as load_model builds them", out, re.M), out
+    return re.search(r"^backend: +(\S+)$", out, re.M)[1]
+
+
+def loaded_layer(path, **kwargs) -> FusedMoE:
+    from moe_triton.models import load_model
+
+    return next(m for m in load_model(path, **kwargs).modules() if isinstance(m, FusedMoE))
+
+
+@pytest.mark.parametrize("platform", [None, "cpu", "sm90", "sm100"], ids=["here", "cpu", "sm90", "sm100"])
+@pytest.mark.parametrize("name", ["qwen3 bf16", "qwen3 fp32", "cohere2 bf16", "qwen3 fp8 block", "qwen3 fp8 channel",
+                                  "qwen3 fp8 tensor"])
+def test_cli_resolve_prints_the_backend_load_model_runs(checkpoints, name, platform, capsys, monkeypatch):
+    """Here (a CPU, the interpreter on) and on a plain CPU load_model runs: resolve prints its layers'
+    backend. Elsewhere resolve prints what the resolver answers for the traits of the layer load_model
+    built here (its dtype, weight format, activation, routing), on that platform."""
+    path = checkpoints[name]
+    printed = printed_backend(capsys, path, *(["--platform", platform] if platform else []))
+    if platform in (None, "cpu"):
+        if platform == "cpu":  # a CPU process without TRITON_INTERPRET: what --platform cpu names
+            monkeypatch.setattr(platforms, "detect_platform", lambda device=None: platforms.named_platform("cpu"))
+        assert printed == loaded_layer(path).backend
+        return
+    layer = loaded_layer(path)
+    traits = LayerTraits(layer.gate_up_proj.shape[-1], layer.gate_weight.dtype, layer.activation, layer.routing,
+                         layer.weight_format)
+    context = ModelContext.from_config(json.loads((path / "config.json").read_text()), path)
+    assert printed == resolve("auto", platforms.named_platform(platform), context, traits).backend
+
+
+def test_cli_resolve_takes_load_model_s_dtype_and_backend(checkpoints, capsys):
+    """FP8 experts on the CPU's Triton kernels in float16 (the demo's --quant fp8); bf16 on them is refused,
+    by load_model and by resolve, in one line."""
+    fp8, bf16 = checkpoints["qwen3 fp8 block"], checkpoints["qwen3 bf16"]
+    assert printed_backend(capsys, fp8, "--dtype", "float16", "--backend", "triton") == "triton"
+    assert loaded_layer(fp8, dtype=torch.float16, backend="triton").backend == "triton"
+    assert printed_backend(capsys, fp8, "--dtype", "float16") == "torch" == loaded_layer(fp8, dtype=torch.float16).backend
+    with pytest.raises(ValueError, match="bfloat16 tl.dot computes wrong results") as refused:
+        loaded_layer(bf16, backend="triton")
+    assert main(["resolve", str(bf16), "--backend", "triton"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(refused.value) in err[0]
+
+
+def test_cli_resolve_says_when_it_cannot_build_the_layers(tmp_path, capsys):
+    model = write_config(tmp_path, COHERE2[0], QUANT_CONFIGS["ct-nvfp4-experts-regex"][0])
+    assert main(["resolve", str(model), "--platform", "sm100"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^layers: +not built \(.*\): resolved without the layers' dtype and weight format$", out, re.M)
+
+
 # ---- on the H200 (run there with pytest -m gpu) ------------------------------------------------
 
 @pytest.mark.gpu

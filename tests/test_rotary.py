@@ -122,6 +122,40 @@ def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype, norm):
     assert_close(written, reference[:, :, 0], dtype, scale=2 if norm else 1)
 
 
+def in_guards(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view): `t` copied into the middle of a buffer three times its size, random elsewhere, so a
+    write or read past either end of the view lands in memory the test owns and can inspect."""
+    n = t.numel()
+    buffer = torch.randn(3 * n, generator=torch.Generator().manual_seed(n)).to(t.device, t.dtype)
+    view = buffer[n:2 * n].view(t.shape)
+    view.copy_(t)
+    return buffer, view
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rows_outside_the_cache_write_nothing(dtype, device):
+    """Slots outside [0, slots + 1) and positions outside [0, S) (what a graph replays unchecked) are
+    not written: the rest of the cache and the memory around it stay as they were. (bf16 on CPU: the
+    torch reference.)"""
+    S, num_slots = 9, 4  # three sequences and the dummy slot
+    k, v, rotary, keys, values, _, _ = decode_token(6, 2, 16, 16, dtype, device, slots=num_slots - 1, S=S)
+    slots = torch.tensor([0, 3, -1, num_slots, 1, 2], device=device)
+    positions = torch.tensor([S, 2, 0, 1, -1, S - 1], device=device)
+    valid = [1, 5]  # (3, 2): the dummy slot is a slot; (2, S - 1): the last position
+    (key_buffer, keys), (value_buffer, values) = in_guards(keys), in_guards(values)
+    expected_keys, expected_values = key_buffer.clone(), value_buffer.clone()
+    rows = slots[valid], slice(None), positions[valid]
+    expected_values.view(3, -1)[1].view(values.shape)[rows] = v[valid, :, 0]
+    written = torch.zeros_like(key_buffer, dtype=torch.bool)
+    written.view(3, -1)[1].view(keys.shape)[rows] = True
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions)
+    assert torch.equal(value_buffer, expected_values)
+    assert torch.equal(key_buffer[~written], expected_keys[~written])
+    reference = apply_rotary_torch(k.float(), *(t.float() for t in rotary))[valid, :, 0]  # [2, Hkv, D]
+    assert_close(keys[rows], reference, dtype)
+
+
 def test_rotate_into_cache_refuses_mismatched_shapes():
     k, v, rotary, keys, values, slots, positions = decode_token(2, 2, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="k / v must be"):

@@ -1,7 +1,7 @@
 """`moe-triton` (also `python -m moe_triton`): the command line. Environment is read here only.
 
     moe-triton bench                      time the expert layer on a built-in shape
-    moe-triton resolve MODEL [--platform sm100] [--backend auto] [--all-to-all X] [--lora]
+    moe-triton resolve MODEL [--platform sm100] [--backend auto] [--dtype D] [--all-to-all X] [--lora]
     moe-triton probe A B                  the same small layer on backends A and B, compared
     moe-triton demo                       the main job (README)
 
@@ -111,6 +111,7 @@ def resolve_backend(args) -> int:
         platform = args.platform or platforms.detect_platform()
         context = ModelContext.from_config(config, model_dir, all_to_all=args.all_to_all, lora=args.lora)
         resolution = resolve(args.backend, platform, context)
+        layers, not_built = _layer_resolutions(model_dir, args, platform, context)
     except ValueError as error:
         print(f"moe-triton resolve: {error}", file=sys.stderr)
         return 2
@@ -125,12 +126,40 @@ def resolve_backend(args) -> int:
     print(f"experts held:  {_experts_format(context)}")
     print(f"platform:      {where}")
     print(f"all-to-all:    {context.all_to_all or 'none'}   LoRA: {'on' if context.lora else 'off'}")
+    if layers:
+        dtype = str(layers[0][1]).removeprefix("torch.")
+        print(f"layers:        {len(layers)} MoE layers, resolved as load_model builds them "
+              f"({dtype})")
+        resolution = layers[0][0]
+    else:
+        print(f"layers:        not built ({not_built}): resolved without the layers' dtype and "
+              "weight format")
     print(f"requested:     {resolution.requested}")
     print(f"backend:       {resolution.backend}")
     print(f"rule:          {resolution.rule}")
     print(f"reason:        {resolution.reason}")
-    print("(the layer also checks its own dtype, hidden size, activation and routing when it is built)")
+    for other in dict.fromkeys(r for r, _ in layers[1:] if r != resolution):
+        print(f"  another layer: {other}")
     return 0
+
+
+def _layer_resolutions(model_dir: Path, args, platform, context) -> tuple[list, str | None]:
+    """([(resolution, dtype)] of every MoE layer as load_model would build it on `platform`, why not)."""
+    import dataclasses
+    import warnings
+
+    from ..models.registry import layer_resolutions, plan_model
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        plan = plan_model(model_dir, dtype)  # what load_model reads before building
+    except ValueError as error:
+        return [], str(error)
+    plan = dataclasses.replace(plan, context=context)  # with --all-to-all and --lora
+    with warnings.catch_warnings():  # load_model's fallback warning: the backend line says it
+        warnings.simplefilter("ignore")
+        resolutions = layer_resolutions(plan, args.backend, platform)  # may refuse, as load_model
+    return [(r, plan.dtype) for r in resolutions], None if resolutions else "no MoE layers"
 
 
 def _experts_format(context) -> str:
@@ -250,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     resolve_parser.add_argument("--all-to-all", dest="all_to_all", choices=ALL_TO_ALL_BACKENDS,
                                 help="the serving engine's expert-parallel all-to-all backend, e.g. deepep")
     resolve_parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
+    resolve_parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                                help="load_model's dtype (default: config.json's, as load_model)")
     resolve_parser.set_defaults(run=resolve_backend)
     probe_parser = commands.add_parser("probe", help="run a small layer on two backends and compare (temperature 0)")
     probe_parser.add_argument("backends", nargs=2, choices=backends, metavar="BACKEND",
