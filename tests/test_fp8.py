@@ -30,6 +30,7 @@ from moe_triton import (
     run_experts,
 )
 from moe_triton.activation import SILU_AND_MUL, Activation, ActivationKind, activation_torch
+from moe_triton.fused_moe import _check_fp8_config
 from moe_triton.platform import Platform
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8_torch
 
@@ -42,25 +43,31 @@ EMULATION_TOL = 1e-2  # of max|emulation|: summation order (see above)
 GPU_EMULATION_MAX_TOL, GPU_EMULATION_RMS_TOL = 3e-2, 1e-2
 FP8_RMS_TOL = 0.1  # relative RMS error against the dequantized float32 reference (see above)
 FORMATS = {"block128": WeightFormat.fp8_block(128, 128), "block32x32": WeightFormat.fp8_block(32, 32),
+           "block16x16": WeightFormat.fp8_block(16, 16),  # narrower than a C step: scaled within it
            "channel": WeightFormat.fp8_channel(), "tensor": WeightFormat.fp8_tensor(),
            "tensor-static": WeightFormat.fp8_tensor(static_input=True)}
 CPU_CONFIG = {layout: MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32), layout) for layout in LayoutKind}
 
 
-def fp8_layer(fmt, T, E=6, K=2, H=72, I=61, activation=SILU_AND_MUL, seed=0, filtered=False):
+def fp8_layer(fmt, T, E=6, K=2, H=72, I=61, activation=SILU_AND_MUL, seed=0, filtered=False, native_nan=None,
+              device="cpu", dtype=torch.float16):
+    """Random FP8 experts in `fmt` and a call's inputs; `native_nan`: an index of w13 set to NaN
+    before quantization."""
     g = torch.Generator().manual_seed(seed)
     rows = 2 * I if activation.gated else I
-    native = ExpertWeights(torch.randn(E, rows, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5,
-                           activation.gated)
+    w13 = torch.randn(E, rows, H, generator=g) / H**0.5
+    if native_nan is not None:
+        w13[native_nan] = float("nan")
+    native = ExpertWeights(w13.to(device), (torch.randn(E, H, I, generator=g) / I**0.5).to(device), activation.gated)
     weights = native.to_format(WeightFormat.fp8_tensor() if fmt.static_input else fmt)
     if fmt.static_input:  # a calibrated scale: the largest |x| expected, over 448
         weights = ExpertWeights(weights.w13, weights.w2, weights.gated, fmt, weights.w13_scale, weights.w2_scale,
-                                torch.tensor([3.5 / 448]))
-    x = torch.randn(T, H, generator=g).half()
+                                torch.tensor([3.5 / 448], device=device))
+    x = torch.randn(T, H, generator=g).to(device, dtype)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int() if T else torch.empty(0, K).int()
     if filtered and T:
         ids[0, 0], ids[-1, -1] = -1, E  # both sentinels: contribute nothing
-    return x, weights, ids, torch.rand(T, K, generator=g)
+    return x, weights, ids.to(device), torch.rand(T, K, generator=g).to(device)
 
 
 def emulation(x, weights, ids, topk_weights, block_n, activation=SILU_AND_MUL):
@@ -123,9 +130,18 @@ def test_fp8_bad_input_raises_before_launch(no_launch):
         run_experts(x.float(), weights, ids, topk_weights)
     with pytest.raises(ValueError, match="fuse_activation=False"):
         run_experts(x, weights, ids, topk_weights, fuse_activation=False)
-    block = fp8_layer(FORMATS["block32x32"], 4)[1]
-    with pytest.raises(ValueError, match="block_c"):  # a C step may not straddle two 32-wide scale groups
-        run_experts(x, block, ids, topk_weights, config=MoEConfig(GemmConfig(16, 32, 64), GemmConfig(16, 32, 32)))
+    narrow = MoEConfig(GemmConfig(16, 32, 16), GemmConfig(16, 32, 32))
+    _check_fp8_config(narrow, torch.device("cpu"), True)  # the interpreter takes 16-wide steps
+    with pytest.raises(ValueError, match=r"config.up.block_c=16: FP8 GEMMs on a GPU step at least 32 columns"):
+        _check_fp8_config(narrow, torch.device("cuda"), True)  # an 8-bit tl.dot does not compile there
+
+
+def test_fp8_steps_wider_than_the_scale_groups(poisoned_empty):
+    """64-wide steps over 32-wide weight blocks and activation groups (the up GEMM) and over the up
+    GEMM's 32-column output groups (the down GEMM): each group is scaled within the step."""
+    x, weights, ids, topk_weights = fp8_layer(FORMATS["block32x32"], 9, seed=6)
+    out = run_experts(x, weights, ids, topk_weights, config=MoEConfig(GemmConfig(16, 32, 64), GemmConfig(16, 32, 64)))
+    check(out, x, weights, ids, topk_weights, block_n=32)
 
 
 # ---- FusedMoE and the resolver ---------------------------------------------------------------
