@@ -160,6 +160,10 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     element_size = dtype.itemsize
     fp8 = element_size == 1
     block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8)
+    if fp8 and fp8_group < FP8_MIN_STEP:
+        # Blocks scaled within the step hold float32 copies of the tiles: the 16-row decode tiles
+        # fit them on every FP8 GPU (prefill's 64-row tiles needed 139 KB on SM89, which has 99)
+        block_m = 16
     # Weight-streaming tiles up to 64 rows (32 for FP8, whose only wider tile is its prefill tile)
     streaming = block_m <= (32 if fp8 else 64)
     up = _for_element_size(_gemm_config(block_m, hidden_size, fused_gate=True, streaming=streaming), element_size)

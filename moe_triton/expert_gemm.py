@@ -18,14 +18,15 @@ Optional fusions, all expressed as data:
   output row) multiplies the finished sum once; one that changes along C (a per-group activation
   scale, a weight block scale) multiplies each C step's partial product when BLOCK_C divides its
   group. Groups narrower than the step (blocks under 32 columns: an 8-bit tl.dot needs K >= 32 on
-  SM90) scale the tiles instead: both are dequantized to float32 in registers and meet in a tf32
-  dot (`ScaleAlongC.IN_STEP`). With `out_dtype=float8_e4m3fn` the epilogue also quantizes its
-  activated tile per row (one scale per row and BLOCK_N columns) and returns (out, out_scales):
-  the second GEMM's input, quantized without a pass of its own.
+  SM90) scale the tiles instead: both are dequantized to float32 in registers and meet in a
+  float32-accurate dot (3xTF32 on a GPU; `ScaleAlongC.IN_STEP`). With `out_dtype=float8_e4m3fn`
+  the epilogue also quantizes its activated tile per row (one scale per row and BLOCK_N columns)
+  and returns (out, out_scales): the second GEMM's input, quantized without a pass of its own.
 - NaN in an FP8 operand or scale reaches the output as the float32 dequantized reference has it:
   the epilogue's row scales keep NaN (quantize.py), and an e4m3 NaN (0x7f) in a tile makes its
-  rows / columns of the product NaN (the tensor cores do so; the interpreter's dot reads 0x7f as
-  480, so there the kernel does it from the bits, `NAN_BITS`).
+  rows / columns of the product NaN (compiled, the tensor cores' NaN handling does it, which
+  test_fp8's GPU tests check; the interpreter's dot reads 0x7f as 480, so there the kernel does
+  it from the bits, `NAN_BITS`).
 - split-C, the usual split-K (second GEMM at decode): with `config.split_c = S > 1` the reduction
   over C is cut into S slices, one program each, so a handful of rows still spreads the weight
   stream over every SM. Each slice stores float32 partial sums, shape (S, R, N), which finalize
@@ -107,7 +108,7 @@ def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.conste
             a_tile = a_tile * a_scale
         if W_SCALE == 3:
             w_tile = w_tile * w_scale
-        part = tl.dot(a_tile, w_tile, input_precision="tf32")
+        part = tl.dot(a_tile, w_tile, input_precision="tf32x3")  # float32-accurate: the reference's
     else:
         part = tl.dot(a, w)
     # a scale that changes with the step applies to this step's product
@@ -143,7 +144,7 @@ def _expert_gemm_kernel(
     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,  # ScaleAlongC of a's and w's FP8 scales
     A_GROUP: tl.constexpr,  # columns of a per a-scale (PER_STEP: a multiple of BLOCK_C)
     NAN_BITS: tl.constexpr,  # FP8, interpreted: the product's NaN rows / columns from the e4m3 bits
-    W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE PER_STEP)
+    W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE per or in a step)
     OUT_FP8: tl.constexpr,  # quantize the output tile per row, one scale per (row, BLOCK_N columns)
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr,
@@ -207,7 +208,8 @@ def _expert_gemm_kernel(
         w_scale = 0.0
         w_up_scale = 0.0
         if A_SCALE == 1:
-            a_scale = tl.load(a_scale_row + (c_first // A_GROUP) * stride_as_g, mask=is_real, other=0.0)
+            a_scales = a_scale_row + (c_first // A_GROUP) * stride_as_g  # [BLOCK_M]
+            a_scale = tl.load(a_scales, mask=is_real, other=0.0)
         elif A_SCALE == 3:
             a_scales = a_scale_row[:, None] + ((c_first + offs_c) // A_GROUP)[None, :] * stride_as_g
             a_scale = tl.load(a_scales, mask=is_real[:, None] & c_ok[None, :], other=0.0)  # [BM, BC]
@@ -215,12 +217,15 @@ def _expert_gemm_kernel(
             w_scales = w_scale_rows + (c_first // W_BLOCK_C) * stride_ws_c  # [BLOCK_N]
             w_scale = tl.load(w_scales, mask=n_ok, other=0.0)
             if FUSED_GATE:
-                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok, other=0.0)
+                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok,
+                                     other=0.0)
         elif W_SCALE == 3:
-            w_scales = w_scale_rows[None, :] + ((c_first + offs_c) // W_BLOCK_C)[:, None] * stride_ws_c
-            w_scale = tl.load(w_scales, mask=w_mask, other=0.0)  # [BLOCK_C, BLOCK_N]
+            groups = (c_first + offs_c) // W_BLOCK_C
+            w_scales = w_scale_rows[None, :] + groups[:, None] * stride_ws_c  # [BLOCK_C, BLOCK_N]
+            w_scale = tl.load(w_scales, mask=w_mask, other=0.0)
             if FUSED_GATE:
-                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=w_mask, other=0.0)
+                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=w_mask,
+                                     other=0.0)
         if W_DESC:
             w = w_desc.load([w_row, c_first]).T
         else:
