@@ -145,7 +145,8 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
                   device: torch.device, dtype: torch.dtype = torch.bfloat16, down_split: int | None = None,
                   fp8_group: int = 128) -> MoEConfig:
     """Tiles for a layer with T tokens, top-k K, E experts, H hidden, I intermediate, weights in `dtype`
-    (float8_e4m3fn for FP8 experts, whose C steps stay within `fp8_group`: the weight blocks' width).
+    (float8_e4m3fn for FP8 experts, whose C steps stay within `fp8_group`, the weight blocks' width,
+    down to FP8_MIN_STEP: narrower blocks are scaled within the step, expert_gemm.py).
 
     `down_split` fixes the second decode GEMM's C slices instead of deriving them from the tile
     count (tuning, benchmarks/sweep_configs.py); shared memory is fitted either way."""
@@ -154,21 +155,27 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     # P^2 <= E keeps the expected number of shared experts under one half.
     layout = LayoutKind.PER_PAIR if num_tokens == 1 or num_pairs**2 <= num_experts else LayoutKind.SORTED
     if device.type != "cuda":  # Triton interpreter: few large programs run fastest
-        step = min(32, fp8_group) if dtype.itemsize == 1 else 32
-        return MoEConfig(GemmConfig(16, 32, step, group_m=1), GemmConfig(16, 32, step, group_m=1), layout)
+        tile = GemmConfig(16, 32, 32, group_m=1)
+        return MoEConfig(tile, tile, layout)
     element_size = dtype.itemsize
     fp8 = element_size == 1
     block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8)
+    if fp8 and fp8_group < FP8_MIN_STEP:
+        # Blocks scaled within the step hold float32 copies of the tiles: the 16-row decode tiles
+        # fit them on every FP8 GPU (prefill's 64-row tiles needed 139 KB on SM89, which has 99)
+        block_m = 16
     # Weight-streaming tiles up to 64 rows (32 for FP8, whose only wider tile is its prefill tile)
     streaming = block_m <= (32 if fp8 else 64)
     up = _for_element_size(_gemm_config(block_m, hidden_size, fused_gate=True, streaming=streaming), element_size)
     down = _for_element_size(_gemm_config(block_m, intermediate_size, fused_gate=False, streaming=streaming),
                              element_size)
     num_sms, shared_memory = device_limits(device)
+    fit = dict(min_block_c=16)
     if fp8:
         up, down = _fp8_steps(up, down, fp8_group)
+        fit = dict(min_block_c=FP8_MIN_STEP, dequantized=fp8_group < FP8_MIN_STEP)
     if fp8 or streaming:
-        up = _fit_shared_memory(up, element_size, limit=shared_memory, weight_tiles=2)
+        up = _fit_shared_memory(up, element_size, limit=shared_memory, weight_tiles=2, **fit)
     if block_m <= 32:  # decode: few row blocks
         blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
         if down_split is None:
@@ -176,33 +183,41 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         else:
             down = replace(down, split_c=down_split)
     if streaming:
-        down = _fit_shared_memory(down, element_size, limit=shared_memory)
+        down = _fit_shared_memory(down, element_size, limit=shared_memory, **fit)
     return MoEConfig(up, down, layout)
 
 
 def _fp8_steps(up: GemmConfig, down: GemmConfig, group: int = 128) -> tuple[GemmConfig, GemmConfig]:
     # FP8 scales come per C group: a step of the first GEMM is one 128-wide activation and
     # weight-block group (every public block is 128 x 128; a narrower block narrows the step), and
-    # the second GEMM's steps must match the groups the first GEMM's epilogue quantizes: one per
-    # block_n output columns. Powers of two, so the smallest of them divides the others.
-    step = max(16, min(FP8_GROUP, group))
+    # the second GEMM's steps stay within the groups the first GEMM's epilogue quantizes: one per
+    # block_n output columns. Powers of two, so the smallest of them divides the others. Never
+    # under FP8_MIN_STEP: narrower groups are scaled within the step.
+    step = max(FP8_MIN_STEP, min(FP8_GROUP, group))
     up = replace(up, block_c=step)
-    return up, replace(down, block_c=min(up.block_n, step))
+    return up, replace(down, block_c=max(FP8_MIN_STEP, min(up.block_n, step)))
 
 
 FP8_GROUP = 128  # the widest C step an FP8 scale group spans
+FP8_MIN_STEP = 32  # an 8-bit tl.dot needs a contraction of at least 32 on SM90
 
 
-def _fit_shared_memory(config: GemmConfig, element_size: int, limit: int, weight_tiles: int = 1) -> GemmConfig:
-    """Fewer stages, then shorter C steps, until num_stages copies of every tile the C loop loads
-    fit in shared memory (Triton pipelines each load); a fused gate loads two weight tiles."""
-    def stage_bytes(c: GemmConfig) -> int:
-        return (c.block_m + weight_tiles * c.block_n) * c.block_c * element_size
+def _fit_shared_memory(config: GemmConfig, element_size: int, limit: int, weight_tiles: int = 1,
+                       min_block_c: int = 16, dequantized: bool = False) -> GemmConfig:
+    """Fewer stages, then shorter C steps (down to `min_block_c`), until num_stages copies of every
+    tile the C loop loads fit in shared memory (Triton pipelines each load), with one float32 copy
+    of them when `dequantized` (FP8 scaled within the step); a fused gate loads two weight tiles."""
+    def tile_elements(c: GemmConfig) -> int:
+        return (c.block_m + weight_tiles * c.block_n) * c.block_c
 
-    while config.num_stages * stage_bytes(config) > limit * SHARED_MEMORY_USE:
+    def total_bytes(c: GemmConfig) -> int:
+        float32_copy = tile_elements(c) * 4 if dequantized else 0
+        return c.num_stages * tile_elements(c) * element_size + float32_copy
+
+    while total_bytes(config) > limit * SHARED_MEMORY_USE:
         if config.num_stages > 2:
             config = replace(config, num_stages=config.num_stages - 1)
-        elif config.block_c > 16:
+        elif config.block_c > min_block_c:
             config = replace(config, block_c=config.block_c // 2, num_stages=4)
         else:
             break

@@ -14,12 +14,19 @@ Optional fusions, all expressed as data:
   it accumulates the gate columns n and the up columns I + n side by side and writes
   act(gate) * up, shape (R, I): the [R, 2I] intermediate is never written. activation.py keeps
   the standalone kernel, and both call the same `_apply_activation`.
-- FP8 (`Fp8Scales`): e4m3 operands on the tensor cores. A scale that changes along C (a per-group
-  activation scale, a weight block scale) multiplies each C step's partial product, so BLOCK_C must
-  divide its group; a scale constant along C (per token, per output row) multiplies the finished
-  sum once. With `out_dtype=float8_e4m3fn` the epilogue also quantizes its activated tile per row
-  (one scale per row and BLOCK_N columns) and returns (out, out_scales): the second GEMM's input,
-  quantized without a pass of its own.
+- FP8 (`Fp8Scales`): e4m3 operands on the tensor cores. A scale constant along C (per token, per
+  output row) multiplies the finished sum once; one that changes along C (a per-group activation
+  scale, a weight block scale) multiplies each C step's partial product when BLOCK_C divides its
+  group. Groups narrower than the step (blocks under 32 columns: an 8-bit tl.dot needs K >= 32 on
+  SM90) scale the tiles instead: both are dequantized to float32 in registers and meet in a
+  float32-accurate dot (3xTF32 on a GPU; `ScaleAlongC.IN_STEP`). With `out_dtype=float8_e4m3fn`
+  the epilogue also quantizes its activated tile per row (one scale per row and BLOCK_N columns)
+  and returns (out, out_scales): the second GEMM's input, quantized without a pass of its own.
+- NaN in an FP8 operand or scale reaches the output as the float32 dequantized reference has it:
+  the epilogue's row scales keep NaN (quantize.py), and an e4m3 NaN (0x7f) in a tile makes its
+  rows / columns of the product NaN (compiled, the tensor cores' NaN handling does it, which
+  test_fp8's GPU tests check; the interpreter's dot reads 0x7f as 480, so there the kernel does
+  it from the bits, `NAN_BITS`).
 - split-C, the usual split-K (second GEMM at decode): with `config.split_c = S > 1` the reduction
   over C is cut into S slices, one program each, so a handful of rows still spreads the weight
   stream over every SM. Each slice stores float32 partial sums, shape (S, R, N), which finalize
@@ -43,7 +50,8 @@ from .activation import Activation, _apply_activation
 from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
 from .launch import BoundLaunch, interpreter_serialized
-from .quantize import quantize_tile
+from .platform import interpreter_enabled
+from .quantize import fp8_scale, nan_max, quantize_tile
 from .weights import FP8_DTYPE
 
 
@@ -51,8 +59,9 @@ class ScaleAlongC(enum.Enum):
     """Where a scale applies, by whether it changes along the contraction C."""
 
     NONE = 0  # unscaled operand
-    PER_STEP = 1  # changes along C (a per-group activation scale, a weight block scale): each step's product
+    PER_STEP = 1  # changes along C in groups of whole steps (per-group activations, weight blocks)
     PER_SUM = 2  # constant along C (per token, per output row): the finished sum
+    IN_STEP = 3  # changes within a step (groups narrower than BLOCK_C): the dequantized tile
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,12 +74,15 @@ class Fp8Scales:
     w_block: tuple[int, int] | None  # (block_n, block_c), or None for per-row weight scales
     w_up_offset: int = 0  # w's scale rows before the up half's (gated: the gate's rows)
 
-    def a_along_c(self, c: int) -> ScaleAlongC:
-        return ScaleAlongC.PER_SUM if self.a_group >= c else ScaleAlongC.PER_STEP
+    def a_along_c(self, c: int, block_c: int) -> ScaleAlongC:
+        if self.a_group >= c:
+            return ScaleAlongC.PER_SUM
+        return ScaleAlongC.IN_STEP if self.a_group % block_c else ScaleAlongC.PER_STEP
 
-    @property
-    def w_along_c(self) -> ScaleAlongC:
-        return ScaleAlongC.PER_SUM if self.w_block is None else ScaleAlongC.PER_STEP
+    def w_along_c(self, block_c: int) -> ScaleAlongC:
+        if self.w_block is None:
+            return ScaleAlongC.PER_SUM
+        return ScaleAlongC.IN_STEP if self.w_block[1] % block_c else ScaleAlongC.PER_STEP
 
 
 @triton.jit
@@ -81,18 +93,38 @@ def _dot(a, w, acc, IEEE_FP32: tl.constexpr):
 
 
 @triton.jit
-def _step(a, w, acc, a_step_scale, w_step_scale, FP8: tl.constexpr, STEP_SCALED: tl.constexpr,
+def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
           IEEE_FP32: tl.constexpr):
     """acc + a @ w for one C step. FP8 products start a fresh tensor-core sum each step and are added
     in float32: Hopper accumulates FP8 products in fewer bits than float32 (Triton keeps that by
     default on SM90), which over C = 2048 drifted 1.4% from float32 on the H200; a per-step
     promotion (DeepSeek-V3's, every 128 values) keeps the drift to one step's worth."""
-    if FP8:
+    if A_SCALE + W_SCALE == 0:
+        return _dot(a, w, acc, IEEE_FP32)
+    if (A_SCALE == 3) | (W_SCALE == 3):  # groups inside the step: scale the tiles, then the dot
+        a_tile = a.to(tl.float32)
+        w_tile = w.to(tl.float32)
+        if A_SCALE == 3:
+            a_tile = a_tile * a_scale
+        if W_SCALE == 3:
+            w_tile = w_tile * w_scale
+        part = tl.dot(a_tile, w_tile, input_precision="tf32x3")  # float32-accurate: the reference's
+    else:
         part = tl.dot(a, w)
-        if STEP_SCALED:  # a scale that changes with the step applies to this step's product
-            part = part * (a_step_scale[:, None] * w_step_scale[None, :])
-        return acc + part
-    return _dot(a, w, acc, IEEE_FP32)
+    # a scale that changes with the step applies to this step's product
+    if (A_SCALE == 1) & (W_SCALE == 1):
+        part = part * (a_scale[:, None] * w_scale[None, :])
+    elif A_SCALE == 1:
+        part = part * a_scale[:, None]
+    elif W_SCALE == 1:
+        part = part * w_scale[None, :]
+    return acc + part
+
+
+@triton.jit
+def _e4m3_nan(tile, axis: tl.constexpr):
+    """1 where a row (axis 1) or column (axis 0) of an e4m3 tile holds a NaN (0x7f, 0xff), else 0."""
+    return tl.max(((tile.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F).to(tl.int32), axis=axis)
 
 
 @interpreter_serialized
@@ -112,7 +144,8 @@ def _expert_gemm_kernel(
     SPLIT_C: tl.constexpr,  # programs along C (grid axis 1); > 1 stores float32 partials per slice
     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,  # ScaleAlongC of a's and w's FP8 scales
     A_GROUP: tl.constexpr,  # columns of a per a-scale (PER_STEP: a multiple of BLOCK_C)
-    W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE PER_STEP)
+    NAN_BITS: tl.constexpr,  # FP8, interpreted: the product's NaN rows / columns from the e4m3 bits
+    W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE per or in a step)
     OUT_FP8: tl.constexpr,  # quantize the output tile per row, one scale per (row, BLOCK_N columns)
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr,
@@ -159,38 +192,63 @@ def _expert_gemm_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a_step_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-    w_step_scale = tl.full([BLOCK_N], 1.0, tl.float32)
-    w_up_step_scale = w_step_scale
+    nan_rows = tl.zeros([BLOCK_M], dtype=tl.int32)  # NAN_BITS: rows of a / columns of w with a NaN
+    nan_cols = tl.zeros([BLOCK_N], dtype=tl.int32)
+    nan_cols_up = tl.zeros([BLOCK_N], dtype=tl.int32)
     # Descriptor tiles may run past this expert's N rows into the next expert (or into the up
     # half): those columns are garbage and are masked at the store. C tails are zero-filled.
     w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)
     for step in range(first_step, last_step):
-        c_left = C - step * BLOCK_C
-        a = tl.load(a_tile, mask=is_real[:, None] & (offs_c[None, :] < c_left), other=0.0)
-        w_mask = (offs_c[:, None] < c_left) & n_ok[None, :]
+        c_first = step * BLOCK_C
+        c_ok = offs_c < C - c_first
+        a = tl.load(a_tile, mask=is_real[:, None] & c_ok[None, :], other=0.0)
+        w_mask = c_ok[:, None] & n_ok[None, :]
+        # The step's FP8 scales: one per row of a / column of w (PER_STEP), one per tile element
+        # (IN_STEP), none for scales constant along C (0.0, unread)
+        a_scale = 0.0
+        w_scale = 0.0
+        w_up_scale = 0.0
         if A_SCALE == 1:
-            a_step_scale = tl.load(a_scale_row + (step * BLOCK_C // A_GROUP) * stride_as_g, mask=is_real, other=0.0)
+            a_scales = a_scale_row + (c_first // A_GROUP) * stride_as_g  # [BLOCK_M]
+            a_scale = tl.load(a_scales, mask=is_real, other=0.0)
+        elif A_SCALE == 3:
+            a_scales = a_scale_row[:, None] + ((c_first + offs_c) // A_GROUP)[None, :] * stride_as_g
+            a_scale = tl.load(a_scales, mask=is_real[:, None] & c_ok[None, :], other=0.0)  # [BM, BC]
         if W_SCALE == 1:
-            w_scales = w_scale_rows + (step * BLOCK_C // W_BLOCK_C) * stride_ws_c
-            w_step_scale = tl.load(w_scales, mask=n_ok, other=0.0)
+            w_scales = w_scale_rows + (c_first // W_BLOCK_C) * stride_ws_c  # [BLOCK_N]
+            w_scale = tl.load(w_scales, mask=n_ok, other=0.0)
             if FUSED_GATE:
-                w_up_step_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok, other=0.0)
+                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok,
+                                     other=0.0)
+        elif W_SCALE == 3:
+            groups = (c_first + offs_c) // W_BLOCK_C
+            w_scales = w_scale_rows[None, :] + groups[:, None] * stride_ws_c  # [BLOCK_C, BLOCK_N]
+            w_scale = tl.load(w_scales, mask=w_mask, other=0.0)
+            if FUSED_GATE:
+                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=w_mask,
+                                     other=0.0)
         if W_DESC:
-            w = w_desc.load([w_row, step * BLOCK_C]).T
+            w = w_desc.load([w_row, c_first]).T
         else:
             w = tl.load(w_tile, mask=w_mask, other=0.0)
-        acc = _step(a, w, acc, a_step_scale, w_step_scale, A_SCALE + W_SCALE > 0, (A_SCALE == 1) | (W_SCALE == 1),
-                    IEEE_FP32)
+        acc = _step(a, w, acc, a_scale, w_scale, A_SCALE, W_SCALE, IEEE_FP32)
+        if NAN_BITS:
+            nan_rows = nan_rows | _e4m3_nan(a, 1)
+            nan_cols = nan_cols | _e4m3_nan(w, 0)
         if FUSED_GATE:
             if W_DESC:
-                w_up = w_desc.load([w_row + N, step * BLOCK_C]).T
+                w_up = w_desc.load([w_row + N, c_first]).T
             else:
                 w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
-            acc_up = _step(a, w_up, acc_up, a_step_scale, w_up_step_scale, A_SCALE + W_SCALE > 0,
-                           (A_SCALE == 1) | (W_SCALE == 1), IEEE_FP32)
+            acc_up = _step(a, w_up, acc_up, a_scale, w_up_scale, A_SCALE, W_SCALE, IEEE_FP32)
+            if NAN_BITS:
+                nan_cols_up = nan_cols_up | _e4m3_nan(w_up, 0)
         a_tile += BLOCK_C * stride_a_c
         w_tile += BLOCK_C * stride_w_c
+
+    if NAN_BITS:  # the interpreter's dot reads e4m3 NaN as 480: put back the NaN a GPU's sums carry
+        acc = tl.where((nan_rows[:, None] | nan_cols[None, :]) > 0, float("nan"), acc)
+        acc_up = tl.where((nan_rows[:, None] | nan_cols_up[None, :]) > 0, float("nan"), acc_up)
 
     if A_SCALE == 2:  # constant along C: scale the sums once
         a_sum_scale = tl.load(a_scale_row, mask=is_real, other=0.0)[:, None]
@@ -205,7 +263,7 @@ def _expert_gemm_kernel(
     out = out_ptr + tl.program_id(1) * stride_out_split + rows[:, None].to(tl.int64) * stride_out_m + offs_n[None, :]
     out_mask = is_real[:, None] & n_ok[None, :]
     if OUT_FP8:  # columns past N (a descriptor tile's overrun) must not enter the row's max
-        scale = tl.maximum(tl.max(tl.where(n_ok[None, :], tl.abs(acc), 0.0), axis=1), 1e-12) / 448.0  # [BLOCK_M]
+        scale = fp8_scale(nan_max(tl.where(n_ok[None, :], tl.abs(acc), 0.0), 1))  # [BLOCK_M]
         tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os_m + pid_n, scale, mask=is_real)
         tl.store(out, quantize_tile(acc, scale[:, None]), mask=out_mask)
     else:
@@ -242,16 +300,9 @@ def _takes_descriptor(w: torch.Tensor, config: GemmConfig) -> bool:
     return config.tma_weights and w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0
 
 
-def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> None:
-    # The kernel reads one a-scale and one weight-block scale per C step.
+def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor) -> None:
     if a.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
         raise ValueError(f"FP8 scales were given but a is {a.dtype} and w is {w.dtype}; both must be {FP8_DTYPE}")
-    C = w.shape[2]
-    if scales.a_along_c(C) is ScaleAlongC.PER_STEP and scales.a_group % config.block_c:
-        raise ValueError(f"a's scale groups of {scales.a_group} columns must be a multiple of block_c="
-                         f"{config.block_c}")
-    if scales.w_block is not None and scales.w_block[1] % config.block_c:
-        raise ValueError(f"weight blocks {scales.w_block} must span a multiple of block_c={config.block_c} columns")
 
 
 @dataclass(frozen=True)
@@ -312,7 +363,7 @@ def plan_expert_gemm(
         raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation or an FP8 output "
                          "needs the whole sum: split only the second GEMM")
     if scales is not None:
-        _check_scales(scales, a, w, config)
+        _check_scales(scales, a, w)
     E, N, C = w.shape
     split_c = config.split_c
     gated = activation is not None and activation.gated
@@ -344,9 +395,10 @@ def plan_expert_gemm(
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
         W_DESC=descriptor, PER_PAIR=layout.kind is LayoutKind.PER_PAIR, GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, ACT_KIND=activation.kind.value if activation is not None else -1, SPLIT_C=split_c,
-        A_SCALE=scales.a_along_c(C).value if scales is not None else 0,
-        W_SCALE=scales.w_along_c.value if scales is not None else 0,
+        A_SCALE=scales.a_along_c(C, config.block_c).value if scales is not None else 0,
+        W_SCALE=scales.w_along_c(config.block_c).value if scales is not None else 0,
         A_GROUP=scales.a_group if scales is not None else 1,
+        NAN_BITS=scales is not None and interpreter_enabled(),
         W_BLOCK_N=scales.w_block[0] if scales is not None and scales.w_block else 1,
         W_BLOCK_C=scales.w_block[1] if scales is not None and scales.w_block else 1,
         OUT_FP8=out_scales_shape is not None,

@@ -10,6 +10,11 @@ the same `round_to_fp8`.
 Rounding is done on float32 values before the cast, ties to even: Triton's interpreter casts
 float32 -> e4m3 wrongly when rounding carries into the exponent (124.3 became 64, not 128) and
 flushes subnormals, while the cast of a value already on the e4m3 grid is exact everywhere.
+
+NaN stays where it was (the README's NaN contract): a group holding a NaN gets a NaN scale and
+its values e4m3fn's NaN (0x7f), as torch's quantization gives them. tl.max and tl.maximum drop
+NaN (compiled: maxnum; the interpreter: nanmax) and the interpreter casts NaN to 384, so the
+amax and the cast keep it explicitly (`nan_max`, `quantize_tile`).
 """
 from __future__ import annotations
 
@@ -35,9 +40,23 @@ def round_to_fp8(x):
 
 @triton.jit
 def quantize_tile(x, scale):
-    """x / scale on the e4m3 grid, as float8e4nv."""
-    q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-    return round_to_fp8(q).to(tl.float8e4nv)
+    """x / scale on the e4m3 grid, as float8e4nv; NaN (a NaN x or scale) as e4m3fn's NaN, 0x7f."""
+    q = tl.clamp(x / scale, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    bits = round_to_fp8(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return tl.where(q != q, 0x7F, bits).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def nan_max(x, axis):
+    """tl.max along `axis`, NaN where the reduced values hold one."""
+    has_nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(tl.where(x != x, float("-inf"), x), axis=axis))
+
+
+@triton.jit
+def fp8_scale(amax):
+    """The e4m3 scale of a group whose max |x| is `amax`; NaN stays NaN."""
+    return tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) / 448.0
 
 
 @interpreter_serialized
@@ -58,8 +77,8 @@ def _quantize_kernel(
         for start in range(first, first + GROUP, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=(cols < C) & (cols < first + GROUP), other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+            amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        scale = fp8_scale(nan_max(amax, 0))
         tl.store(scale_ptr + row * stride_s_t + tl.program_id(1), scale)
     for start in range(first, first + GROUP, BLOCK):
         cols = start + tl.arange(0, BLOCK)

@@ -5,7 +5,7 @@ import torch
 import moe_triton.config as configs
 from moe_triton.config import GemmConfig, MoEConfig, choose_config
 from moe_triton.expand import LayoutKind
-from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B
+from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape
 
 
 def test_split_first_gemm_is_rejected():
@@ -55,12 +55,34 @@ def test_the_row_tile_holds_the_busiest_expert(monkeypatch, shape, T):
     assert sum(rows <= c.block_m for rows in busiest) >= 18, (c.block_m, busiest)
 
 
-@pytest.mark.parametrize("group", [128, 64, 32, 16])
+@pytest.mark.parametrize("group", [128, 64, 32])
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_fp8_steps_stay_inside_the_weight_blocks(monkeypatch, T, group):
-    """A checkpoint with blocks narrower than 128 columns gets C steps that fit them (both GEMMs), as
-    run_experts requires: each step reads one weight-block scale."""
+    """A checkpoint with blocks of 32 to 128 columns gets C steps that fit them (both GEMMs): each
+    step reads one weight-block scale and scales one FP8 product."""
     monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
     c = choose_config(T, 8, 128, 2048, 768, torch.device("cuda"), torch.float8_e4m3fn, fp8_group=group)
     assert group % c.up.block_c == 0 and group % c.down.block_c == 0 and c.up.block_n % c.down.block_c == 0
     assert c.up.block_c == min(group, 128)  # no narrower than the group needs
+
+
+TINY = LayerShape("the demo's model", 8, 2, 64, 48)
+
+
+@pytest.mark.parametrize("limits", [(132, 232448), (84, 101376)], ids=["H200", "SM89-smem"])
+@pytest.mark.parametrize("group", [16, 32, 64, 128])
+def test_fp8_configs_step_at_least_32_columns_on_a_gpu(monkeypatch, group, limits):
+    """Every FP8 config choose_config gives a GPU passes tl.dot's SM90 minimum (an 8-bit contraction
+    of 32, M and N of 16) in both GEMMs, for blocks of 16 to 128 columns (the demo's are 16 x 16:
+    issue 25 item 11), at every token count and split."""
+    monkeypatch.setattr(configs, "device_limits", lambda device: limits)
+    for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4, TINY):
+        E, K, H, I = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
+        for T in (1, 2, 4, 16, 64, 256, 1024, 4096, 16384):
+            for split in (None, 1, 2):
+                c = choose_config(T, K, E, H, I, torch.device("cuda"), torch.float8_e4m3fn,
+                                  down_split=split, fp8_group=group)
+                assert group >= 32 or c.block_m == 16, c.describe()  # float32 tiles: small ones
+                for gemm in (c.up, c.down):
+                    assert gemm.block_c >= 32, c.describe()
+                    assert min(gemm.block_m, gemm.block_n) >= 16, c.describe()

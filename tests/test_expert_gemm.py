@@ -7,10 +7,12 @@ import pytest
 import torch
 from helpers import assert_close, random_ids
 
+from moe_triton import ExpertWeights, WeightFormat
 from moe_triton.activation import Activation, ActivationKind, activation_torch
 from moe_triton.config import GemmConfig
 from moe_triton.expand import expand
-from moe_triton.expert_gemm import expert_gemm, expert_gemm_torch
+from moe_triton.expert_gemm import Fp8Scales, ScaleAlongC, expert_gemm, expert_gemm_torch
+from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8
 
 expert_gemm_module = importlib.import_module("moe_triton.expert_gemm")  # `moe_triton.expert_gemm` is the function
 
@@ -96,3 +98,85 @@ def test_weight_descriptors_live_as_long_as_their_weights():
     del w, first, moved
     gc.collect()
     assert alive() is None and key not in descriptors
+
+
+# ---- FP8 operands --------------------------------------------------------------------------------
+
+def fp8_operands(T, E, N, C, a_group, w_format, gated, seed):
+    """x quantized per a_group columns (or per row: None), w13-like weights (E, 2N or N, C) in
+    w_format; their Fp8Scales, and both dequantized in float32 (the reference's operands)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, C, generator=g).half()
+    weights = ExpertWeights(torch.randn(E, 2 * N if gated else N, C, generator=g) / C**0.5,
+                            torch.randn(E, C, N, generator=g), gated).to_format(w_format)
+    a, a_scales = quantize_fp8(x, a_group)
+    scales = Fp8Scales(a_scales, a_group or C, weights.w13_scale, w_format.block,
+                       weights.w13_scale_up_offset)
+    a_ref = dequantize_fp8_torch(a, a_scales, a_group)
+    return a, weights.w13, scales, a_ref, weights.dequantized()[0]
+
+
+@pytest.mark.parametrize("a_group,w_format,block_c,tma,gated", [
+    (16, WeightFormat.fp8_block(16, 16), 32, False, True),  # the demo's 16 x 16 blocks: both in the step
+    (16, WeightFormat.fp8_block(16, 16), 32, True, True),
+    (16, WeightFormat.fp8_block(16, 16), 32, False, False),
+    (16, WeightFormat.fp8_block(16, 16), 64, False, True),
+    (32, WeightFormat.fp8_block(16, 16), 32, False, False),  # the second GEMM's: a per step, w in it
+    (32, WeightFormat.fp8_block(16, 16), 32, True, False),
+    (16, WeightFormat.fp8_channel(), 32, False, True),  # a inside the step, w per output row
+    (None, WeightFormat.fp8_block(32, 16), 32, False, True),  # a per row, w inside the step
+], ids=["a16-w16x16-step32", "a16-w16x16-step32-tma", "a16-w16x16-step32-plain", "a16-w16x16-step64",
+        "a32-w16x16-step32-plain", "a32-w16x16-step32-plain-tma", "a16-channel-step32", "row-w32x16-step32"])
+def test_fp8_scale_groups_narrower_than_the_step(a_group, w_format, block_c, tma, gated,
+                                                 poisoned_empty):
+    """An 8-bit tl.dot needs K >= 32 on SM90, so groups of 16 columns are scaled within a 32- or
+    64-wide step: against float32 math on the dequantized operands, odd sizes (C = 72 ends in half
+    a group, N = 50 in a partial block). Under the interpreter the tile products are float32."""
+    T, E, K, N, C = 7, 3, 2, 50, 72
+    seed = block_c + (a_group or 0)
+    a, w, scales, a_ref, w_ref = fp8_operands(T, E, N, C, a_group, w_format, gated, seed)
+    activation = Activation(ActivationKind.SILU_AND_MUL) if gated else None
+    layout = expand(random_ids(T, K, E, seed=3).int(), E, 16)
+    config = GemmConfig(16, 32, block_c, tma_weights=tma)
+    out = expert_gemm(a, w, layout, config, gather=True, activation=activation, scales=scales,
+                      out_dtype=torch.float32)
+    assert ScaleAlongC.IN_STEP in {scales.a_along_c(C, block_c), scales.w_along_c(block_c)}
+    row_ids, tokens, experts = rows_in_use(layout)
+    expected = expert_gemm_torch(a_ref, w_ref, tokens, experts)
+    if activation is not None:
+        expected = activation_torch(expected, activation)
+    assert_close(out[row_ids], expected, torch.float32)
+
+
+@pytest.mark.parametrize("a_group,w_format,block_c", [
+    (32, WeightFormat.fp8_block(32, 32), 32),  # scales per step: the FP8 dot
+    (16, WeightFormat.fp8_block(16, 16), 32),  # scales inside the step: the float32 tiles' dot
+    (None, WeightFormat.fp8_channel(), 32),  # scales on the sum
+], ids=["per-step", "in-step", "per-sum"])
+def test_fp8_nan_reaches_the_rows_and_columns_it_touches(a_group, w_format, block_c,
+                                                         poisoned_empty):
+    """An e4m3 NaN (0x7f) in a row of a makes that row NaN, one in a weight row n makes column n
+    NaN, as in float32 math; and the FP8 epilogue's row scales keep the NaN (the interpreter's dot
+    reads 0x7f as 480 and tl.max drops NaN: both turned these rows finite)."""
+    T, E, K, N, C = 7, 3, 2, 40, 64
+    a, w, scales, a_ref, w_ref = fp8_operands(T, E, N, C, a_group, w_format, True, seed=1)
+    a.view(torch.uint8)[2, 5] = 0x7F
+    w.view(torch.uint8)[1, N + 3, 9] = 0xFF  # the up half of expert 1, output column 3: -NaN
+    a_ref[2, 5] = w_ref[1, N + 3, 9] = float("nan")
+    activation = Activation(ActivationKind.SILU_AND_MUL)
+    layout = expand(random_ids(T, K, E, seed=4).int(), E, 16)
+    config = GemmConfig(16, 32, block_c)
+    row_ids, tokens, experts = rows_in_use(layout)
+    expected = activation_torch(expert_gemm_torch(a_ref, w_ref, tokens, experts), activation)
+    assert expected.isnan().any(1).sum() > 1 and not expected.isnan().all()
+    out = expert_gemm(a, w, layout, config, gather=True, activation=activation, scales=scales,
+                      out_dtype=torch.float32)
+    assert torch.equal(out[row_ids].isnan(), expected.isnan())
+    q, q_scales = expert_gemm(a, w, layout, config, gather=True, activation=activation,
+                              scales=scales, out_dtype=torch.float8_e4m3fn)
+    # quantized per row and 32 columns: a NaN makes its whole group NaN
+    nan = expected.isnan()
+    group_nan = torch.stack([nan[:, :32].any(1), nan[:, 32:].any(1)], dim=1)  # [rows, 2]
+    assert torch.equal(q_scales[row_ids].isnan(), group_nan)
+    assert torch.equal(dequantize_fp8_torch(q[row_ids], q_scales[row_ids], 32).isnan(),
+                       group_nan.repeat_interleave(32, 1)[:, :N])

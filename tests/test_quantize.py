@@ -63,6 +63,22 @@ def test_round_trip_error_is_half_an_fp8_step(group):
     assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
 
 
+@pytest.mark.parametrize("group,static", [(None, False), (16, False), (32, False), (None, True)], ids=str)
+def test_nan_stays_in_its_scale_group(group, static):
+    """A NaN makes its group's scale NaN and the group's values e4m3fn NaN, as torch's quantization
+    does; a static scale stays, the NaN value alone becomes NaN. The other groups are untouched."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 72, generator=g).half().to(test_device())
+    x[1, 7] = x[3, 40] = x[3, 41] = float("nan")
+    static_scale = torch.tensor([0.01], device=x.device) if static else None
+    q, scales = quantize_fp8(x, group, static_scale)
+    q_ref, scales_ref = quantize_fp8_torch(x, group, static_scale)
+    assert scales.isnan().any() != static and torch.equal(scales.isnan().cpu(), scales_ref.isnan().cpu())
+    assert torch.equal(scales.nan_to_num().cpu(), scales_ref.nan_to_num().cpu())
+    assert q.float().isnan().any() and torch.equal(q.float().isnan().cpu(), q_ref.float().isnan().cpu())
+    assert torch.equal(q.float().nan_to_num().cpu(), q_ref.float().nan_to_num().cpu())
+
+
 def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="x must be a 2-D float tensor"):
         quantize_fp8(torch.zeros(4))

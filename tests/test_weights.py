@@ -50,6 +50,29 @@ def test_round_trip_is_within_half_an_fp8_step_of_its_scale_group(fmt, gated):
         assert ((back - original).abs() <= bound * (1 + 1e-5)).all()
 
 
+def group_amax(w: torch.Tensor, fmt: WeightFormat, halves: int) -> torch.Tensor:
+    """Per element, the max |w| of its scale group in `fmt` (NaN where the group holds one)."""
+    if fmt.fp8 is Fp8Scaling.BLOCK:
+        return torch.cat([block_amax(part, *fmt.block) for part in w.chunk(halves, dim=1)], dim=1)
+    if fmt.fp8 is Fp8Scaling.CHANNEL:
+        return w.abs().amax(dim=2, keepdim=True).expand_as(w)
+    return torch.cat([p.abs().amax(dim=(1, 2), keepdim=True).expand_as(p) for p in w.chunk(halves, 1)], 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_a_nan_weight_quantizes_its_scale_group_to_nan(fmt):
+    """Issue 25 item 2, the torch side: a NaN weight makes its block's, row's or tensor's scale NaN
+    and that group dequantize to NaN (torch's amax, clamp and e4m3 cast keep NaN: e4m3fn's 0x7f);
+    every other weight quantizes as without it."""
+    weights = native()
+    w13 = weights.w13.clone()
+    w13[1, 2 * I - 3, 40] = float("nan")  # in the up half
+    poisoned = ExpertWeights(w13, weights.w2, True).to_format(fmt).dequantized()[0]
+    expected = group_amax(w13, fmt, 2).isnan()
+    assert expected.any() and not expected[0].any() and torch.equal(poisoned.isnan(), expected)
+    assert torch.equal(poisoned[~expected], weights.to_format(fmt).dequantized()[0][~expected])
+
+
 def test_gate_and_up_keep_their_own_per_tensor_scales_exactly():
     scales = torch.tensor([[0.5, 2.0], [1.0, 4.0]])  # [E, 2]: gate, up
     rows = per_tensor_rows(scales, 6)

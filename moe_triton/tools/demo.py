@@ -13,8 +13,11 @@ FP8's error (FP8_LOGITS_TOL) and the tokens are reported, not required to match.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,10 +59,35 @@ def cache_dir(name: str = DEMO_NAME) -> Path:
     return Path(root) / "moe-triton" / name
 
 
-def build_demo_checkpoint(path: Path) -> Path:
-    """Write the built-in checkpoint with save_pretrained, once; later runs reuse it."""
-    if (path / "config.json").exists():
+def cached_checkpoint(path: Path, write) -> Path:
+    """`path`, written once by `write(directory)` and reused after: written into a temporary
+    directory beside it and renamed into place when whole, so an interrupted build (Ctrl-C) leaves
+    nothing behind and the next run builds it again."""
+    if path.exists():
+        if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
+            raise ValueError(f"the demo's cached checkpoint {path} is incomplete (an interrupted build?): "
+                             f"remove it (rm -rf {path}) and run again")
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(staging)
+        try:
+            staging.rename(path)
+        except OSError:  # another demo built it meanwhile
+            if not (path / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def build_demo_checkpoint(path: Path) -> Path:
+    """The built-in checkpoint, written with save_pretrained once; later runs reuse it."""
+    return cached_checkpoint(path, _write_demo_checkpoint)
+
+
+def _write_demo_checkpoint(path: Path) -> None:
     from tqdm import tqdm
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
 
@@ -76,18 +104,18 @@ def build_demo_checkpoint(path: Path) -> Path:
             for name, p in model.named_parameters():
                 p.normal_(0, 1.0 if "embed" in name or "lm_head" in name else 0.15)
         bar.update()
-        path.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(path)
         bar.update()
-    return path
 
 
 def build_fp8_demo_checkpoint(path: Path, source: Path) -> Path:
     """`source` (the built-in checkpoint, per-expert Hub layout) as an FP8 checkpoint, once: each linear's
     weight (the experts' one by one) in e4m3 beside its block `weight_scale_inv`, as DeepSeek-V3 and
     Qwen3-*-FP8 store them; the router (`mlp.gate`), embeddings, norms and the head as they are."""
-    if (path / "config.json").exists():
-        return path
+    return cached_checkpoint(path, lambda staging: _write_fp8_demo_checkpoint(staging, source))
+
+
+def _write_fp8_demo_checkpoint(path: Path, source: Path) -> None:
     import json
 
     from safetensors.torch import load_file, save_file
@@ -104,10 +132,8 @@ def build_fp8_demo_checkpoint(path: Path, source: Path) -> Path:
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["gate", "lm_head"]}
-    path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
 
 
 def _timed(fn):
@@ -136,14 +162,31 @@ def _reference(path: Path, dtype, device):
     comes from the Hub at run time, which need not be reachable, and only runs on a GPU)."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+    extra = {}
+    if _is_fp8_checkpoint(path):
+        extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
+
+
+def _is_fp8_checkpoint(path: Path) -> bool:
     from ..backends import ModelContext
     from ..backends.quantization import checkpoint_format
 
-    quant = ModelContext.from_config(json_config(path), path).quant_config
-    extra = {}
-    if checkpoint_format(quant).method == "fp8":
-        extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
+    return checkpoint_format(ModelContext.from_config(json_config(path), path).quant_config).method == "fp8"
+
+
+def check_reference_packages(options: DemoOptions) -> None:
+    """The reference of an FP8 demo loads through transformers' FP8 quantizer, which needs accelerate:
+    say so before step 1, not at step 4, minutes later."""
+    fp8 = options.quant == "fp8"
+    if options.model is not None:
+        try:
+            fp8 = _is_fp8_checkpoint(options.model)
+        except Exception:  # a config that cannot be read: load_model, in step 1, says what is wrong
+            fp8 = False
+    if fp8 and importlib.util.find_spec("accelerate") is None:
+        raise ValueError("the FP8 demo's reference (transformers on the dequantized checkpoint) needs the "
+                         "package accelerate: pip install accelerate")
 
 
 def _agreement(ours: torch.Tensor, expected: torch.Tensor) -> float:
@@ -165,6 +208,7 @@ def run_demo(options: DemoOptions, print_=print) -> int:
     from ..models import load_model
     from ..platform import interpreter_enabled
 
+    check_reference_packages(options)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
     fp8 = options.quant == "fp8"

@@ -1,0 +1,94 @@
+"""Compile for SM90, without a GPU, every kernel that `run_experts` calls launch: Triton's
+frontend and ptxas then check what the H200 would (an 8-bit tl.dot's K >= 32, M and N >= 16,
+the TMA descriptors' shapes). Nothing runs; the tensors are CPU stand-ins with the shapes,
+strides and dtypes of the GPU call, and the tiles are choose_config's for an H200, whose shared
+memory each kernel must fit.
+
+Run by tests/test_fp8.py in a process of its own: kernels must be JIT functions, so
+TRITON_INTERPRET must be off.
+
+    python tests/sm90_compile.py '[{"E": 8, "K": 2, "H": 64, "I": 48, "T": 1, "format": "block",
+                                    "block": [16, 16]}, ...]'
+
+A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or "native"
+(bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
+fewer). Prints one line per case; exits non-zero at the first kernel that does not compile.
+"""
+import json
+import os
+import sys
+
+import torch
+
+assert not os.environ.get("TRITON_INTERPRET"), "unset TRITON_INTERPRET: the kernels are compiled"
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
+
+import moe_triton.config as configs  # noqa: E402
+from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
+from moe_triton.activation import SILU_AND_MUL  # noqa: E402
+from moe_triton.fused_moe import LayerPlan  # noqa: E402
+from moe_triton.launch import BoundLaunch  # noqa: E402
+from moe_triton.weights import NATIVE  # noqa: E402
+
+H200 = (132, 232448)  # SM count, shared memory per block (opt-in)
+SM90 = GPUTarget("cuda", 90, 32)
+compiled: dict[tuple, str] = {}
+
+
+def compile_launch(launch: BoundLaunch, **tensors) -> None:
+    """In place of a launch: compile the kernel for SM90 with this call's arguments."""
+    args = {**launch.fixed, **tensors}
+    signature, constexprs = {}, {}
+    for param in launch.kernel.params:
+        value = args[param.name]
+        signature[param.name] = "constexpr" if param.is_constexpr else mangle_type(value)
+        if param.is_constexpr:
+            constexprs[param.name] = value
+    key = (launch.kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()),
+           tuple(launch.options.items()))
+    if key not in compiled:
+        source = ASTSource(launch.kernel, signature, constexprs)
+        kernel = triton.compile(source, target=SM90, options=launch.options)
+        name = launch.kernel.fn.__name__
+        shared = kernel.metadata.shared
+        assert shared <= H200[1], f"{name} needs {shared} bytes of shared memory"
+        compiled[key] = name
+
+
+def weight_format(case: dict) -> WeightFormat:
+    name = case["format"]
+    if name == "native":
+        return NATIVE
+    if name == "block":
+        return WeightFormat.fp8_block(*case["block"])
+    return getattr(WeightFormat, f"fp8_{name}")()
+
+
+def compile_case(case: dict) -> str:
+    E, K, H, I, T = (case[k] for k in "EKHIT")
+    fmt = weight_format(case)
+    block = fmt.block
+    config = configs.choose_config(T, K, case.get("E_real", E), H, I, torch.device("cuda"),
+                                   fmt.storage_dtype(torch.bfloat16),
+                                   fp8_group=block[1] if block else 128)
+    weights = ExpertWeights.empty(E, H, I, True, fmt, torch.bfloat16)
+    x = torch.zeros(T, H, dtype=torch.bfloat16)
+    ids = (torch.arange(T * K) % E).reshape(T, K).int()
+    before = len(compiled)
+    LayerPlan(T, config, SILU_AND_MUL, True)(x, weights, ids, torch.rand(T, K), None)
+    return f"{fmt} T={T}: {config.describe()}: {len(compiled) - before} new kernels compiled"
+
+
+def main(cases: list[dict]) -> None:
+    configs.device_limits = lambda device: H200
+    BoundLaunch.__call__ = compile_launch
+    for case in cases:
+        print(compile_case(case), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
