@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, default_batch_sizes, overlap_enabled
-from ..layer import FusedMoE
+from moe_triton.graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, default_batch_sizes, overlap_enabled
+from moe_triton.layer import FusedMoE
+
 from .layers import Batch, StaticKVCache
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")

@@ -15,8 +15,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from ..backends.quantization import CheckpointFormat
-from ..layer import FusedMoE
+from moe_triton.layer import FusedMoE
+from moe_triton.quant_config import CheckpointFormat
+
 from . import fp8
 from .layers import QKVProjection
 

@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring, SelectOn, SharedCombination
 from moe_triton.activation import Activation
+from moe_triton.graphs import run_branches
+from moe_triton.layer import FusedMoE, SharedCombination
+from moe_triton.placement import Placement
+from moe_triton.routing import RoutingSpec, Scoring, SelectOn
 
-from ..graphs import run_branches
 from .causal_lm import CausalLM
 from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
 from .registry import register_model

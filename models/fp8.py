@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.quantization import CheckpointFormat
-from ..weights import FP8_DTYPE, Fp8Scaling, per_tensor_rows
+from moe_triton.quant_config import CheckpointFormat
+from moe_triton.weights import FP8_DTYPE, Fp8Scaling, per_tensor_rows
 
 INPUT_SCALE = "input_scale"
 # Calibrated FP8 KV-cache scales (ModelOpt's kv_cache_quant_algo): the cache here keeps the model dtype.

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graphs import ForwardMode
+from moe_triton.graphs import ForwardMode
+
 from .decode_attention import decode_attention
 from .rms_norm import add_rms_norm, rms_norm
 from .rotary import apply_rotary, rotate_into_cache

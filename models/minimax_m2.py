@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation
+from moe_triton.layer import FusedMoE
+from moe_triton.placement import Placement
+from moe_triton.routing import RoutingSpec, Scoring
 
 from .causal_lm import CausalLM
 from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of

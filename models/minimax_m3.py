@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation, ActivationKind, activation_torch
+from moe_triton.layer import FusedMoE
+from moe_triton.placement import Placement
+from moe_triton.routing import RoutingSpec, Scoring
 
 
 def clamped_swiglu(config) -> Activation:

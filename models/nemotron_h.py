@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe_triton import FusedMoE, Placement, RoutingSpec, Scoring
 from moe_triton.activation import Activation
+from moe_triton.layer import FusedMoE
+from moe_triton.placement import Placement
+from moe_triton.routing import RoutingSpec, Scoring
 
 
 class NemotronHMLP(nn.Module):

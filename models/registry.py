@@ -13,19 +13,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import checks
-from .. import platform as platforms
-from ..backends.catalog import ModelContext
-from ..backends.quantization import CheckpointFormat, checkpoint_format
-from ..backends.resolver import Resolution
-from ..layer import FusedMoE
-from ..placement import Placement
-from ..platform import Platform
+from moe_triton import checks
+from moe_triton import platform as platforms
+from moe_triton.context import ModelContext
+from moe_triton.layer import FusedMoE
+from moe_triton.placement import Placement
+from moe_triton.platform import Platform
+from moe_triton.quant_config import CheckpointFormat
+from moe_triton.runners.resolver import Resolution
+
 from .causal_lm import StopTokens
 from .checkpoint import load_into, read_safetensors
 
 if TYPE_CHECKING:
-    from ..parallel import ParallelGroups
+    from moe_triton.parallel import ParallelGroups
 
 MODELS: dict[str, type] = {}
 
@@ -113,7 +114,7 @@ def plan_model(path: str | Path, dtype: torch.dtype | None = None) -> ModelPlan:
         dtype = checks.float_dtype("load_model", "config.json's dtype (or pass dtype=)",
                                    getattr(config, "dtype", None) or torch.float32)
     context = ModelContext.from_config(raw_config, path)
-    return ModelPlan(path, family, config, dtype, context, checkpoint_format(context.quant_config))
+    return ModelPlan(path, family, config, dtype, context, context.quantization.checkpoint_format())
 
 
 def layer_resolutions(plan: ModelPlan, backend: str = "auto",
@@ -129,7 +130,7 @@ def layer_resolutions(plan: ModelPlan, backend: str = "auto",
 def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
                backend: str = "auto", parallel: ParallelGroups | None = None):
     """Build the registered model for `path`'s config.json and load its safetensors weights; every
-    MoE layer resolves `backend` once, at construction (see moe_triton.backends).
+    MoE layer resolves `backend` once, at construction (see moe_triton.runners).
 
     `parallel` (moe_triton.parallel.new_parallel_groups(...), every rank calling with the same
     spec) shards every MoE layer's experts: each rank keeps its slice of the checkpoint's experts,

@@ -15,14 +15,13 @@ R rows after expand; a GEMM computes N output columns over a contraction width C
 
 `fused_moe.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
 and launched through `launch.py`'s `BoundLaunch` (no JIT dispatch per call); `reference.py` is its float32
-torch reference; `layer.py` holds `FusedMoE`, which calls a backend runner (backends/runners.py)
-chosen once per layer by the resolver (backends/resolver.py, kept as `layer.resolution`);
+torch reference; `layer.py` holds `FusedMoE`, which calls a backend runner (runners/runner.py)
+chosen once per layer by the resolver (runners/resolver.py, kept as `layer.resolution`);
 `placement.py` says where a layer's experts run. Importing the package registers
 `experts_implementation="moe_triton"` in transformers. The command line, demo, probe and bench
 helpers live in tools/, which nothing here imports.
 """
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
-from .backends import ExpertBackend, ModelContext, Resolution, pad_experts, resolve
 from .config import GemmConfig, MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_layout
 from .expert_gemm import expert_gemm
@@ -47,6 +46,7 @@ from .routing import (
                       topk_sigmoid,
                       topk_softmax,
 )
+from .runners import ExpertBackend, ModelContext, Resolution, pad_experts, resolve
 from .weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 register_experts_implementation()

@@ -6,7 +6,7 @@
 Weights are held in transformers' layout, so a transformers block's tensors are shared, not copied:
 `gate_up_proj` (E, 2I, H) [gate; up] (or (E, I, H) non-gated), `down_proj` (E, H, I), router
 `gate_weight` (E, H). Backends, formats and placements differ only inside the runner
-(backends/runners.py); the routing rule, bias and scaling live in the `RoutingSpec`.
+(runners/runner.py); the routing rule, bias and scaling live in the `RoutingSpec`.
 """
 from __future__ import annotations
 
@@ -18,12 +18,11 @@ from torch import nn
 from . import checks
 from . import platform as platforms
 from .activation import SILU_AND_MUL, Activation
-from .backends.catalog import LayerTraits
-from .backends.resolver import resolve
-from .backends.runners import build_runner
 from .graphs import run_branches
 from .placement import Placement
 from .routing import RoutingSpec, router_logits
+from .runners.resolver import build_runner, resolve
+from .runners.spec import LayerTraits
 from .weights import NATIVE, ExpertWeights, WeightFormat
 
 # FusedMoE's expert tensors (transformers' names) and the ExpertWeights fields they fill

@@ -5,28 +5,23 @@ are spread over. One value per model, handed to every MoE layer it builds (`Fuse
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import torch
 
-from .backends.catalog import ModelContext
+from .context import ModelContext
+from .parallel import OutputLayout, ParallelGroups, local_sizes, shard_state
 from .platform import Platform
 from .weights import NATIVE, ExpertWeights, WeightFormat
-
-if TYPE_CHECKING:
-    from .parallel import ParallelGroups
 
 
 @dataclass(frozen=True)
 class Placement:
-    backend: str = "auto"  # "auto" or a backend's name (moe_triton.backends.catalog)
+    backend: str = "auto"  # "auto" or a backend's name (moe_triton.runners)
     context: ModelContext = field(default_factory=ModelContext)  # what the checkpoint tells backend choice
     parallel: ParallelGroups | None = None  # experts sharded over ranks (moe_triton.parallel); None: one device
     platform: Platform | None = None  # where the layer runs; None: detected from the weights' device
 
     def __post_init__(self):
-        from .parallel import OutputLayout
-
         if self.parallel is not None and self.parallel.spec.output is not OutputLayout.FULL:
             raise ValueError(f"parallel.spec.output is {self.parallel.spec.output.value}; a MoE layer returns every "
                              "token's full row (shared experts and the residual add to it): use OutputLayout.FULL, "
@@ -40,8 +35,6 @@ class Placement:
         """(experts, intermediate size) one rank holds: all of them on one device."""
         if self.parallel is None:
             return num_experts, intermediate_size
-        from .parallel import local_sizes
-
         return local_sizes(num_experts, intermediate_size, self.parallel.spec, self.parallel.rank, weight_format)
 
     def cut_shard(self, state: dict[str, torch.Tensor], names: dict[str, str], local: ExpertWeights,
@@ -49,6 +42,4 @@ class Placement:
         """Full-size expert tensors in `state` (ExpertWeights fields -> keys in `names`; the layer's
         (E, I) = `sizes`) -> this rank's shard, laid out as `local`, in place."""
         if self.parallel is not None:
-            from .parallel import shard_state
-
             shard_state(state, names, local, sizes, self.parallel.spec, self.parallel.rank)

@@ -16,7 +16,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-# The FlashInfer release whose published API backends/flashinfer.py follows; older ones lack
+# The FlashInfer release whose published API runners/flashinfer.py follows; older ones lack
 # the prepare helpers and the (topk_ids, topk_weights) routed form it uses.
 FLASHINFER_MIN_VERSION = (0, 7, 2)
 FLASHINFER_READ_VERSION = "0.7.2.post1"
@@ -129,7 +129,7 @@ def detect_platform(device: torch.device | str | None = None) -> Platform:
 
 def named_platform(name: str) -> Platform:
     """`sm90`, `sm100`, `sm103`, `sm110`, `sm120` ... or `cpu`; FlashInfer is assumed installed at the
-    version backends/flashinfer.py follows, so the answer shows what a fully equipped machine gets."""
+    version runners/flashinfer.py follows, so the answer shows what a fully equipped machine gets."""
     if not isinstance(name, str):
         raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100")
     name = name.strip().lower()

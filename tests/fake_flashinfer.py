@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe_triton.backends.flashinfer import FlashInferModules
+from moe_triton.runners.flashinfer import FlashInferModules
 
 # ---- flashinfer.tllm_enums (0.7.2.post1: each member's value is its position, from 0) --------------
 

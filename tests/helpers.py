@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from moe_triton.backends.quantization import QuantFormat
+from moe_triton.quant_config import QuantFormat
 
 # ---- comparing and poisoning -------------------------------------------------------------------
 

@@ -149,7 +149,7 @@ def test_triton_on_a_tp_shard_with_an_odd_slice():
 
 def test_backend_padding_applies_per_partition():
     """Shard first, then pad I/tp to the backend's multiple (7688 / 8 = 961 in the field): still exact."""
-    from moe_triton.backends.padding import pad_experts
+    from moe_triton.runners.padding import pad_experts
 
     x, w13, w2, ids, weights = _layer(4, 2, 16, 30, Activation())
     spec = ParallelSpec(tp_size=2)
@@ -409,8 +409,8 @@ def test_gradients_are_refused_not_detached(spec):
 
 
 def test_resolver_keeps_flashinfer_off_sharded_experts():
-    from moe_triton.backends import ExpertBackend, ModelContext, resolve
     from moe_triton.platform import Platform
+    from moe_triton.runners import ExpertBackend, ModelContext, resolve
 
     blackwell = Platform("cuda", (10, 0), "0.7.2")
     whole = ModelContext("Cohere2MoeForCausalLM")  # its rule picks a FlashInfer path on Blackwell

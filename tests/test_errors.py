@@ -26,9 +26,9 @@ from moe_triton import (
     route_torch,
     softmax_topk,
 )
-from moe_triton.backends import LayerTraits, ModelContext, experts_quantization
-from moe_triton.backends.quantization import QuantFormat
 from moe_triton.platform import Platform
+from moe_triton.quant_config import QuantFormat
+from moe_triton.runners import LayerTraits, ModelContext, experts_quantization
 from moe_triton.tools.cli import main
 
 CPU_INTERPRETED = Platform("cpu", interpreter=True)
@@ -491,7 +491,7 @@ def test_load_model_bf16_on_the_interpreter_runs_on_torch(qwen3_checkpoint):
 # ---- the torch fallback says so ---------------------------------------------------------------------
 
 def fallback_warnings(build):
-    from moe_triton.backends import runners
+    from moe_triton.runners import runner as runners
 
     runners.warn_fallback.cache_clear()
     with warnings.catch_warnings(record=True) as caught:

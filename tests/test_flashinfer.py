@@ -1,4 +1,4 @@
-"""backends/flashinfer.py: every argument and the weight preparation, against checkers that stand in
+"""runners/flashinfer.py: every argument and the weight preparation, against checkers that stand in
 for FlashInfer's entry points with the signatures flashinfer-python 0.7.2.post1 publishes
 (tests/fake_flashinfer.py). These paths are unverified on hardware: see the module docstring."""
 import sys
@@ -19,9 +19,9 @@ from moe_triton import (
     Scoring,
     SelectOn,
 )
-from moe_triton.backends.flashinfer import import_flashinfer, prepare_experts, up_gate
-from moe_triton.backends.quantization import QuantFormat
 from moe_triton.platform import Platform
+from moe_triton.quant_config import QuantFormat
+from moe_triton.runners.flashinfer import import_flashinfer, prepare_experts, up_gate
 
 SM100 = Platform("cuda", (10, 0), "0.7.2.post1")
 SM90 = Platform("cuda", (9, 0), "0.7.2.post1")

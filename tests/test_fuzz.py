@@ -52,7 +52,7 @@ from moe_triton import (
     topk_sigmoid,
     topk_softmax,
 )
-from moe_triton.backends.quantization import ExpertsQuantization, QuantFormat, experts_quantization
+from moe_triton.quant_config import ExpertsQuantization, QuantFormat, experts_quantization
 from moe_triton.routing import router_logits, topk_weights_torch
 
 SCALE = int(os.environ.get("MOE_TRITON_FUZZ_SCALE", "1"))
@@ -1012,7 +1012,7 @@ def test_quantization_reader_never_raises_on_random_json():
 
 def test_checkpoint_format_refuses_in_one_line_or_reads():
     """The loader's reader raises only a ValueError (naming the key) on any JSON, and reads the valid ones."""
-    from moe_triton.backends.quantization import CheckpointFormat, checkpoint_format
+    from moe_triton.quant_config import CheckpointFormat, checkpoint_format
 
     def case(rng):
         config = random_json(rng)

@@ -19,8 +19,8 @@ from moe_triton import (
     fused_experts_torch,
     route_torch,
 )
-from moe_triton.backends import SPECS, ExpertBackend, ExpertsRunner, register_backend
 from moe_triton.platform import Platform
+from moe_triton.runners import SPECS, ExpertBackend, ExpertsRunner, register_backend
 
 E, K, H, I = 8, 2, 32, 24
 

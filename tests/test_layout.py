@@ -36,10 +36,114 @@ def test_the_library_never_imports_the_tools_room(path):
 
 def test_the_import_check_sees_relative_imports():
     assert "moe_triton.tools.bench" in imported_modules(ROOT / "moe_triton" / "tools" / "cli.py")
-    assert "moe_triton.backends.runners.build_runner" in imported_modules(ROOT / "moe_triton" / "layer.py")
+    assert "moe_triton.runners.resolver.build_runner" in imported_modules(ROOT / "moe_triton" / "layer.py")
 
 
 def test_the_layer_has_no_backend_or_format_branch():
     source = (ROOT / "moe_triton" / "layer.py").read_text()
     for word in ("ExpertBackend", "flashinfer", "FLASHINFER", "TORCH", "TRITON", "fp8", "FP8", "WeightFormat."):
         assert word not in source, f"layer.py names {word}: backend and format specifics belong in a runner"
+
+
+# ---- one direction through the house ------------------------------------------------------------
+
+# Bottom to top. A module imports only from its own layer or below (imports inside functions and
+# under TYPE_CHECKING count too); within a layer the imports form no cycle. The package's
+# __init__ (the public names) and __main__ sit above every layer.
+LAYERS = [
+    ("foundation", ["moe_triton.platform", "moe_triton.launch", "moe_triton.graphs"]),
+    ("specs", ["moe_triton.weights", "moe_triton.checks", "moe_triton.quant_config", "moe_triton.context"]),
+    ("stages", ["moe_triton.activation", "moe_triton.routing", "moe_triton.expand", "moe_triton._expand_kernels",
+                "moe_triton.config", "moe_triton.quantize", "moe_triton.expert_gemm", "moe_triton.finalize",
+                "moe_triton.reference"]),
+    ("pipeline", ["moe_triton.fused_moe"]),
+    ("parallel", ["moe_triton.parallel"]),
+    ("placement", ["moe_triton.placement"]),
+    ("runners", ["moe_triton.runners"]),
+    ("layer", ["moe_triton.layer"]),
+    ("integrations", ["moe_triton.integrations"]),
+    ("models", ["moe_triton.models"]),
+    ("tools", ["moe_triton.tools"]),
+]
+TOP = ("moe_triton", "moe_triton.__main__")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in ("models", "graphs"):
+        parts.insert(0, "moe_triton")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+SOURCES = {module_name(path): path for folder in ("moe_triton", "models", "graphs")
+           for path in (ROOT / folder).rglob("*.py")}
+
+
+def layer_of(module: str) -> int | None:
+    """The index of `module`'s layer (None: the package's top, or not ours)."""
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return index
+    return None
+
+
+def imported_sources(path: Path, package: str) -> set[str]:
+    """Our modules `path` imports: `from . import checks` is moe_triton.checks, not the package."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in SOURCES else module
+                     for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in SOURCES:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def import_edges() -> dict[str, set[str]]:
+    """Our module -> the modules of ours it imports (names resolved to the module that defines them)."""
+    edges = {}
+    for module, path in SOURCES.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges[module] = imported_sources(path, package) - {module}
+    return edges
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(m for m in SOURCES if m not in TOP and layer_of(m) is None)
+    assert not unplaced, f"modules in no layer of LAYERS: {unplaced}"
+
+
+def test_imports_flow_down_the_layers():
+    upward = [f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+              for source, targets in import_edges().items() if source not in TOP
+              for target in targets if target not in TOP and layer_of(target) > layer_of(source)]
+    assert not upward, "imports against the layer order:\n" + "\n".join(sorted(upward))
+    into_top = sorted(f"{s} imports {t}" for s, ts in import_edges().items() if s not in TOP for t in ts if t in TOP)
+    assert not into_top, f"library modules import the package's public face: {into_top}"
+
+
+def test_the_imports_hold_no_cycle():
+    edges, state, cycles = import_edges(), {}, []
+
+    def visit(module, stack):
+        state[module] = "open"
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target, stack + [target])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

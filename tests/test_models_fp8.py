@@ -47,8 +47,8 @@ from helpers import (
 from safetensors.torch import load_file
 
 from moe_triton import FusedMoE, ModelContext, Placement, WeightFormat
-from moe_triton.backends.quantization import checkpoint_format
 from moe_triton.models import default_dtype, load_model
+from moe_triton.quant_config import checkpoint_format
 from moe_triton.weights import FP8_DTYPE
 
 LOGITS_TOL = 0.05
@@ -445,7 +445,7 @@ def test_nemotron_h_i961_padded_for_a_16_aligned_backend_gives_the_same_output(n
     here): a stand-in backend with that multiple pads up_proj and its per-row scales to 976."""
     from dataclasses import replace
 
-    from moe_triton.backends import SPECS
+    from moe_triton.runners import SPECS
 
     monkeypatch.setitem(SPECS, "torch_pad16", replace(SPECS["torch"], backend="torch_pad16", intermediate_multiple=16))
     config, tensors, x, expected = nemotron_961
@@ -464,8 +464,8 @@ def test_nemotron_h_7688_over_8_ranks_is_961_each_and_padded_sums_to_the_whole()
     their rows) padded to 976, and the eight partial outputs sum to the whole layer's."""
     from moe_triton import fused_experts_torch
     from moe_triton.activation import Activation, ActivationKind
-    from moe_triton.backends.padding import pad_expert_weights
     from moe_triton.parallel import ParallelSpec, shard_expert_weights
+    from moe_triton.runners.padding import pad_expert_weights
 
     config, reference = nemotron_h(7688, experts=2)
     x = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
@@ -512,7 +512,7 @@ def test_nemotron_h_modelopt_fp8_on_the_gpu_padded_or_not(nemotron_961, monkeypa
     and padded for a 16-aligned backend (a Triton stand-in with that multiple), against transformers."""
     from dataclasses import replace
 
-    from moe_triton.backends import SPECS
+    from moe_triton.runners import SPECS
 
     monkeypatch.setitem(SPECS, "triton_pad", replace(SPECS["triton"], backend="triton_pad", intermediate_multiple=multiple))
     config, tensors, x, expected = nemotron_961

@@ -1,4 +1,4 @@
-"""backends/padding.py: zero-padding I is exact, on the torch reference and on the Triton pipeline
+"""runners/padding.py: zero-padding I is exact, on the torch reference and on the Triton pipeline
 (interpreter), for gated and non-gated experts; the multiple comes from the resolved backend."""
 import pytest
 import torch
@@ -14,7 +14,7 @@ from moe_triton import (
     fused_experts_torch,
     pad_experts,
 )
-from moe_triton.backends import SPECS, ExpertBackend, padded_size
+from moe_triton.runners import SPECS, ExpertBackend, padded_size
 
 RELU2 = Activation(ActivationKind.RELU2)
 # I = 961 is NemotronH FP8's moe_intermediate_size 7688 at tensor-parallel 8.

@@ -1,4 +1,4 @@
-"""backends/quantization.py: the experts' format from quantization configs in the shapes real checkpoints
+"""quant_config.py: the experts' format from quantization configs in the shapes real checkpoints
 write (the table, QUANT_CONFIGS, is in helpers.py: test_resolver.py runs its rules over it too), and the
 exact FP8 format the loader holds them in (`checkpoint_format`), from the published configs."""
 import json
@@ -18,7 +18,7 @@ from helpers import (
 )
 
 from moe_triton import WeightFormat
-from moe_triton.backends.quantization import QuantFormat, checkpoint_format, config_group_formats, experts_quantization
+from moe_triton.quant_config import QuantFormat, checkpoint_format, config_group_formats, experts_quantization
 from moe_triton.weights import NATIVE
 
 
@@ -112,7 +112,7 @@ def test_config_group_formats_lists_every_group():
 
 
 def test_model_context_reads_a_modelopt_hf_quant_config_file(tmp_path):
-    from moe_triton.backends import ModelContext
+    from moe_triton.runners import ModelContext
 
     (tmp_path / "hf_quant_config.json").write_text(json.dumps(MODELOPT_FP8_FILE))
     context = ModelContext.from_config({"architectures": ["X"]}, tmp_path)

@@ -1,4 +1,4 @@
-"""backends/resolver.py (with rules.py and catalog.py): every rule, with the platform faked.
+"""runners/resolver.py (with rules.py and catalog.py): every rule, with the platform faked.
 
 SM90 is the H200; SM100/SM103 Blackwell datacenter parts (trtllm-gen); SM110 and SM120 newer parts
 no rule pins. FlashInfer counts as installed unless a test says otherwise.
@@ -23,10 +23,10 @@ from moe_triton import (
     Scoring,
     resolve,
 )
-from moe_triton.backends import RULES, ExpertBackend, LayerTraits
-from moe_triton.backends.resolver import parse_backend
-from moe_triton.backends.rules import rule
 from moe_triton.platform import Platform
+from moe_triton.runners import RULES, ExpertBackend, LayerTraits
+from moe_triton.runners.resolver import parse_backend
+from moe_triton.runners.rules import rule
 from moe_triton.tools.cli import main
 
 FI = "0.7.2.post1"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_triton import ExpertWeights, Fp8Scaling, WeightFormat
-from moe_triton.backends.padding import pad_expert_weights
+from moe_triton.runners.padding import pad_expert_weights
 from moe_triton.weights import FP8_DTYPE, FP8_MAX, per_tensor_rows
 
 E, H, I = 3, 72, 61  # I not a multiple of any block: partial blocks at the edges

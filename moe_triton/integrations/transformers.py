@@ -24,7 +24,7 @@ from torch import nn
 
 from .. import platform as platforms
 from ..activation import Activation, ActivationKind
-from ..backends.catalog import ModelContext
+from ..context import ModelContext
 from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
 from ..placement import Placement
@@ -185,7 +185,7 @@ def _nemotron_h(block) -> dict:
 def from_transformers(block: nn.Module, backend: str = "auto", context: ModelContext | None = None) -> FusedMoE:
     """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies unless the
     resolved backend pads or prepares them). `context` tells backend choice the model's
-    architecture, quantization config, all-to-all and LoRA (see backends/resolver.py)."""
+    architecture, quantization config, all-to-all and LoRA (see runners/resolver.py)."""
     name = type(block).__name__
     if name not in _ADAPTERS:
         raise ValueError(f"from_transformers does not know {name}; supported blocks: {sorted(_ADAPTERS)}")

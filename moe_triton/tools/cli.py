@@ -43,7 +43,7 @@ def _runs_on_cpu(args) -> bool:
 def bench(args) -> int:
     from tqdm import tqdm
 
-    from .. import fused_experts
+    from ..fused_moe import fused_experts
     from .bench import (
         capture_graph,
         floor_seconds,
@@ -103,8 +103,8 @@ def _read_config(path: Path) -> tuple[dict, Path | None]:
 
 def resolve_backend(args) -> int:
     from .. import platform as platforms
-    from ..backends import ModelContext, experts_quantization, resolve
-    from ..backends.quantization import config_group_formats
+    from ..quant_config import config_group_formats
+    from ..runners import ModelContext, resolve
 
     try:
         config, model_dir = _read_config(Path(args.model))
@@ -120,7 +120,7 @@ def resolve_backend(args) -> int:
     else:
         where = f"{platform} (this machine; FlashInfer {platform.flashinfer or 'not installed'})"
     print(f"model:         {context.architecture} ({args.model})")
-    print(f"quantization:  {experts_quantization(context.quant_config)}")
+    print(f"quantization:  {context.quantization.experts}")
     for group, detail in config_group_formats(context.quant_config):
         print(f"  {group}: {detail}")
     print(f"experts held:  {_experts_format(context)}")
@@ -251,7 +251,7 @@ def _platform(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     from .. import platform as platforms
-    from ..backends.catalog import ALL_TO_ALL_BACKENDS, ExpertBackend
+    from ..runners.spec import ALL_TO_ALL_BACKENDS, ExpertBackend
 
     parser = _Parser(prog="moe-triton", description="Triton MoE expert layer tools")
     commands = parser.add_subparsers(dest="command", required=True)

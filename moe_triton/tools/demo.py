@@ -169,10 +169,9 @@ def _reference(path: Path, dtype, device):
 
 
 def _is_fp8_checkpoint(path: Path) -> bool:
-    from ..backends import ModelContext
-    from ..backends.quantization import checkpoint_format
+    from ..runners import ModelContext
 
-    return checkpoint_format(ModelContext.from_config(json_config(path), path).quant_config).method == "fp8"
+    return ModelContext.from_config(json_config(path), path).quantization.checkpoint_format().method == "fp8"
 
 
 def check_reference_packages(options: DemoOptions) -> None:

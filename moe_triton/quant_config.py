@@ -19,6 +19,7 @@ mapping, num_bits an integer, regexes that compile, ...): a config that departs 
 UNREADABLE with the reason, never a crash and never a guess (`"targets": "Linear"` is not read as
 "no group targets the experts").
 
+`read_quantization` reads a config once into both answers (a model's `ModelContext.quantization`).
 `checkpoint_format` reads the same configs for the loader: the experts' exact `WeightFormat` and the
 names their scales go by. It raises a ValueError naming the config key when the experts' format is
 one the FP8 kernels do not run (an unknown strategy, weight-only FP8, static block activations).
@@ -31,7 +32,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..weights import NATIVE, WeightFormat
+from .weights import NATIVE, WeightFormat
 
 
 class QuantFormat(enum.Enum):
@@ -409,3 +410,30 @@ def _ct_block(name: str, group) -> tuple[int, int] | None:
     if not isinstance(weights, Mapping) or weights.get("strategy") != "block":
         return None
     return _block_format(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure").block
+
+
+# ---- both answers, read once per model -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Quantization:
+    """A quantization_config read once: the experts' coarse kind for backend rules, and the exact
+    layout the loader needs (or why the FP8 kernels cannot run it)."""
+
+    experts: ExpertsQuantization  # never unknown: UNREADABLE with the reason when the config departs
+    checkpoint: CheckpointFormat | None  # None: the loader cannot read it (`error` says why)
+    error: str | None = None
+
+    def checkpoint_format(self) -> CheckpointFormat:
+        """The loader's layout; a ValueError naming the config key when there is none."""
+        if self.checkpoint is None:
+            raise ValueError(self.error)
+        return self.checkpoint
+
+
+def read_quantization(quant_config) -> Quantization:
+    """`quant_config` (a checkpoint's quantization_config, or None) read for rules and the loader."""
+    experts = experts_quantization(quant_config)
+    try:
+        return Quantization(experts, checkpoint_format(quant_config))
+    except ValueError as error:
+        return Quantization(experts, None, str(error))

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..context import ModelContext
 from ..platform import Platform
-from .catalog import ExpertBackend, ModelContext
-from .quantization import QuantFormat, experts_quantization
+from ..quant_config import QuantFormat
+from .spec import ExpertBackend
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def rule_for(architecture: str | None) -> Rule | None:
 def cohere2_moe(platform: Platform, context: ModelContext) -> Decision:
     if platform.sm not in _BLACKWELL:
         return Decision(None, f"the fused trtllm-gen path is pinned on SM100/SM103 only, not {platform}")
-    quant = experts_quantization(context.quant_config)
+    quant = context.quantization.experts
     if quant.format in (QuantFormat.NONE, QuantFormat.NVFP4):
         return Decision(ExpertBackend.FLASHINFER_TRTLLM, f"{quant} on {platform}: trtllm-gen fuses routing and experts")
     if quant.format is QuantFormat.FP8:
@@ -62,7 +63,7 @@ def cohere2_moe(platform: Platform, context: ModelContext) -> Decision:
 def minimax_m2(platform: Platform, context: ModelContext) -> Decision:
     if platform.sm not in _BLACKWELL:
         return Decision(None, f"the routed trtllm-gen path is pinned on SM100/SM103 only, not {platform}")
-    quant = experts_quantization(context.quant_config)
+    quant = context.quantization.experts
     if quant.format is QuantFormat.NVFP4 and quant.method == "modelopt":
         return Decision(ExpertBackend.FLASHINFER_TRTLLM_ROUTED,
                         f"{quant} on {platform}: trtllm-gen on our sigmoid + correction-bias top-k, "

@@ -1,6 +1,6 @@
 """Backend runners: how one backend runs a layer's experts, built once from the layer's `Resolution`.
 
-    runner = build_runner(resolution, layer, placement)
+    runner = build_runner(resolution, layer, placement)  # resolver.py
     weights = runner.prepare(weights)            # once, after loading: padding, a backend's own view
     out = runner(weights, x, router_logits, bias)  # route (or let the kernel route), experts -> fresh [T, H]
 
@@ -10,32 +10,20 @@ backend is one runner class and one catalog entry (`BackendSpec(runner=...)`).
 """
 from __future__ import annotations
 
-import functools
-import logging
-import warnings
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..activation import Activation
+from ..context import ModelContext
 from ..fused_moe import run_experts
+from ..parallel import ParallelGroups, parallel_experts
 from ..reference import fused_experts_torch
 from ..routing import RoutingSpec, route, route_torch
 from ..weights import ExpertWeights
 from .padding import pad_expert_weights
+from .spec import BackendSpec, LayerTraits
 
-if TYPE_CHECKING:
-    from ..parallel import ParallelGroups
-    from ..placement import Placement
-    from .catalog import BackendSpec, LayerTraits, ModelContext
-    from .resolver import Resolution
-
-logger = logging.getLogger("moe_triton")
-
-# torch.compile traces the runner a layer calls. Dynamo's skip list holds the path fragment
-# "triton/backends" (Triton's own backends), which matches this folder, moe_triton/backends/:
-# without this mark every runner method would be skipped and break the graph.
-traced = torch._dynamo.dont_skip_tracing
+# The folder is moe_triton/runners/, not .../backends/: Dynamo skips every path holding
+# "triton/backends" (Triton's own), which would break the graph at each runner method.
 
 
 @torch.library.custom_op("moe_triton::not_compile_safe", mutates_args=())
@@ -76,7 +64,6 @@ class ExpertsRunner:
         """The weights this backend runs on: I zero-padded to its multiple (the same object when aligned)."""
         return pad_expert_weights(weights, self.spec.intermediate_multiple)
 
-    @traced
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
         """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32."""
         return route(router_logits, self.routing, correction_bias)
@@ -86,7 +73,6 @@ class ExpertsRunner:
         """The routed experts on a given top-k: (T, H) -> a fresh (T, H) in hidden_states' dtype."""
         raise NotImplementedError
 
-    @traced
     def __call__(self, weights: ExpertWeights, hidden_states: torch.Tensor, router_logits: torch.Tensor,
                  correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(router_logits, correction_bias)  # [T, K] each
@@ -96,7 +82,6 @@ class ExpertsRunner:
 class TritonRunner(ExpertsRunner):
     """Our pipeline, stage by stage (fused_moe.run_experts; its registered op under torch.compile)."""
 
-    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=self.activation)
 
@@ -105,11 +90,9 @@ class TorchRunner(ExpertsRunner):
     """The float32 reference, routing included, cast back to the input dtype; FP8 weights are
     dequantized (activations are not quantized: this is what the FP8 weights stand for)."""
 
-    @traced
     def route(self, router_logits, correction_bias):
         return route_torch(router_logits, self.routing, correction_bias)
 
-    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         w13, w2 = weights.dequantized()
         if weights.format.fp8 is not None:  # as on triton: no gradient for e4m3 weights or their scales
@@ -138,37 +121,7 @@ class ParallelRunner(ExpertsRunner):
     def route(self, router_logits, correction_bias):
         return self.local.route(router_logits, correction_bias)
 
-    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        from ..parallel import parallel_experts
-
         if torch.compiler.is_compiling():
             return refuse_compile(hidden_states, "moe_triton.parallel (expert / tensor parallel experts)")
         return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups, experts=self.local.experts)
-
-
-@functools.lru_cache(maxsize=None)
-def _log_resolution(resolution: Resolution) -> None:
-    # once per distinct resolution per process, not once per layer of a 60-layer model
-    logger.info("moe_triton experts backend: %s", resolution)
-
-
-@functools.lru_cache(maxsize=None)
-def warn_fallback(reason: str) -> None:
-    """Falling back to the torch reference is said where users look: a warning, once per process and reason."""
-    warnings.warn(f"moe_triton: the experts run on the torch reference backend, not the Triton kernels: {reason}",
-                  stacklevel=2)
-
-
-def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placement) -> ExpertsRunner:
-    """The resolved backend's runner, inside the parallel dispatch when the placement shards the experts."""
-    from .catalog import SPECS
-
-    _log_resolution(resolution)
-    if resolution.torch_fallback:
-        warn_fallback(resolution.reason)
-    spec = SPECS[resolution.backend]
-    runner = spec.runner(spec, layer, placement.resolution_context())
-    if placement.parallel is None:
-        return runner
-    return ParallelRunner(runner, placement.parallel)

@@ -7,15 +7,25 @@
       -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on and
                   computes the layer's dtype correctly (not bf16: catalog.py)
 
-Called once when a layer is built; the `Resolution` is logged and kept as `layer.resolution`.
+Called once when a layer is built; the `Resolution` is logged and kept as `layer.resolution`, and
+`build_runner` makes the resolved backend's runner.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import warnings
 from dataclasses import dataclass
 
+from ..context import ModelContext
+from ..placement import Placement
 from ..platform import Platform, interpreter_hint
-from .catalog import SPECS, ExpertBackend, LayerTraits, ModelContext, unsupported_reason
+from .catalog import SPECS, unsupported_reason
 from .rules import rule_for
+from .runner import ExpertsRunner, ParallelRunner
+from .spec import ExpertBackend, LayerTraits
+
+logger = logging.getLogger("moe_triton")
 
 AUTO = "auto"
 EXPLICIT = "explicit request"
@@ -99,3 +109,28 @@ def resolve(requested: str, platform: Platform, context: ModelContext = ModelCon
         return Resolution(default, AUTO, rule.name, f"would pick {decision.backend} ({decision.reason}), "
                                                     f"but {blocked}; keeps {default}", platform)
     return Resolution(decision.backend, AUTO, rule.name, decision.reason, platform)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_resolution(resolution: Resolution) -> None:
+    # once per distinct resolution per process, not once per layer of a 60-layer model
+    logger.info("moe_triton experts backend: %s", resolution)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_fallback(reason: str) -> None:
+    """Falling back to the torch reference is said where users look: a warning, once per process and reason."""
+    warnings.warn(f"moe_triton: the experts run on the torch reference backend, not the Triton kernels: {reason}",
+                  stacklevel=2)
+
+
+def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placement) -> ExpertsRunner:
+    """The resolved backend's runner, inside the parallel dispatch when the placement shards the experts."""
+    _log_resolution(resolution)
+    if resolution.torch_fallback:
+        warn_fallback(resolution.reason)
+    spec = SPECS[resolution.backend]
+    runner = spec.runner(spec, layer, placement.resolution_context())
+    if placement.parallel is None:
+        return runner
+    return ParallelRunner(runner, placement.parallel)

@@ -37,10 +37,10 @@ import torch
 
 from .. import checks
 from ..activation import Activation, ActivationKind
+from ..quant_config import QuantFormat
 from ..routing import RoutingSpec, Scoring, SelectOn
 from ..weights import ExpertWeights
-from .quantization import QuantFormat, experts_quantization
-from .runners import ExpertsRunner, refuse_compile, traced
+from .runner import ExpertsRunner, refuse_compile
 
 _ACTIVATION_TYPE = {ActivationKind.SILU_AND_MUL: "Swiglu", ActivationKind.RELU2: "Relu2"}  # tllm_enums.ActivationType
 _ACTIVATION_CONFIG = {ActivationKind.SILU_AND_MUL: "SwiGLU", ActivationKind.RELU2: "ReLU2"}  # fused_moe's typed values
@@ -122,12 +122,11 @@ class FlashInferRunner(ExpertsRunner):
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
         weights = super().prepare(weights)  # padded to the spec's multiple first
         self.fi = import_flashinfer()
-        quant = experts_quantization(self.context.quant_config).format
+        quant = self.context.quantization.experts.format
         self.prepared = prepare_experts(self.weights_config(quant), weights.w13, weights.w2, self.activation, quant,
                                         self.fi)
         return weights
 
-    @traced
     def check_input(self, hidden_states: torch.Tensor, *tensors: torch.Tensor) -> None:
         """`tensors`: the call's other inputs, which must not need gradients either."""
         if torch.compiler.is_compiling():  # FlashInfer's entry points have not been traced through
@@ -147,7 +146,6 @@ class TrtllmRoutedRunner(FlashInferRunner):
     def weights_config(self, quant):
         return "TrtllmFp4Config" if quant is QuantFormat.NVFP4 else "TrtllmBf16Config"
 
-    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         self.check_input(hidden_states, topk_weights, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:
@@ -162,7 +160,6 @@ class TrtllmRunner(TrtllmRoutedRunner):
         raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: call the layer, "
                          "or use flashinfer_trtllm_routed to run it on a given top-k")
 
-    @traced
     def __call__(self, weights, hidden_states, router_logits, correction_bias=None):
         self.check_input(hidden_states, router_logits, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:
@@ -176,7 +173,6 @@ class CutlassRunner(FlashInferRunner):
     def weights_config(self, quant):
         return "CutlassBf16Config"
 
-    @traced
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         self.check_input(hidden_states, topk_weights, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:

@@ -1,23 +1,18 @@
-"""The expert backends and what each can run: one `BackendSpec` per backend, one support check.
+"""The backends' table and the one support check: each built-in `BackendSpec` with its runner.
 
 `unsupported_reason` is the only place that decides whether a backend can run a layer here; the
 resolver asks it about explicit requests (an answer means a ValueError at construction) and about
 a rule's pick (an answer means the default stays, with that reason). A spec names its runner
-(backends/runners.py), which the layer builds once and calls; the padding a kernel needs is part
-of the spec (`intermediate_multiple`), applied by the runner after loading. A new backend is one
-runner class and one `BackendSpec` passed to `register_backend`.
+(runner.py, flashinfer.py), which the layer builds once and calls; the padding a kernel needs is
+part of the spec (`intermediate_multiple`), applied by the runner after loading. A new backend is
+one runner class and one `BackendSpec` passed to `register_backend`.
 """
 from __future__ import annotations
 
-import enum
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
-from ..activation import Activation, ActivationKind
+from ..activation import ActivationKind
+from ..context import ModelContext
 from ..platform import (
     FLASHINFER_MIN_VERSION,
     INTERPRETER_DOT_DTYPES,
@@ -25,108 +20,11 @@ from ..platform import (
     interpreter_dot_reason,
     interpreter_hint,
 )
-from ..routing import RoutingSpec
-from ..weights import NATIVE, Fp8Scaling, WeightFormat
+from ..quant_config import QuantFormat
+from ..weights import Fp8Scaling
 from .flashinfer import CutlassRunner, TrtllmRoutedRunner, TrtllmRunner, fused_routing_method
-from .quantization import QuantFormat, checkpoint_format, experts_quantization
-from .runners import TorchRunner, TritonRunner
-
-
-class ExpertBackend(str, enum.Enum):
-    """The built-in backends; a member equals its name string, so registered backends sit beside them."""
-
-    TRITON = "triton"  # our pipeline (routing, expand, GEMMs, activation, finalize)
-    TORCH = "torch"  # the float32 reference, cast back to the input dtype
-    FLASHINFER_TRTLLM = "flashinfer_trtllm"  # trtllm-gen: routing from logits + experts, one fused path
-    FLASHINFER_TRTLLM_ROUTED = "flashinfer_trtllm_routed"  # trtllm-gen on our precomputed top-k
-    FLASHINFER_CUTLASS = "flashinfer_cutlass"  # FlashInfer's CUTLASS fused MoE on our top-k
-
-    def __str__(self) -> str:
-        return self.value
-
-
-# The expert-parallel all-to-all backends serving engines name (vLLM's --all2all-backend, SGLang's
-# --moe-a2a-backend): the values `moe-triton resolve --all-to-all` accepts.
-ALL_TO_ALL_BACKENDS = ("naive", "allgather_reducescatter", "pplx", "deepep", "deepep_high_throughput",
-                       "deepep_low_latency", "flashinfer_all2allv", "mooncake")
-
-
-@dataclass(frozen=True)
-class ModelContext:
-    """What the model (not the layer) tells backend choice, and the MoE layers a model family builds."""
-
-    architecture: str | None = None  # config.architectures[0], e.g. "Cohere2MoeForCausalLM"
-    quant_config: object = None  # the checkpoint's quantization_config, as read from config.json
-    all_to_all: str | None = None  # expert-parallel all-to-all backend ("deepep", ...), None without one
-    lora: bool = False  # LoRA adapters on the experts
-    sharded_experts: bool = False  # experts split over ranks by moe_triton.parallel (FusedMoE(parallel=...))
-
-    @classmethod
-    def from_config(cls, config: Mapping, model_dir: Path | None = None, *, all_to_all: str | None = None,
-                    lora: bool = False) -> "ModelContext":
-        """From a checkpoint's config.json; a quantization kept only in model_dir/hf_quant_config.json
-        (ModelOpt's export) is read from there as a ModelOpt config, or recorded as that file's name,
-        which reads as unreadable, when the file is not a JSON object."""
-        architectures = config.get("architectures") or [None]
-        if not isinstance(architectures, list) or not all(isinstance(a, (str, type(None))) for a in architectures):
-            raise ValueError(f"config.json's architectures must be a list of class names, got {architectures!r}")
-        quant = config.get("quantization_config")
-        if quant is None and model_dir is not None and (model_dir / "hf_quant_config.json").exists():
-            quant = _modelopt_file(model_dir / "hf_quant_config.json")
-        return cls(architectures[0], quant, all_to_all, lora)
-
-
-    def experts_format(self) -> WeightFormat:
-        """The routed experts' WeightFormat under the checkpoint's quantization config (what a family builds
-        its FusedMoE layers with); a ValueError naming the config key when the FP8 kernels cannot run it."""
-        return checkpoint_format(self.quant_config).experts
-
-
-def _modelopt_file(path: Path):
-    """hf_quant_config.json ({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": ...}}) as a
-    ModelOpt quantization_config; its file name when it is not a JSON object (unreadable, fail closed)."""
-    try:
-        content = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return path.name
-    return {"quant_method": "modelopt", **content} if isinstance(content, dict) else path.name
-
-
-@dataclass(frozen=True)
-class LayerTraits:
-    """What the layer itself requires of a backend (and what its runner is built with)."""
-
-    hidden_size: int  # the experts' H
-    dtype: torch.dtype  # the activations' dtype (the weights' too, unless `format` quantizes them)
-    activation: Activation
-    routing: RoutingSpec
-    format: WeightFormat = NATIVE  # how the expert weights are stored
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    backend: str  # its name: an ExpertBackend member, or any string for a registered backend
-    sms: frozenset[int] | None  # CUDA compute capabilities it runs on; None: any
-    on_cpu: str | None  # "always", "interpreter" (Triton's CPU interpreter), or None: never
-    flashinfer: bool  # needs FlashInfer installed
-    expert_formats: frozenset[QuantFormat] | None  # checkpoint expert formats it accepts; None: any
-    all_to_all: frozenset[str | None] | None  # all-to-all backends it has a registration for; None: any
-    lora: bool
-    dtypes: tuple[torch.dtype, ...]
-    activations: frozenset[ActivationKind] | None  # None: every kind
-    intermediate_multiple: int  # the per-partition I must be a multiple of this; padded after loading
-    hidden_multiple: int  # H must be a multiple of this (H is never padded)
-    fused_router: bool  # routes from the router logits inside the kernel
-    runner: type  # the ExpertsRunner subclass that runs it (backends/runners.py)
-    weight_formats: frozenset[Fp8Scaling | None] = frozenset({None})  # WeightFormat.fp8 values it runs (None: unquantized)
-    fp8_min_sm: int | None = None  # FP8 weights need this compute capability (FP8 tensor cores); None: any
-    # The activation dtypes it runs FP8 experts with: bf16/fp16 for FP8 GEMMs; the torch reference,
-    # which dequantizes, takes float32 too (a float32 model of an FP8 checkpoint on CPU).
-    fp8_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-    # The dtypes it computes correctly on CPU under the Triton interpreter (on_cpu="interpreter");
-    # None: all of `dtypes`. A per-platform dtype rule: the interpreter's bf16 tl.dot is wrong.
-    interpreter_dtypes: tuple[torch.dtype, ...] | None = None
-
+from .runner import TorchRunner, TritonRunner
+from .spec import BackendSpec, ExpertBackend, LayerTraits
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _TRTLLM_SMS = frozenset({100, 103})  # trtllm-gen cubins are built for Blackwell datacenter parts only
@@ -200,7 +98,7 @@ def _flashinfer_reason(spec: BackendSpec, platform: Platform, context, layer) ->
 
 
 def _model_reason(spec: BackendSpec, platform, context: ModelContext, layer) -> str | None:
-    quant = experts_quantization(context.quant_config)
+    quant = context.quantization.experts
     if spec.expert_formats is not None and quant.format not in spec.expert_formats:
         accepted = ", ".join(sorted(fmt.value for fmt in spec.expert_formats))
         return f"it does not take {quant} (accepts {accepted} experts)"
