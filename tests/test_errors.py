@@ -491,9 +491,9 @@ def test_load_model_bf16_on_the_interpreter_runs_on_torch(qwen3_checkpoint):
 # ---- the torch fallback says so ---------------------------------------------------------------------
 
 def fallback_warnings(build):
-    from moe_triton.runners import runner as runners
+    from moe_triton.runners import resolver
 
-    runners.warn_fallback.cache_clear()
+    resolver.warn_fallback.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         build()
