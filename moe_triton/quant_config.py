@@ -367,7 +367,7 @@ def _compressed_tensors_checkpoint(config: Mapping) -> CheckpointFormat:
 
 
 def _ct_group_format(name: str, group: Mapping, default_format: str | None) -> WeightFormat:
-    """A group's FP8 format from compressed-tensors' QuantizationArgs (FP8, FP8_DYNAMIC, FP8_BLOCK)"""
+    """Its FP8 format, per compressed-tensors' QuantizationArgs (FP8, FP8_DYNAMIC, FP8_BLOCK)."""
     where = f"quantization_config.config_groups.{name}"
     weights = group.get("weights")
     if (not isinstance(weights, Mapping)
