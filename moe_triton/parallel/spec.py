@@ -51,7 +51,8 @@ class ParallelSpec:
         sizes = (self.ep_size, self.tp_size)
         if not all(isinstance(s, int) and s >= 1 for s in sizes):
             raise ValueError(f"ParallelSpec.ep_size and tp_size must be integers >= 1, got {self}")
-        if not isinstance(self.dispatch, TokenDispatch) or not isinstance(self.output, OutputLayout):
+        if (not isinstance(self.dispatch, TokenDispatch)
+                or not isinstance(self.output, OutputLayout)):
             raise ValueError("ParallelSpec.dispatch / output must be TokenDispatch / OutputLayout "
                              f"members, got {self}")
 
@@ -90,5 +91,6 @@ def post_experts_reduction(spec: ParallelSpec) -> Reduction:
         over = ReduceOver.TP
     else:  # one rank, or all-to-all EP alone: outputs are complete where they land
         return Reduction(Collective.NONE)
-    collective = Collective.REDUCE_SCATTER if spec.output is OutputLayout.SCATTERED else Collective.ALL_REDUCE
+    collective = (Collective.REDUCE_SCATTER if spec.output is OutputLayout.SCATTERED
+                  else Collective.ALL_REDUCE)
     return Reduction(collective, over)
