@@ -22,8 +22,7 @@ class ModelContext:
     @classmethod
     def from_config(cls, config: Mapping, model_dir: Path | None = None, *,
                     all_to_all: str | None = None, lora: bool = False) -> "ModelContext":
-        """A quantization only in model_dir/hf_quant_config.json (ModelOpt's export) is read from
-        there; a file that is no JSON object is recorded by name, which reads as unreadable."""
+        """Also reads model_dir/hf_quant_config.json (ModelOpt) if config.json has no quant."""
         architectures = config.get("architectures") or [None]
         if not isinstance(architectures, list) or not all(isinstance(a, (str, type(None)))
                                                           for a in architectures):

@@ -1,5 +1,4 @@
-"""Where a MoE layer's experts run (backend, model context, ranks): one value per model, handed
-to every MoE layer it builds, so no layer signature grows a parameter per concern."""
+"""Where a model's MoE layers run (backend, model context, ranks): one value for all of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -33,7 +32,6 @@ class Placement:
 
     def local_sizes(self, num_experts: int, intermediate_size: int,
                     weight_format: WeightFormat = NATIVE) -> tuple[int, int]:
-        """(experts, intermediate size) one rank holds."""
         if self.parallel is None:
             return num_experts, intermediate_size
         return local_sizes(num_experts, intermediate_size, self.parallel.spec, self.parallel.rank,
@@ -41,7 +39,6 @@ class Placement:
 
     def cut_shard(self, state: dict[str, torch.Tensor], names: dict[str, str], local: ExpertWeights,
                   sizes: tuple[int, int]) -> None:
-        """Full-size expert tensors in `state` (fields -> keys in `names`; (E, I) = `sizes`) ->
-        this rank's shard, laid out as `local`, in place."""
+        """Full-size `state[names[field]]` of (E, I) = `sizes` -> this rank's `local`, in place."""
         if self.parallel is not None:
             shard_state(state, names, local, sizes, self.parallel.spec, self.parallel.rank)

@@ -1,8 +1,5 @@
-"""Where kernels can run: the one place that looks at the hardware, the interpreter and FlashInfer.
-
-Callers use `platform.detect_platform(...)` so a test can monkeypatch it (SM100 without SM100);
-`named_platform` builds the same value from a name for `moe-triton resolve --platform`.
-"""
+"""Where kernels can run: the one place that looks at the hardware, the interpreter and FlashInfer
+(callers use `platform.detect_platform` so tests can monkeypatch it)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -14,8 +11,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-# The FlashInfer API runners/flashinfer.py follows; older releases lack its prepare helpers and
-# the (topk_ids, topk_weights) routed form.
+# runners/flashinfer.py's API; older releases lack its prepare helpers and the routed top-k form
 FLASHINFER_MIN_VERSION = (0, 7, 2)
 FLASHINFER_READ_VERSION = "0.7.2.post1"
 
@@ -32,7 +28,6 @@ def interpreter_enabled() -> bool:
 
 
 def interpreter_hint() -> str:
-    """How to get the interpreted kernels, for messages that refuse the CPU."""
     if triton.knobs.runtime.interpret and not interpreter_enabled():
         return ("TRITON_INTERPRET=1 was set after moe_triton was imported, and its kernels were "
                 "defined for the GPU: set it before the first import "
@@ -44,15 +39,13 @@ def triton_can_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
 
 
-# The dtypes whose tl.dot the interpreter computes correctly: its bf16 dot returns garbage (triton
-# 3.9: ~1e10 where float32 gives 0.35), so GEMM kernels refuse bf16 there (routing has no dot).
+# tl.dot dtypes the interpreter gets right: bf16 is garbage (triton 3.9), so GEMMs refuse it there
 INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
 
 
 def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether kernels on `device` compute in `dtype` as compiled ones do: CUDA, or the interpreter
-    in fp16 / fp32. Its bf16 casts truncate where a GPU rounds to nearest even (triton 3.9: 2047 of
-    4096 random values differ), so dot-free kernels (rms_norm, rotary) use this rule too."""
+    """CUDA, or the interpreter in fp16 / fp32: its bf16 casts truncate where a GPU rounds to
+    nearest even (triton 3.9: 2047 of 4096 values differ), so dot-free kernels use this too."""
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()
                                      and dtype in INTERPRETER_DOT_DTYPES)
 
@@ -118,7 +111,6 @@ def _flashinfer_version() -> str | None:
 
 
 def detect_platform(device: torch.device | str | None = None) -> Platform:
-    """The platform of `device` (default: CUDA when present, else CPU)."""
     device = (torch.device(device) if device is not None
               else torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

@@ -1,11 +1,6 @@
-"""How a checkpoint's routed experts are quantized, read from its `quantization_config`.
-
-Rules decide on the *experts'* format (NVFP4 attention with FP8 experts is FP8). Every field read is
-type-checked against the published schema (compressed-tensors config_groups, ModelOpt quant_algo,
-transformers/DeepSeek "fp8"): anything else is `UNREADABLE` with the reason, never a crash or a
-guess, and rules keep the default on it (fail closed). `checkpoint_format` gives the loader the
-exact `WeightFormat`, or a ValueError naming the key the FP8 kernels cannot run.
-"""
+"""How a checkpoint's routed experts are quantized (NVFP4 attention, FP8 experts: FP8). Every
+field is type-checked against the published schema: anything else is `UNREADABLE` with the
+reason, never a crash or a guess, and rules keep the default on it (fail closed)."""
 from __future__ import annotations
 
 import enum
@@ -81,8 +76,6 @@ def experts_quantization(quant_config) -> ExpertsQuantization:
     return ExpertsQuantization(QuantFormat.OTHER, method, f"quant_method {method!r}")
 
 
-# ---- the schema's types: each helper returns the value or raises Unreadable ----
-
 def _str(value, where: str, optional: bool = False):
     if (value is None and optional) or isinstance(value, str):
         return value
@@ -109,8 +102,6 @@ def _strings(value, where: str, optional: bool = False) -> list[str]:
     return value
 
 
-# ---- ModelOpt ----
-
 def _modelopt(config: Mapping) -> ExpertsQuantization:
     algo = _modelopt_algo(config)
     if algo is None:
@@ -127,8 +118,7 @@ def _modelopt(config: Mapping) -> ExpertsQuantization:
 
 
 def _modelopt_algo(config: Mapping) -> str | None:
-    """quant_algo at the top or under "quantization" (hf_quant_config.json), or None; Unreadable
-    when the two disagree or an exclusion names expert modules."""
+    """quant_algo (top-level or under "quantization"); Unreadable if they differ or skip experts."""
     nested = _mapping(config.get("quantization"), "quantization", optional=True) or {}
     algos = {_str(config.get("quant_algo"), "quant_algo", optional=True),
              _str(nested.get("quant_algo"), "quantization.quant_algo", optional=True)} - {None}
@@ -144,8 +134,6 @@ def _modelopt_algo(config: Mapping) -> str | None:
                                  "per-module formats are not read")
     return algo
 
-
-# ---- compressed-tensors ----
 
 def _compressed_tensors(config: Mapping) -> ExpertsQuantization:
     groups = config.get("config_groups")
@@ -177,7 +165,6 @@ def _compressed_tensors(config: Mapping) -> ExpertsQuantization:
 
 
 def _group(group, where: str) -> dict:
-    """The group's fields read here, type-checked; weights with the schema's defaults."""
     group = _mapping(group, where)
     weights = _mapping(group.get("weights"), f"{where}.weights", optional=True)
     if weights is not None:  # QuantizationArgs defaults: 8-bit int
@@ -227,12 +214,9 @@ def _group_format(group: dict, default_format: str | None) -> QuantFormat:
     return QuantFormat.OTHER
 
 
-# ---- transformers / DeepSeek "fp8" ----
-
 def _fp8_excludes_experts(config: Mapping) -> bool:
-    """Whether `modules_to_not_convert` (MiniMax: `ignored_layers`) keeps the experts out of FP8,
-    matched as transformers' should_convert_module does: a regex from the start up to a module
-    boundary, or a suffix."""
+    """`modules_to_not_convert` (MiniMax: `ignored_layers`) matched as transformers does: a regex
+    from the start up to a module boundary, or a suffix."""
     key = ("modules_to_not_convert" if config.get("modules_to_not_convert") is not None
            else "ignored_layers")
     patterns = _strings(config.get(key), key, optional=True)
@@ -248,12 +232,9 @@ def _fp8_excludes_experts(config: Mapping) -> bool:
     return False
 
 
-# ---- for the loader: the experts' exact format and the names of their scales ----
-
 @dataclass(frozen=True)
 class CheckpointFormat:
-    """How a checkpoint stores its FP8 weights. Every scale multiplies to dequantize (DeepSeek's
-    `weight_scale_inv` as much as `weight_scale`)."""
+    """How a checkpoint stores its FP8 weights; every scale multiplies (`weight_scale_inv` too)."""
 
     method: str | None = None  # "fp8", "compressed-tensors", "modelopt"; None: unquantized
     experts: WeightFormat = NATIVE  # the routed experts' format: what FusedMoE holds them in
@@ -423,8 +404,6 @@ def _ct_block(name: str, group) -> tuple[int, int] | None:
     return _block_format(weights.get("block_structure"),
                          f"config_groups.{name}.weights.block_structure").block
 
-
-# ---- both answers, read once per model ----
 
 @dataclass(frozen=True)
 class Quantization:

@@ -1,9 +1,5 @@
-"""The parallel setup as data, and the one decision on it: the post-experts reduction.
-
-W = ep_size * tp_size ranks, rank = ep_rank * tp_size + tp_rank: TP innermost, so a TP group
-(same experts, slices of I; the chattiest all-reduce) stays in a node when tp_size divides it;
-an EP group shares a tp_rank (same slice of I, different experts).
-"""
+"""The parallel setup as data, and the post-experts reduction. rank = ep_rank * tp_size + tp_rank:
+TP innermost, so a TP group (the chattiest all-reduce) stays in a node when tp_size divides it."""
 from __future__ import annotations
 
 import enum
@@ -78,9 +74,8 @@ class ParallelSpec:
 
 
 def post_experts_reduction(spec: ParallelSpec) -> Reduction:
-    """The collective turning this rank's expert output into the layer's: partials are left on
-    TP ranks and REPLICATED EP ranks. The all-to-all combine already summed EP partials home;
-    reducing over EP again double counts (in bf16, large activations overflow to inf)."""
+    """Partials are left on TP and REPLICATED EP ranks; all-to-all already summed EP partials
+    home, and reducing over EP again double counts (in bf16 large activations overflow to inf)."""
     partial_over_ep = spec.ep_size > 1 and spec.dispatch is TokenDispatch.REPLICATED
     partial_over_tp = spec.tp_size > 1
     if partial_over_ep and partial_over_tp:

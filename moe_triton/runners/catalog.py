@@ -1,9 +1,5 @@
-"""The backends' table (each built-in `BackendSpec` with its runner) and the one support check.
-
-`unsupported_reason` alone decides whether a backend can run a layer here: for an explicit request
-an answer is a ValueError, for a rule's pick the default stays. A new backend is one runner class
-and one `BackendSpec` passed to `register_backend`.
-"""
+"""The backends' table and the one support check, `unsupported_reason`. A new backend is one
+runner class and one `BackendSpec` passed to `register_backend`."""
 from __future__ import annotations
 
 import torch
@@ -53,7 +49,6 @@ SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
 
 
 def register_backend(spec: BackendSpec) -> None:
-    """Make `spec.backend` a name every layer and the resolver accept (`backend="name"`)."""
     if spec.backend in SPECS:
         raise ValueError(f"backend {spec.backend!r} is already registered")
     SPECS[spec.backend] = spec

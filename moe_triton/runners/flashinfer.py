@@ -1,21 +1,11 @@
-"""FlashInfer expert backends: imported lazily, weights prepared once after loading.
-
-Written against flashinfer-python 0.7.2.post1 (fused_moe/core.py, api.py, prepare.py). Entry points:
-flashinfer_trtllm: trtllm_bf16_moe / trtllm_fp4_block_scale_moe (routes from the logits);
-flashinfer_trtllm_routed: trtllm_bf16_routed_moe / trtllm_fp4_block_scale_routed_moe (our top-k);
-flashinfer_cutlass: cutlass_fused_moe, bf16 (our top-k).
-
-- GEMM1 rows are [up; gate] (TRT-LLM's "w3_w1"), ours [gate; up]: `up_gate` swaps them first; a
-  swapped pair computes silu(up) * gate, a plausible but wrong output.
-- Row shuffling, BlockMajorK and NVFP4 quantization (E4M3 block scales, per-expert scalars) are
-  FlashInfer's published `*Config.prepare_weights`, run once after padding; the prepared tensors
-  keep its keyword names. NVFP4 here quantizes the bf16 weights (global scale 1) and each
-  forward's activations; loading a checkpoint's own NVFP4 tensors is not implemented.
-
-Verified on hardware: none of these paths. trtllm-gen is SM100/SM103 only (not our H200, SM90);
-the SM90 CUTLASS MoE compiles ~180 nvcc units on first use (over an hour) and was not built.
-Tested on CPU: every argument and the weight preparation, against checkers with the published
-signatures.
+"""FlashInfer expert backends (flashinfer-python 0.7.2.post1), imported lazily. Weights are
+prepared once, after padding, by FlashInfer's `*Config.prepare_weights` (row shuffle, BlockMajorK;
+NVFP4: E4M3 block scales, global scale 1, activations quantized each forward) and kept under its
+keyword names. Its GEMM1 rows are [up; gate] (TRT-LLM's "w3_w1"), ours [gate; up]: `up_gate`
+swaps them (unswapped, silu(up) * gate is plausible but wrong). A checkpoint's own NVFP4 tensors
+are not loaded. Verified on hardware: none (trtllm-gen is SM100/SM103 only; the SM90 CUTLASS MoE
+compiles for over an hour). Tested on CPU: every argument and the weight preparation, against
+checkers with the published signatures.
 """
 from __future__ import annotations
 
@@ -68,8 +58,6 @@ def fused_routing_method(routing: RoutingSpec) -> str | None:
 
 @dataclass(frozen=True)
 class FlashInferExperts:
-    """The experts as FlashInfer takes them, prepared once after loading."""
-
     quant: QuantFormat  # NONE (bf16) or NVFP4
     activation: ActivationKind
     num_experts: int  # E
@@ -88,8 +76,7 @@ def up_gate(w13: torch.Tensor, activation: Activation) -> torch.Tensor:
 
 def prepare_experts(config_name: str, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
                     quant: QuantFormat, fi: FlashInferModules) -> FlashInferExperts:
-    """FlashInfer's view of w13 (E, 2I, H) [gate; up] or (E, I, H) and w2 (E, H, I), built by
-    `fi.fused_moe.<config_name>.prepare_weights`."""
+    """w13 (E, 2I, H) [gate; up] or (E, I, H), w2 (E, H, I) -> `<config_name>.prepare_weights`."""
     if activation.kind not in _ACTIVATION_TYPE:
         raise ValueError(f"activation {activation.kind.name} has no FlashInfer equivalent; "
                          f"use {sorted(k.name for k in _ACTIVATION_TYPE)}")
@@ -148,8 +135,6 @@ class TrtllmRoutedRunner(FlashInferRunner):
 
 
 class TrtllmRunner(TrtllmRoutedRunner):
-    """Routing and experts in one fused call, from the router logits."""
-
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: "
                          "call the layer, or use flashinfer_trtllm_routed "

@@ -1,10 +1,6 @@
 """The resolver: one pure function from a request and what is known to the backend, and why.
-
-An explicit request runs unchanged or is a ValueError; "auto" asks the architecture's rule
-(rules.py), keeping the default when there is no pin or the pin cannot run here. The default is
-triton on a CUDA GPU; on CPU torch, or triton under the interpreter in a dtype it computes
-correctly (not bf16). Called once per layer; the `Resolution` is logged and kept.
-"""
+An explicit request runs unchanged or is a ValueError; "auto" takes the architecture rule's pin
+when it runs here, else the default (triton on GPU or in the interpreter's exact dtypes; torch)."""
 from __future__ import annotations
 
 import functools
@@ -74,8 +70,7 @@ def default_candidates(platform: Platform,
 
 def default_backend(platform: Platform, context: ModelContext = ModelContext(),
                     layer: LayerTraits | None = None) -> tuple[ExpertBackend, str]:
-    """The first candidate that can run the layer (never one known to compute it wrongly); a
-    ValueError naming every reason when none can."""
+    """The first candidate that runs the layer correctly; else a ValueError naming every reason."""
     reasons = []
     for backend, why in default_candidates(platform, layer):
         blocked = unsupported_reason(backend, platform, context, layer)

@@ -1,6 +1,5 @@
-"""Per-architecture rules for `backend="auto"`: each narrows to one family, platform and
-quantization, and pins a backend or keeps the default, saying why. The resolver still checks a
-pin against the catalog; one that cannot run keeps the default. There is no global fallback."""
+"""Per-architecture rules for `backend="auto"`: one family, platform and quantization each, a pin
+or the default with why; the resolver still checks a pin. There is no global fallback."""
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -34,8 +34,6 @@ ALL_TO_ALL_BACKENDS = ("naive", "allgather_reducescatter", "pplx", "deepep",
 
 @dataclass(frozen=True)
 class LayerTraits:
-    """What the layer requires of a backend (and what its runner is built with)."""
-
     hidden_size: int  # the experts' H
     dtype: torch.dtype  # the activations' dtype (the weights' too, unless `format` quantizes)
     activation: Activation
@@ -58,8 +56,7 @@ class BackendSpec:
     hidden_multiple: int  # H must be a multiple of this (H is never padded)
     fused_router: bool  # routes from the router logits inside the kernel
     runner: type  # the ExpertsRunner subclass that runs it (runners/runner.py)
-    # the WeightFormat.fp8 values it runs (None: unquantized)
-    weight_formats: frozenset[Fp8Scaling | None] = frozenset({None})
+    weight_formats: frozenset[Fp8Scaling | None] = frozenset({None})  # WeightFormat.fp8 values
     fp8_min_sm: int | None = None  # FP8 weights need this SM (FP8 tensor cores); None: any
     # activations of FP8 experts: bf16/fp16 for FP8 GEMMs; the dequantizing reference takes float32
     fp8_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
