@@ -1,10 +1,5 @@
-"""Where kernels can run: the one place that looks at the hardware, the Triton interpreter and FlashInfer.
-
-`detect_platform` is the single detection function: the layer and the CLI call it through this
-module (`platform.detect_platform(...)`), so a test replaces it with monkeypatch and SM100
-behaviour is tested without SM100 hardware. `named_platform` builds the same value from a name
-(`sm100`, `cpu`) for `moe-triton resolve --platform`.
-"""
+"""Where kernels can run: the one place that looks at the hardware, the interpreter and FlashInfer
+(callers use `platform.detect_platform` so tests can monkeypatch it)."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -16,30 +11,27 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-# The FlashInfer release whose published API runners/flashinfer.py follows; older ones lack
-# the prepare helpers and the (topk_ids, topk_weights) routed form it uses.
+# runners/flashinfer.py's API; older releases lack its prepare helpers and the routed top-k form
 FLASHINFER_MIN_VERSION = (0, 7, 2)
 FLASHINFER_READ_VERSION = "0.7.2.post1"
 
 
 @triton.jit
 def _defined_at_import():
-    # Decorated when moe_triton is imported, as every kernel of the package is: triton.jit reads
-    # TRITON_INTERPRET then, not when a kernel runs, so this tells how all of them were defined.
+    # triton.jit reads TRITON_INTERPRET at import, as for every kernel: tells how all are built
     pass
 
 
 def interpreter_enabled() -> bool:
-    """True when this package's kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 was set
-    before moe_triton was imported); setting it later changes nothing."""
+    """TRITON_INTERPRET=1 was set before moe_triton was imported (setting it later does nothing)."""
     return isinstance(_defined_at_import, InterpretedFunction)
 
 
 def interpreter_hint() -> str:
-    """How to get the interpreted kernels, for messages that refuse the CPU."""
     if triton.knobs.runtime.interpret and not interpreter_enabled():
-        return ("TRITON_INTERPRET=1 was set after moe_triton was imported, and its kernels were defined "
-                "for the GPU: set it before the first import (restart the process or notebook kernel)")
+        return ("TRITON_INTERPRET=1 was set after moe_triton was imported, and its kernels were "
+                "defined for the GPU: set it before the first import "
+                "(restart the process or notebook kernel)")
     return "set TRITON_INTERPRET=1 before importing moe_triton"
 
 
@@ -47,59 +39,58 @@ def triton_can_run_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
 
 
-# The dtypes whose tl.dot the Triton CPU interpreter computes correctly. Its bf16 dot returns
-# garbage (triton 3.9: outputs near 1e10 where float32 gives 0.35), so kernels with a dot (the
-# expert GEMMs) refuse bf16 there; the routing kernel has no dot and upcasts to float32, exactly.
+# tl.dot dtypes the interpreter gets right: bf16 is garbage (triton 3.9), so GEMMs refuse it there
 INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
 
 
 def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether Triton kernels on `device` compute in `dtype` as compiled ones do: CUDA, or the interpreter
-    in float16 / float32. The interpreter's bf16 is wrong twice: its tl.dot (above), and its casts to
-    bf16, which truncate where a GPU rounds to nearest even (triton 3.9: 2047 of 4096 random float32
-    values cast differently). Kernels without a dot (models/rms_norm.py, rotary.py) use this rule."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled() and dtype in INTERPRETER_DOT_DTYPES)
+    """CUDA, or the interpreter in fp16 / fp32: its bf16 casts truncate where a GPU rounds to
+    nearest even (triton 3.9: 2047 of 4096 values differ), so dot-free kernels use this too."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()
+                                     and dtype in INTERPRETER_DOT_DTYPES)
 
 
 def interpreter_dot_reason(dtype: torch.dtype, fp8_experts: bool = False) -> str:
-    usable = "float16" if fp8_experts else "float16/float32"  # FP8 experts take 16-bit activations only
-    return (f"the Triton interpreter's {str(dtype).removeprefix('torch.')} tl.dot computes wrong results "
-            f"(triton {triton.__version__}); use {usable} on CPU, or the torch backend")
+    usable = "float16" if fp8_experts else "float16/float32"  # FP8 experts: 16-bit activations
+    return (f"the Triton interpreter's {str(dtype).removeprefix('torch.')} tl.dot computes "
+            f"wrong results (triton {triton.__version__}); use {usable} on CPU, "
+            "or the torch backend")
 
 
 def check_device(device, name: str = "device") -> torch.device | None:
-    """`device` as a torch.device (None stays None: torch's default), or a ValueError naming the fix."""
+    """`device` as a torch.device (None stays None), or a ValueError naming the fix."""
     if device is None:
         return None
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{name}={device!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ValueError(f"{name}={device!r} is not a device; "
+                         "use 'cpu', 'cuda' or 'cuda:N'") from None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"{name}={str(device)!r} but this machine has no CUDA device (torch.cuda.is_available() "
-                             f"is False); use {name}='cpu' (the Triton kernels run there under TRITON_INTERPRET=1)")
+            raise ValueError(f"{name}={str(device)!r} but this machine has no CUDA device "
+                             f"(torch.cuda.is_available() is False); use {name}='cpu' "
+                             "(the Triton kernels run there under TRITON_INTERPRET=1)")
         if parsed.index is not None and parsed.index >= torch.cuda.device_count():
-            raise ValueError(f"{name}={str(device)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"{name}={str(device)!r} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
     return parsed
 
 
 @dataclass(frozen=True)
 class Platform:
-    """What backend choice may know of the machine."""
-
     device_type: str  # "cuda" or "cpu"
     capability: tuple[int, int] | None = None  # CUDA compute capability, None on CPU
-    flashinfer: str | None = None  # installed flashinfer-python version, None when absent
+    flashinfer: str | None = None  # installed flashinfer-python version
     interpreter: bool = False  # Triton's CPU interpreter is on
 
     @property
     def sm(self) -> int | None:
-        """Compute capability as one number (SM90 -> 90, SM103 -> 103); None on CPU."""
+        """Compute capability as one number (SM103 -> 103); None on CPU."""
         return None if self.capability is None else self.capability[0] * 10 + self.capability[1]
 
     def flashinfer_version(self) -> tuple[int, ...] | None:
-        """The leading numeric release parts (0.7.2.post1 -> (0, 7, 2)); None when absent or unparsable."""
+        """0.7.2.post1 -> (0, 7, 2); None when absent or unparsable."""
         match = re.match(r"(\d+)\.(\d+)\.(\d+)", self.flashinfer or "")
         return tuple(int(part) for part in match.groups()) if match else None
 
@@ -120,18 +111,19 @@ def _flashinfer_version() -> str | None:
 
 
 def detect_platform(device: torch.device | str | None = None) -> Platform:
-    """The platform `device` (default: CUDA when present, else CPU) belongs to."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = (torch.device(device) if device is not None
+              else torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
-        return Platform("cuda", torch.cuda.get_device_capability(device), _flashinfer_version(), interpreter_enabled())
+        return Platform("cuda", torch.cuda.get_device_capability(device), _flashinfer_version(),
+                        interpreter_enabled())
     return Platform("cpu", None, _flashinfer_version(), interpreter_enabled())
 
 
 def named_platform(name: str) -> Platform:
-    """`sm90`, `sm100`, `sm103`, `sm110`, `sm120` ... or `cpu`; FlashInfer is assumed installed at the
-    version runners/flashinfer.py follows, so the answer shows what a fully equipped machine gets."""
+    """`sm90`, `sm100`, ... or `cpu`, FlashInfer assumed: what a fully equipped machine gets."""
     if not isinstance(name, str):
-        raise ValueError(f"platform={name!r} is not a platform name; use cpu or sm<capability> such as sm90, sm100")
+        raise ValueError(f"platform={name!r} is not a platform name; "
+                         "use cpu or sm<capability> such as sm90, sm100")
     name = name.strip().lower()
     if name == "cpu":
         return Platform("cpu")
@@ -143,7 +135,6 @@ def named_platform(name: str) -> Platform:
     return Platform("cuda", capability, FLASHINFER_READ_VERSION)
 
 
-# The CUDA compute capabilities a named platform may be (Volta to Blackwell): a typo such as
-# sm1000 is refused instead of resolving for a GPU that does not exist.
-KNOWN_CAPABILITIES = ((7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1), (10, 3), (11, 0),
-                      (12, 0), (12, 1))
+# Volta to Blackwell: a typo such as sm1000 is refused, not resolved for a GPU that does not exist
+KNOWN_CAPABILITIES = ((7, 0), (7, 5), (8, 0), (8, 6), (8, 7), (8, 9), (9, 0), (10, 0), (10, 1),
+                      (10, 3), (11, 0), (12, 0), (12, 1))

@@ -1,29 +1,6 @@
-"""How a checkpoint's routed experts are quantized, read from its `quantization_config`.
-
-Backend rules must decide on the *experts'* format, not on any quantized module: a checkpoint
-with NVFP4 attention and FP8 experts has FP8 experts. Anything this module cannot read with
-certainty is `UNREADABLE`, and every rule treats that as "keep the default" (fail closed).
-
-Shapes read (as real checkpoints write them):
-- compressed-tensors: `{"quant_method": "compressed-tensors", "format": ..., "config_groups":
-  {name: {"targets": [...], "format": ..., "weights": {...}}}, "ignore": [...]}`; targets are
-  module class names ("Linear") or regexes ("re:.*experts.*").
-- ModelOpt: `{"quant_method": "modelopt", "quant_algo": "NVFP4" | "FP8" | ...}`, the algorithm
-  either at the top or under "quantization" (the hf_quant_config.json shape).
-- transformers / DeepSeek FP8: `{"quant_method": "fp8", "weight_block_size": [bn, bk],
-  "activation_scheme": "dynamic", "modules_to_not_convert": [...]}`.
-- any other method ("awq", ...) by name; a non-mapping, or ModelOpt without an algorithm, is unreadable.
-
-Every field read is type-checked against that schema (targets a list of strings, weights a
-mapping, num_bits an integer, regexes that compile, ...): a config that departs from it is
-UNREADABLE with the reason, never a crash and never a guess (`"targets": "Linear"` is not read as
-"no group targets the experts").
-
-`read_quantization` reads a config once into both answers (a model's `ModelContext.quantization`).
-`checkpoint_format` reads the same configs for the loader: the experts' exact `WeightFormat` and the
-names their scales go by. It raises a ValueError naming the config key when the experts' format is
-one the FP8 kernels do not run (an unknown strategy, weight-only FP8, static block activations).
-"""
+"""How a checkpoint's routed experts are quantized (NVFP4 attention, FP8 experts: FP8). Every
+field is type-checked against the published schema: anything else is `UNREADABLE` with the
+reason, never a crash or a guess, and rules keep the default on it (fail closed)."""
 from __future__ import annotations
 
 import enum
@@ -46,15 +23,14 @@ class QuantFormat(enum.Enum):
 @dataclass(frozen=True)
 class ExpertsQuantization:
     format: QuantFormat
-    method: str | None  # "compressed-tensors", "modelopt", ... ; None when unquantized or unreadable
+    method: str | None  # "compressed-tensors", "modelopt", ...; None: unquantized or unreadable
     detail: str  # what in the config decided it, for the resolution's reason
 
     def __str__(self) -> str:
         return f"{self.format.value} experts ({self.detail})"
 
 
-# Representative expert weight names of the families we serve; a target that matches one of
-# them targets the routed experts.
+# Expert weight names of the families we serve: a target matching one targets the routed experts.
 EXPERT_MODULE_NAMES = (
     "model.layers.0.mlp.experts.0.gate_proj",
     "model.layers.0.mlp.experts.0.up_proj",
@@ -65,23 +41,25 @@ EXPERT_MODULE_NAMES = (
     "model.layers.0.block_sparse_moe.experts.0.w2",
     "model.layers.0.block_sparse_moe.experts.0.w3",
 )
-_COMPRESSED_FORMATS = {"nvfp4-pack-quantized": QuantFormat.NVFP4, "float-quantized": QuantFormat.FP8}
+_COMPRESSED_FORMATS = {"nvfp4-pack-quantized": QuantFormat.NVFP4,
+                       "float-quantized": QuantFormat.FP8}
 
 
 class Unreadable(Exception):
-    """The config departs from the schema this module reads; the message says where."""
+    """The config departs from the schema read here; the message says where."""
 
 
 def experts_quantization(quant_config) -> ExpertsQuantization:
-    """The routed experts' format under `quant_config` (a checkpoint's quantization_config, or None).
-    Never raises: a config that departs from the published schema is UNREADABLE, with the reason."""
+    """Never raises: a config that departs from the schema is UNREADABLE, with the reason."""
     if quant_config is None or (isinstance(quant_config, Mapping) and len(quant_config) == 0):
         return ExpertsQuantization(QuantFormat.NONE, None, "no quantization_config")
     if not isinstance(quant_config, Mapping):
-        return ExpertsQuantization(QuantFormat.UNREADABLE, None, f"quantization_config is not a mapping: {quant_config!r}")
+        return ExpertsQuantization(QuantFormat.UNREADABLE, None,
+                                   f"quantization_config is not a mapping: {quant_config!r}")
     method = quant_config.get("quant_method")
     if method is None:
-        return ExpertsQuantization(QuantFormat.UNREADABLE, None, "quantization_config has no quant_method")
+        return ExpertsQuantization(QuantFormat.UNREADABLE, None,
+                                   "quantization_config has no quant_method")
     try:
         method = _str(method, "quant_method")
         if method == "compressed-tensors":
@@ -90,14 +68,13 @@ def experts_quantization(quant_config) -> ExpertsQuantization:
             return _modelopt(quant_config)
         if method == "fp8":
             if _fp8_excludes_experts(quant_config):
-                return ExpertsQuantization(QuantFormat.NONE, None, "quant_method 'fp8', experts in modules_to_not_convert")
+                return ExpertsQuantization(QuantFormat.NONE, None,
+                                           "quant_method 'fp8', experts in modules_to_not_convert")
             return ExpertsQuantization(QuantFormat.FP8, method, "quant_method 'fp8'")
     except Unreadable as error:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, f"{method} config: {error}")
     return ExpertsQuantization(QuantFormat.OTHER, method, f"quant_method {method!r}")
 
-
-# ---- the schema's types: each helper returns the value or raises Unreadable ----------------------
 
 def _str(value, where: str, optional: bool = False):
     if (value is None and optional) or isinstance(value, str):
@@ -125,8 +102,6 @@ def _strings(value, where: str, optional: bool = False) -> list[str]:
     return value
 
 
-# ---- ModelOpt -----------------------------------------------------------------------------------
-
 def _modelopt(config: Mapping) -> ExpertsQuantization:
     algo = _modelopt_algo(config)
     if algo is None:
@@ -137,13 +112,13 @@ def _modelopt(config: Mapping) -> ExpertsQuantization:
     if algo.upper().startswith("FP8"):
         return ExpertsQuantization(QuantFormat.FP8, "modelopt", f"ModelOpt quant_algo {algo!r}")
     if algo.upper() == "MIXED_PRECISION":  # the per-layer map lives in a separate file
-        return ExpertsQuantization(QuantFormat.UNREADABLE, None, "ModelOpt MIXED_PRECISION (per-layer map not read)")
+        return ExpertsQuantization(QuantFormat.UNREADABLE, None,
+                                   "ModelOpt MIXED_PRECISION (per-layer map not read)")
     return ExpertsQuantization(QuantFormat.OTHER, "modelopt", f"ModelOpt quant_algo {algo!r}")
 
 
 def _modelopt_algo(config: Mapping) -> str | None:
-    """The one quant_algo of a ModelOpt config (at the top, or under "quantization" as hf_quant_config.json
-    writes it), or None; Unreadable when the two disagree or an exclusion names expert modules."""
+    """quant_algo (top-level or under "quantization"); Unreadable if they differ or skip experts."""
     nested = _mapping(config.get("quantization"), "quantization", optional=True) or {}
     algos = {_str(config.get("quant_algo"), "quant_algo", optional=True),
              _str(nested.get("quant_algo"), "quantization.quant_algo", optional=True)} - {None}
@@ -153,20 +128,23 @@ def _modelopt_algo(config: Mapping) -> str | None:
     for source, where in ((config, ""), (nested, "quantization.")):
         for key in ("exclude_modules", "ignore"):
             excluded = _strings(source.get(key), f"{where}{key}", optional=True)
-            if any(fnmatch.fnmatchcase(module, pattern) for pattern in excluded for module in EXPERT_MODULE_NAMES):
-                raise Unreadable(f"{where}{key} excludes expert modules from {algo!r}; per-module formats are not read")
+            if any(fnmatch.fnmatchcase(module, pattern)
+                   for pattern in excluded for module in EXPERT_MODULE_NAMES):
+                raise Unreadable(f"{where}{key} excludes expert modules from {algo!r}; "
+                                 "per-module formats are not read")
     return algo
 
-
-# ---- compressed-tensors ------------------------------------------------------------------------
 
 def _compressed_tensors(config: Mapping) -> ExpertsQuantization:
     groups = config.get("config_groups")
     if groups is None:
-        return ExpertsQuantization(QuantFormat.UNREADABLE, None, "compressed-tensors config without config_groups")
-    groups = {name: _group(group, f"config_groups.{name}") for name, group in _mapping(groups, "config_groups").items()}
+        return ExpertsQuantization(QuantFormat.UNREADABLE, None,
+                                   "compressed-tensors config without config_groups")
+    groups = {name: _group(group, f"config_groups.{name}")
+              for name, group in _mapping(groups, "config_groups").items()}
     default_format = _str(config.get("format"), "format", optional=True)
-    ignore = [_pattern(p, "ignore") for p in _strings(config.get("ignore"), "ignore", optional=True)]
+    ignore = [_pattern(p, "ignore")
+              for p in _strings(config.get("ignore"), "ignore", optional=True)]
     decided: dict[QuantFormat, set[str]] = {}
     for module in EXPERT_MODULE_NAMES:
         if any(_matches(pattern, module) for pattern in ignore):
@@ -175,24 +153,27 @@ def _compressed_tensors(config: Mapping) -> ExpertsQuantization:
             fmt = _group_format(groups[name], default_format)
             decided.setdefault(fmt, set()).add(name)
     if not decided:
-        return ExpertsQuantization(QuantFormat.NONE, None, "no compressed-tensors group targets the experts")
+        return ExpertsQuantization(QuantFormat.NONE, None,
+                                   "no compressed-tensors group targets the experts")
     if len(decided) > 1:
         found = ", ".join(f"{fmt.value} from {sorted(names)}" for fmt, names in decided.items())
         return ExpertsQuantization(QuantFormat.UNREADABLE, None,
                                    f"compressed-tensors groups disagree on the experts: {found}")
     (fmt, names), = decided.items()
-    return ExpertsQuantization(fmt, "compressed-tensors", f"compressed-tensors group(s) {sorted(names)} target the experts")
+    return ExpertsQuantization(fmt, "compressed-tensors",
+                               f"compressed-tensors group(s) {sorted(names)} target the experts")
 
 
 def _group(group, where: str) -> dict:
-    """A config group's fields this module reads, type-checked; weights with the schema's defaults."""
     group = _mapping(group, where)
     weights = _mapping(group.get("weights"), f"{where}.weights", optional=True)
     if weights is not None:  # QuantizationArgs defaults: 8-bit int
         weights = dict(num_bits=_int(weights.get("num_bits", 8), f"{where}.weights.num_bits"),
                        type=_str(weights.get("type", "int"), f"{where}.weights.type"),
-                       group_size=_int(weights.get("group_size"), f"{where}.weights.group_size", optional=True))
-    return dict(targets=[_pattern(t, f"{where}.targets") for t in _strings(group.get("targets"), f"{where}.targets")],
+                       group_size=_int(weights.get("group_size"), f"{where}.weights.group_size",
+                                       optional=True))
+    return dict(targets=[_pattern(t, f"{where}.targets")
+                         for t in _strings(group.get("targets"), f"{where}.targets")],
                 format=_str(group.get("format"), f"{where}.format", optional=True), weights=weights)
 
 
@@ -208,7 +189,8 @@ def _pattern(pattern: str, where: str) -> str:
 def _groups_for(module: str, groups: Mapping) -> list[str]:
     # compressed-tensors precedence: a name or regex target beats a class-name target ("Linear").
     named = [name for name, group in groups.items()
-             if any(_matches(t, module) for t in group["targets"] if t.startswith("re:") or "." in t)]
+             if any(_matches(t, module) for t in group["targets"]
+                    if t.startswith("re:") or "." in t)]
     return named or [name for name, group in groups.items() if "Linear" in group["targets"]]
 
 
@@ -232,13 +214,11 @@ def _group_format(group: dict, default_format: str | None) -> QuantFormat:
     return QuantFormat.OTHER
 
 
-# ---- transformers / DeepSeek "fp8" -------------------------------------------------------------------
-
 def _fp8_excludes_experts(config: Mapping) -> bool:
-    """Whether `modules_to_not_convert` (MiniMax's alias: `ignored_layers`) keeps the routed experts out
-    of FP8, matched as transformers matches it (quantizers_utils.should_convert_module): a pattern
-    names a module when it matches from the start up to a module boundary (as a regex), or as a suffix."""
-    key = "modules_to_not_convert" if config.get("modules_to_not_convert") is not None else "ignored_layers"
+    """`modules_to_not_convert` (MiniMax: `ignored_layers`) matched as transformers does: a regex
+    from the start up to a module boundary, or a suffix."""
+    key = ("modules_to_not_convert" if config.get("modules_to_not_convert") is not None
+           else "ignored_layers")
     patterns = _strings(config.get(key), key, optional=True)
     boundary = r"(?:(?<=\.)|(?=\.|$))"
     for pattern in patterns:
@@ -246,35 +226,31 @@ def _fp8_excludes_experts(config: Mapping) -> bool:
             regex = re.compile(rf"(?:{pattern}){boundary}")
         except re.error as error:
             raise Unreadable(f"{key} holds an invalid regex {pattern!r}: {error}") from None
-        if any(regex.match(module) or module.endswith(pattern) for module in EXPERT_MODULE_NAMES):
+        if any(regex.match(module) or module.endswith(pattern)
+               for module in EXPERT_MODULE_NAMES):
             return True
     return False
 
 
-# ---- for the loader: the experts' exact format and the names of their scales ----------------------
-
 @dataclass(frozen=True)
 class CheckpointFormat:
-    """How a checkpoint stores its FP8 weights (read from its quantization_config by `checkpoint_format`).
+    """How a checkpoint stores its FP8 weights; every scale multiplies (`weight_scale_inv` too)."""
 
-    Every scale here multiplies to dequantize: DeepSeek's / transformers' `weight_scale_inv` as much as
-    compressed-tensors' and ModelOpt's `weight_scale`."""
-
-    method: str | None = None  # "fp8", "compressed-tensors", "modelopt"; None: an unquantized checkpoint
+    method: str | None = None  # "fp8", "compressed-tensors", "modelopt"; None: unquantized
     experts: WeightFormat = NATIVE  # the routed experts' format: what FusedMoE holds them in
-    weight_scale: str = "weight_scale"  # a quantized `<module>.weight`'s scale is `<module>.<weight_scale>`
-    linear_blocks: tuple[tuple[int, int], ...] = ()  # (block_n, block_k) of block-scaled FP8 linears
+    weight_scale: str = "weight_scale"  # `<module>.weight`'s scale is `<module>.<weight_scale>`
+    linear_blocks: tuple[tuple[int, int], ...] = ()  # (block_n, block_k) of block-scaled linears
 
     def __str__(self) -> str:
         return "unquantized" if self.method is None else f"{self.method}: experts {self.experts}"
 
 
-_FP8_METHODS = "'fp8' (weight_block_size), 'compressed-tensors' (FP8 config_groups) or 'modelopt' (quant_algo FP8)"
+_FP8_METHODS = ("'fp8' (weight_block_size), 'compressed-tensors' (FP8 config_groups) "
+                "or 'modelopt' (quant_algo FP8)")
 
 
 def checkpoint_format(quant_config) -> CheckpointFormat:
-    """The checkpoint's FP8 layout under `quant_config` (None: unquantized). A ValueError names the config
-    key and what was expected when the experts' format is not one the FP8 kernels run."""
+    """A ValueError names the key and what was expected when the FP8 kernels cannot run it."""
     if quant_config is None or (isinstance(quant_config, Mapping) and len(quant_config) == 0):
         return CheckpointFormat()
     if not isinstance(quant_config, Mapping):
@@ -293,16 +269,17 @@ def checkpoint_format(quant_config) -> CheckpointFormat:
 
 
 def config_group_formats(quant_config) -> list[tuple[str, str]]:
-    """(config group, the format it gives its modules) for each group of `quant_config`, for people to read
-    (`moe-triton resolve`); a compressed-tensors config has one entry per config group. Never raises."""
+    """(config group, the format it gives its modules), for `moe-triton resolve`. Never raises."""
     if not isinstance(quant_config, Mapping) or not quant_config:
         return []
     groups = quant_config.get("config_groups")
     if quant_config.get("quant_method") != "compressed-tensors" or not isinstance(groups, Mapping):
-        return [("quantization_config", _described(lambda: str(checkpoint_format(quant_config).experts)))]
+        return [("quantization_config",
+                 _described(lambda: str(checkpoint_format(quant_config).experts)))]
     default = quant_config.get("format")
-    return [(f"config_groups.{name}", _described(lambda: f"targets {group.get('targets')}: "
-                                                         f"{_ct_group_format(name, group, default)}"))
+    return [(f"config_groups.{name}",
+             _described(lambda: f"targets {group.get('targets')}: "
+                                f"{_ct_group_format(name, group, default)}"))
             for name, group in groups.items()]
 
 
@@ -314,15 +291,16 @@ def _described(describe) -> str:
 
 
 def _fp8_checkpoint(config: Mapping) -> CheckpointFormat:
-    # transformers' FineGrainedFP8Config fields (utils/quantization_config.py) and MiniMax-M2's config.json
-    for key, accepted in (("fmt", ("float8_e4m3fn", "e4m3")), ("scale_fmt", ("float",)), ("expert_dtype", ("fp8",)),
-                          ("activation_scheme", ("dynamic",))):
+    # transformers' FineGrainedFP8Config fields and MiniMax-M2's config.json
+    for key, accepted in (("fmt", ("float8_e4m3fn", "e4m3")), ("scale_fmt", ("float",)),
+                          ("expert_dtype", ("fp8",)), ("activation_scheme", ("dynamic",))):
         if config.get(key, accepted[0]) not in accepted:
-            raise ValueError(f"quantization_config.{key}={config[key]!r}: expected {' or '.join(map(repr, accepted))} "
-                             "(e4m3 weights, float32 block scales, dynamic per-token-group activations)")
+            raise ValueError(f"quantization_config.{key}={config[key]!r}: "
+                             f"expected {' or '.join(map(repr, accepted))} (e4m3 weights, "
+                             "float32 block scales, dynamic per-token-group activations)")
     if config.get("weight_block_size") is None:
-        raise ValueError("quantization_config.weight_block_size is missing: expected [block_n, block_k] "
-                         "(per-tensor 'fp8' checkpoints are not read)")
+        raise ValueError("quantization_config.weight_block_size is missing: "
+                         "expected [block_n, block_k] (per-tensor 'fp8' checkpoints are not read)")
     block = _block_format(config["weight_block_size"], "weight_block_size")
     experts = NATIVE if _fp8_excludes_experts(config) else block
     return CheckpointFormat("fp8", experts, "weight_scale_inv", (block.block,))
@@ -334,74 +312,88 @@ def _block_format(value, key: str) -> WeightFormat:
             return WeightFormat.fp8_block(*value)
         except ValueError:
             pass
-    raise ValueError(f"quantization_config.{key}={value!r}: expected [block_n, block_k], block_n >= 1 and block_k "
-                     "a power of two >= 16 (128 x 128 in every public checkpoint)")
+    raise ValueError(f"quantization_config.{key}={value!r}: expected [block_n, block_k], "
+                     "block_n >= 1 and block_k a power of two >= 16 "
+                     "(128 x 128 in every public checkpoint)")
 
 
 def _modelopt_checkpoint(config: Mapping) -> CheckpointFormat:
-    # ModelOpt's FP8 algorithms as vLLM reads them (docs/features/quantization/modelopt.md): "FP8" is a
-    # per-tensor weight_scale with a static per-tensor input_scale.
+    # as vLLM reads them: "FP8" is a per-tensor weight_scale with a static per-tensor input_scale
     algo = _modelopt_algo(config)
-    formats = {"FP8": WeightFormat.fp8_tensor(static_input=True), "FP8_PER_CHANNEL_PER_TOKEN": WeightFormat.fp8_channel()}
+    formats = {"FP8": WeightFormat.fp8_tensor(static_input=True),
+               "FP8_PER_CHANNEL_PER_TOKEN": WeightFormat.fp8_channel()}
     if algo is None or algo.upper() not in formats:
-        raise ValueError(f"quantization_config.quant_algo={algo!r}: expected 'FP8' or 'FP8_PER_CHANNEL_PER_TOKEN' "
-                         "(ModelOpt's per-tensor and per-channel FP8)")
+        raise ValueError(f"quantization_config.quant_algo={algo!r}: expected 'FP8' or "
+                         "'FP8_PER_CHANNEL_PER_TOKEN' (ModelOpt's per-tensor and per-channel FP8)")
     return CheckpointFormat("modelopt", formats[algo.upper()], "weight_scale")
 
 
 def _compressed_tensors_checkpoint(config: Mapping) -> CheckpointFormat:
     raw = _mapping(config.get("config_groups"), "config_groups")
     groups = {name: _group(group, f"config_groups.{name}") for name, group in raw.items()}
-    ignore = [_pattern(p, "ignore") for p in _strings(config.get("ignore"), "ignore", optional=True)]
+    ignore = [_pattern(p, "ignore")
+              for p in _strings(config.get("ignore"), "ignore", optional=True)]
     default = _str(config.get("format"), "format", optional=True)
-    names = sorted({name for module in EXPERT_MODULE_NAMES if not any(_matches(p, module) for p in ignore)
+    names = sorted({name for module in EXPERT_MODULE_NAMES
+                    if not any(_matches(p, module) for p in ignore)
                     for name in _groups_for(module, groups)})
     formats = {name: _ct_group_format(name, raw[name], default) for name in names}
     if len(set(formats.values())) > 1:
-        raise ValueError(f"quantization_config.config_groups {names} give the experts different formats: "
+        raise ValueError(f"quantization_config.config_groups {names} give the experts "
+                         "different formats: "
                          f"{ {name: str(fmt) for name, fmt in formats.items()} }")
     blocks = tuple(sorted({_ct_block(name, group) for name, group in raw.items()} - {None}))
-    return CheckpointFormat("compressed-tensors", formats[names[0]] if names else NATIVE, "weight_scale", blocks)
+    return CheckpointFormat("compressed-tensors", formats[names[0]] if names else NATIVE,
+                            "weight_scale", blocks)
 
 
 def _ct_group_format(name: str, group: Mapping, default_format: str | None) -> WeightFormat:
-    """A config group's FP8 format, from compressed-tensors' QuantizationArgs fields
-    (compressed_tensors/quantization/quant_args.py, quant_scheme.py: the FP8, FP8_DYNAMIC, FP8_BLOCK presets)."""
+    """Its FP8 format, per compressed-tensors' QuantizationArgs (FP8, FP8_DYNAMIC, FP8_BLOCK)."""
     where = f"quantization_config.config_groups.{name}"
     weights = group.get("weights")
-    if not isinstance(weights, Mapping) or (weights.get("num_bits", 8), weights.get("type", "int")) != (8, "float"):
-        raise ValueError(f"{where}.weights={weights!r}: expected FP8 weights (num_bits 8, type 'float')")
+    if (not isinstance(weights, Mapping)
+            or (weights.get("num_bits", 8), weights.get("type", "int")) != (8, "float")):
+        raise ValueError(f"{where}.weights={weights!r}: "
+                         "expected FP8 weights (num_bits 8, type 'float')")
     fmt = group.get("format") or default_format
     if fmt not in (None, "float-quantized", "naive-quantized"):
-        raise ValueError(f"{where}.format={fmt!r}: expected 'float-quantized' (FP8 weights stored as they are)")
+        raise ValueError(f"{where}.format={fmt!r}: "
+                         "expected 'float-quantized' (FP8 weights stored as they are)")
     if weights.get("dynamic", False) is not False:
-        raise ValueError(f"{where}.weights.dynamic={weights['dynamic']!r}: expected false (calibrated weight scales)")
+        raise ValueError(f"{where}.weights.dynamic={weights['dynamic']!r}: "
+                         "expected false (calibrated weight scales)")
     strategy = weights.get("strategy") or "tensor"
     static_input = _ct_static_input(where, group.get("input_activations"))
     if strategy == "tensor":
         return WeightFormat.fp8_tensor(static_input=static_input)
     if strategy not in ("channel", "block"):
-        raise ValueError(f"{where}.weights.strategy={strategy!r}: expected 'tensor', 'channel' or 'block'")
+        raise ValueError(f"{where}.weights.strategy={strategy!r}: "
+                         "expected 'tensor', 'channel' or 'block'")
     if static_input:
-        raise ValueError(f"{where}.input_activations: static activation scales with strategy {strategy!r} weights: "
-                         "expected dynamic activations (static ones go with strategy 'tensor' weights)")
+        raise ValueError(f"{where}.input_activations: static activation scales with strategy "
+                         f"{strategy!r} weights: expected dynamic activations "
+                         "(static ones go with strategy 'tensor' weights)")
     if strategy == "channel":
         return WeightFormat.fp8_channel()
-    return _block_format(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure")
+    return _block_format(weights.get("block_structure"),
+                         f"config_groups.{name}.weights.block_structure")
 
 
 def _ct_static_input(where: str, inputs) -> bool:
     if inputs is None:
-        raise ValueError(f"{where}.input_activations is missing: expected FP8 activations (dynamic, or static per "
-                         "tensor); weight-only FP8 is not run")
-    if not isinstance(inputs, Mapping) or (inputs.get("num_bits", 8), inputs.get("type", "int")) != (8, "float"):
-        raise ValueError(f"{where}.input_activations={inputs!r}: expected FP8 activations (num_bits 8, type 'float')")
+        raise ValueError(f"{where}.input_activations is missing: expected FP8 activations "
+                         "(dynamic, or static per tensor); weight-only FP8 is not run")
+    if (not isinstance(inputs, Mapping)
+            or (inputs.get("num_bits", 8), inputs.get("type", "int")) != (8, "float")):
+        raise ValueError(f"{where}.input_activations={inputs!r}: "
+                         "expected FP8 activations (num_bits 8, type 'float')")
     dynamic = inputs.get("dynamic", False)
     if dynamic is True:
         return False
     if dynamic is False and (inputs.get("strategy") or "tensor") == "tensor":
         return True
-    raise ValueError(f"{where}.input_activations: dynamic={dynamic!r}, strategy={inputs.get('strategy')!r}: expected "
+    raise ValueError(f"{where}.input_activations: dynamic={dynamic!r}, "
+                     f"strategy={inputs.get('strategy')!r}: expected "
                      "dynamic true, or dynamic false with strategy 'tensor'")
 
 
@@ -409,29 +401,25 @@ def _ct_block(name: str, group) -> tuple[int, int] | None:
     weights = group.get("weights") if isinstance(group, Mapping) else None
     if not isinstance(weights, Mapping) or weights.get("strategy") != "block":
         return None
-    return _block_format(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure").block
+    return _block_format(weights.get("block_structure"),
+                         f"config_groups.{name}.weights.block_structure").block
 
-
-# ---- both answers, read once per model -------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Quantization:
-    """A quantization_config read once: the experts' coarse kind for backend rules, and the exact
-    layout the loader needs (or why the FP8 kernels cannot run it)."""
+    """A quantization_config read once: the coarse kind for rules, the loader's exact layout."""
 
-    experts: ExpertsQuantization  # never unknown: UNREADABLE with the reason when the config departs
+    experts: ExpertsQuantization  # never unknown: UNREADABLE with the reason
     checkpoint: CheckpointFormat | None  # None: the loader cannot read it (`error` says why)
     error: str | None = None
 
     def checkpoint_format(self) -> CheckpointFormat:
-        """The loader's layout; a ValueError naming the config key when there is none."""
         if self.checkpoint is None:
             raise ValueError(self.error)
         return self.checkpoint
 
 
 def read_quantization(quant_config) -> Quantization:
-    """`quant_config` (a checkpoint's quantization_config, or None) read for rules and the loader."""
     experts = experts_quantization(quant_config)
     try:
         return Quantization(experts, checkpoint_format(quant_config))

@@ -1,9 +1,5 @@
-"""The pure-torch reference of the whole expert layer, in float32: the ground truth of every test,
-and the gradients of the Triton path (`fused_experts_backward_torch`, the backward of its op).
-
-It shares no code with the Triton path but the activation's plain torch functions: a per-expert
-loop, as transformers' eager experts compute it.
-"""
+"""The float32 torch reference of the expert layer (forward and backward): a per-expert loop
+sharing no code with the Triton path but the activation's torch functions."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +17,6 @@ def fused_experts_torch(
     *,
     activation: Activation = SILU_AND_MUL,
 ) -> torch.Tensor:
-    """Float32 result, shape (T, H); cast it to compare with a low-precision output."""
     x = hidden_states.float()
     out = torch.zeros_like(x)  # [T, H]
     for e in range(w13.shape[0]):
@@ -44,9 +39,8 @@ def fused_experts_backward_torch(
     activation: Activation = SILU_AND_MUL,
     needs: tuple[bool, bool, bool, bool] = (True, True, True, True),
 ) -> tuple[torch.Tensor | None, ...]:
-    """(d hidden_states, d w13, d w2, d topk_weights), each in its input's dtype (None where `needs`
-    says no), by recomputing each expert's rows in float32. FP8 weights: through their dequantized
-    values, with no gradient of their own (the activations' quantization counts as the identity)."""
+    """(dx, dw13, dw2, d topk_weights) in the inputs' dtypes, None where `needs` says no; FP8
+    weights: through their dequantized values, no gradient (activation quantization: identity)."""
     T, K = topk_ids.shape
     E = weights.num_experts
     x, dout = hidden_states.float(), grad_out.float()  # [T, H]

@@ -1,13 +1,5 @@
-"""Expert backends: which one runs the experts, why, and how it runs them.
-
-    spec.py       ExpertBackend, LayerTraits (what a layer requires), BackendSpec (what a backend runs)
-    runner.py     ExpertsRunner: how a backend routes, prepares its weights and runs the experts
-    flashinfer.py the FlashInfer runners (FlashInfer imported lazily) and their weight preparation
-    padding.py    zero-padding I to a backend's multiple, after loading
-    catalog.py    the built-in specs, the one support check, register_backend
-    rules.py      per-architecture rules for backend="auto"
-    resolver.py   resolve(): request + platform + model + layer -> Resolution; build_runner
-"""
+"""Expert backends: which one runs the experts (spec, catalog, rules, resolver), why, and how
+(runner, flashinfer, padding)."""
 from ..context import ModelContext
 from ..quant_config import ExpertsQuantization, QuantFormat, experts_quantization
 from .catalog import SPECS, register_backend, unsupported_reason

@@ -1,12 +1,5 @@
-"""The backends' table and the one support check: each built-in `BackendSpec` with its runner.
-
-`unsupported_reason` is the only place that decides whether a backend can run a layer here; the
-resolver asks it about explicit requests (an answer means a ValueError at construction) and about
-a rule's pick (an answer means the default stays, with that reason). A spec names its runner
-(runner.py, flashinfer.py), which the layer builds once and calls; the padding a kernel needs is
-part of the spec (`intermediate_multiple`), applied by the runner after loading. A new backend is
-one runner class and one `BackendSpec` passed to `register_backend`.
-"""
+"""The backends' table and the one support check, `unsupported_reason`. A new backend is one
+runner class and one `BackendSpec` passed to `register_backend`."""
 from __future__ import annotations
 
 import torch
@@ -27,12 +20,12 @@ from .runner import TorchRunner, TritonRunner
 from .spec import BackendSpec, ExpertBackend, LayerTraits
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-_TRTLLM_SMS = frozenset({100, 103})  # trtllm-gen cubins are built for Blackwell datacenter parts only
+_TRTLLM_SMS = frozenset({100, 103})  # trtllm-gen cubins: Blackwell datacenter parts only
 _BF16_OR_NVFP4 = frozenset({QuantFormat.NONE, QuantFormat.NVFP4})
-# Ours take (topk_ids, topk_weights) after any dispatch, so every all-to-all and LoRA outside the layer fit.
-_OURS = dict(sms=None, flashinfer=False, expert_formats=None, all_to_all=None, lora=True, dtypes=_FLOATS,
-             activations=None, intermediate_multiple=1, hidden_multiple=1, fused_router=False,
-             weight_formats=frozenset({None, *Fp8Scaling}))
+# Ours take (topk_ids, topk_weights) after any dispatch: every all-to-all and outer LoRA fit.
+_OURS = dict(sms=None, flashinfer=False, expert_formats=None, all_to_all=None, lora=True,
+             dtypes=_FLOATS, activations=None, intermediate_multiple=1, hidden_multiple=1,
+             fused_router=False, weight_formats=frozenset({None, *Fp8Scaling}))
 _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloat16,),
                    activations=frozenset({ActivationKind.SILU_AND_MUL, ActivationKind.RELU2}),
                    all_to_all=frozenset({None}))
@@ -40,22 +33,22 @@ _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloa
 SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
     BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89,
                 interpreter_dtypes=INTERPRETER_DOT_DTYPES, **_OURS),
-    BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, fp8_dtypes=_FLOATS, **_OURS),
+    BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, fp8_dtypes=_FLOATS,
+                **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
-                intermediate_multiple=128, hidden_multiple=128, fused_router=True, runner=TrtllmRunner,
-                **_FLASHINFER),
+                intermediate_multiple=128, hidden_multiple=128, fused_router=True,
+                runner=TrtllmRunner, **_FLASHINFER),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM_ROUTED, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
-                intermediate_multiple=128, hidden_multiple=128, fused_router=False, runner=TrtllmRoutedRunner,
-                **_FLASHINFER),
-    # SM90 and newer, as FlashInfer's CUTLASS MoE modules are built (sm90, sm100/110, sm103, sm120/121).
+                intermediate_multiple=128, hidden_multiple=128, fused_router=False,
+                runner=TrtllmRoutedRunner, **_FLASHINFER),
+    # the SMs FlashInfer's CUTLASS MoE modules are built for
     BackendSpec(ExpertBackend.FLASHINFER_CUTLASS, frozenset({90, 100, 103, 110, 120, 121}),
-                expert_formats=frozenset({QuantFormat.NONE}), intermediate_multiple=16, hidden_multiple=16,
-                fused_router=False, runner=CutlassRunner, **_FLASHINFER),
+                expert_formats=frozenset({QuantFormat.NONE}), intermediate_multiple=16,
+                hidden_multiple=16, fused_router=False, runner=CutlassRunner, **_FLASHINFER),
 )}
 
 
 def register_backend(spec: BackendSpec) -> None:
-    """Make `spec.backend` a backend name every layer and the resolver accept (`backend="name"`)."""
     if spec.backend in SPECS:
         raise ValueError(f"backend {spec.backend!r} is already registered")
     SPECS[spec.backend] = spec
@@ -77,7 +70,8 @@ def _platform_reason(spec: BackendSpec, platform: Platform, context, layer) -> s
         if spec.on_cpu == "always" or (spec.on_cpu == "interpreter" and platform.interpreter):
             return None
         if spec.on_cpu == "interpreter":
-            return f"the Triton pipeline runs on CPU only under the interpreter ({interpreter_hint()})"
+            return ("the Triton pipeline runs on CPU only under the interpreter "
+                    f"({interpreter_hint()})")
         return "it needs a CUDA GPU"
     if spec.sms is not None and platform.sm not in spec.sms:
         why = " (trtllm-gen is Blackwell SM100/SM103 only)" if spec.sms == _TRTLLM_SMS else ""
@@ -93,7 +87,8 @@ def _flashinfer_reason(spec: BackendSpec, platform: Platform, context, layer) ->
     version = platform.flashinfer_version()
     if version is None or version < FLASHINFER_MIN_VERSION:
         minimum = ".".join(map(str, FLASHINFER_MIN_VERSION))
-        return f"FlashInfer {platform.flashinfer} is older than {minimum}, the API this integration follows"
+        return (f"FlashInfer {platform.flashinfer} is older than {minimum}, "
+                "the API this integration follows")
     return None
 
 
@@ -103,12 +98,13 @@ def _model_reason(spec: BackendSpec, platform, context: ModelContext, layer) -> 
         accepted = ", ".join(sorted(fmt.value for fmt in spec.expert_formats))
         return f"it does not take {quant} (accepts {accepted} experts)"
     if spec.all_to_all is not None and context.all_to_all not in spec.all_to_all:
-        return f"all-to-all backend {context.all_to_all!r} has no fused registration for this path"
+        return (f"all-to-all backend {context.all_to_all!r} "
+                "has no fused registration for this path")
     if context.lora and not spec.lora:
         return "LoRA on the experts is not supported by this fused path"
     if context.sharded_experts and spec.flashinfer:
-        return ("moe_triton.parallel's shards (local ids, -1 for other ranks' experts) are not wired to the "
-                "FlashInfer paths, which have not run sharded")
+        return ("moe_triton.parallel's shards (local ids, -1 for other ranks' experts) "
+                "are not wired to the FlashInfer paths, which have not run sharded")
     return None
 
 
@@ -122,13 +118,18 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
     if layer.format.fp8 is not None:
         if layer.dtype not in spec.fp8_dtypes:
             names = " or ".join(str(dtype).removeprefix("torch.") for dtype in spec.fp8_dtypes)
-            return f"FP8 experts take {names} activations here, not {str(layer.dtype).removeprefix('torch.')}"
-        if spec.fp8_min_sm is not None and platform.sm is not None and platform.sm < spec.fp8_min_sm:
-            return (f"FP8 experts need FP8 tensor cores (SM{spec.fp8_min_sm} or newer); dequantize them to "
-                    "bfloat16 (ExpertWeights.dequantized()) for an unquantized layer, or use backend='torch'")
+            return (f"FP8 experts take {names} activations here, "
+                    f"not {str(layer.dtype).removeprefix('torch.')}")
+        if (spec.fp8_min_sm is not None and platform.sm is not None
+                and platform.sm < spec.fp8_min_sm):
+            return (f"FP8 experts need FP8 tensor cores (SM{spec.fp8_min_sm} or newer); "
+                    "dequantize them to bfloat16 (ExpertWeights.dequantized()) "
+                    "for an unquantized layer, or use backend='torch'")
     interpreted = platform.device_type == "cpu" and spec.on_cpu == "interpreter"
-    if interpreted and spec.interpreter_dtypes is not None and layer.dtype not in spec.interpreter_dtypes:
-        return f"weights are {layer.dtype}, and {interpreter_dot_reason(layer.dtype, layer.format.fp8 is not None)}"
+    if (interpreted and spec.interpreter_dtypes is not None
+            and layer.dtype not in spec.interpreter_dtypes):
+        return (f"weights are {layer.dtype}, and "
+                f"{interpreter_dot_reason(layer.dtype, layer.format.fp8 is not None)}")
     if spec.activations is not None and layer.activation.kind not in spec.activations:
         return (f"activation {layer.activation.kind.name} is not one it implements "
                 f"({sorted(a.name for a in spec.activations)})")

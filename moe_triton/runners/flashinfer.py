@@ -1,30 +1,11 @@
-"""FlashInfer expert backends: imported lazily, weights prepared once after loading.
-
-Written against flashinfer-python 0.7.2.post1 (docs.flashinfer.ai; flashinfer/fused_moe/core.py,
-api.py, prepare.py of that release). The entry points, by backend:
-
-    flashinfer_trtllm         TrtllmRunner        trtllm_bf16_moe / trtllm_fp4_block_scale_moe     routes from logits
-    flashinfer_trtllm_routed  TrtllmRoutedRunner  trtllm_bf16_routed_moe / ..._fp4_block_scale_routed_moe  our top-k
-    flashinfer_cutlass        CutlassRunner       cutlass_fused_moe (bf16)                          our top-k
-
-Where FlashInfer's conventions differ from ours:
-- GEMM1 rows are [up; gate] (TRT-LLM's "w3_w1"); our gate_up_proj is [gate; up]. `up_gate` swaps
-  the halves before FlashInfer's own preparation; a swapped pair computes silu(up) * gate, a
-  plausible but wrong output.
-- trtllm-gen weights are row-shuffled and BlockMajorK; NVFP4 weights are quantized with E4M3
-  block scales and per-expert scalars. Both views are built by FlashInfer's published helpers
-  (`TrtllmBf16Config.prepare_weights`, `TrtllmFp4Config.prepare_weights`,
-  `CutlassBf16Config.prepare_weights`), once, after loading and padding; the prepared tensors are
-  kept under FlashInfer's own keyword names and passed as they are on every forward.
-- NVFP4 here means FlashInfer quantizes the layer's bf16 weights (global scale 1, as its view
-  fixes) and, each forward, the activations; loading a checkpoint's own NVFP4 tensors is not
-  implemented.
-
-Verified on hardware: none of these paths. trtllm-gen is Blackwell-only (SM100/SM103) and refuses
-compute capability < 10, so it cannot run on our H200 (SM90). FlashInfer's SM90 CUTLASS MoE is
-compiled by nvcc on first use from ~180 translation units (well over an hour) and was not built
-or run. What is tested, on CPU: every argument we pass and the weight preparation, against
-checkers that stand in for these entry points with the published signatures.
+"""FlashInfer expert backends (flashinfer-python 0.7.2.post1), imported lazily. Weights are
+prepared once, after padding, by FlashInfer's `*Config.prepare_weights` (row shuffle, BlockMajorK;
+NVFP4: E4M3 block scales, global scale 1, activations quantized each forward) and kept under its
+keyword names. Its GEMM1 rows are [up; gate] (TRT-LLM's "w3_w1"), ours [gate; up]: `up_gate`
+swaps them (unswapped, silu(up) * gate is plausible but wrong). A checkpoint's own NVFP4 tensors
+are not loaded. Verified on hardware: none (trtllm-gen is SM100/SM103 only; the SM90 CUTLASS MoE
+compiles for over an hour). Tested on CPU: every argument and the weight preparation, against
+checkers with the published signatures.
 """
 from __future__ import annotations
 
@@ -42,15 +23,16 @@ from ..routing import RoutingSpec, Scoring, SelectOn
 from ..weights import ExpertWeights
 from .runner import ExpertsRunner, refuse_compile
 
-_ACTIVATION_TYPE = {ActivationKind.SILU_AND_MUL: "Swiglu", ActivationKind.RELU2: "Relu2"}  # tllm_enums.ActivationType
-_ACTIVATION_CONFIG = {ActivationKind.SILU_AND_MUL: "SwiGLU", ActivationKind.RELU2: "ReLU2"}  # fused_moe's typed values
-_PRECOMPUTED_ROUTING = "TopK"  # routed calls: ids and weights are final, no softmax or renormalisation
+# tllm_enums.ActivationType names, and fused_moe's typed activation values
+_ACTIVATION_TYPE = {ActivationKind.SILU_AND_MUL: "Swiglu", ActivationKind.RELU2: "Relu2"}
+_ACTIVATION_CONFIG = {ActivationKind.SILU_AND_MUL: "SwiGLU", ActivationKind.RELU2: "ReLU2"}
+_PRECOMPUTED_ROUTING = "TopK"  # routed calls: ids and weights are final, no softmax or renorm
 
 
 @dataclass(frozen=True)
 class FlashInferModules:
-    fused_moe: ModuleType  # flashinfer.fused_moe: kernels, *Config.prepare_* helpers, SwiGLU() / ReLU2()
-    enums: ModuleType  # flashinfer.tllm_enums: RoutingMethodType, ActivationType, WeightLayout, SfLayout
+    fused_moe: ModuleType  # flashinfer.fused_moe: kernels, *Config.prepare_*, SwiGLU() / ReLU2()
+    enums: ModuleType  # flashinfer.tllm_enums: RoutingMethodType, ActivationType, WeightLayout, ...
 
 
 def import_flashinfer() -> FlashInferModules:
@@ -58,23 +40,24 @@ def import_flashinfer() -> FlashInferModules:
         return FlashInferModules(importlib.import_module("flashinfer.fused_moe"),
                                  importlib.import_module("flashinfer.tllm_enums"))
     except ImportError as error:
-        raise ImportError(f"FlashInfer backends need FlashInfer: pip install 'moe-triton[flashinfer]' ({error})") from error
+        raise ImportError("FlashInfer backends need FlashInfer: "
+                          f"pip install 'moe-triton[flashinfer]' ({error})") from error
 
 
 def fused_routing_method(routing: RoutingSpec) -> str | None:
-    """The trtllm-gen RoutingMethodType name that computes exactly what `route` computes, or None."""
+    """The trtllm-gen RoutingMethodType that computes exactly what `route` computes, or None."""
     if routing.correction_bias or routing.n_group > 1 or routing.routed_scaling_factor != 1.0:
-        return None  # biased / grouped / scaled selection: use flashinfer_trtllm_routed with our top-k
+        return None  # biased / grouped / scaled selection: flashinfer_trtllm_routed on our top-k
     if routing.scoring is Scoring.SOFTMAX:
-        # top-k on logits then softmax over the k == softmax, top-k, renormalise: FlashInfer runs both as one
-        return "Renormalize" if routing.select_on is SelectOn.LOGITS or routing.renormalize else "Default"
-    return "SigmoidRenorm" if routing.renormalize else "Sigmoid"  # sigmoid is monotone: select on either
+        # top-k on logits, softmax over the k == softmax, top-k, renormalise: one FlashInfer method
+        return ("Renormalize" if routing.select_on is SelectOn.LOGITS or routing.renormalize
+                else "Default")
+    # sigmoid is monotone: select on either
+    return "SigmoidRenorm" if routing.renormalize else "Sigmoid"
 
 
 @dataclass(frozen=True)
 class FlashInferExperts:
-    """The experts as FlashInfer takes them, prepared once after loading."""
-
     quant: QuantFormat  # NONE (bf16) or NVFP4
     activation: ActivationKind
     num_experts: int  # E
@@ -93,14 +76,13 @@ def up_gate(w13: torch.Tensor, activation: Activation) -> torch.Tensor:
 
 def prepare_experts(config_name: str, w13: torch.Tensor, w2: torch.Tensor, activation: Activation,
                     quant: QuantFormat, fi: FlashInferModules) -> FlashInferExperts:
-    """FlashInfer's weight view of (w13 (E, 2I, H) [gate; up] or (E, I, H), w2 (E, H, I)), built by
-    `fi.fused_moe.<config_name>.prepare_weights`."""
+    """w13 (E, 2I, H) [gate; up] or (E, I, H), w2 (E, H, I) -> `<config_name>.prepare_weights`."""
     if activation.kind not in _ACTIVATION_TYPE:
         raise ValueError(f"activation {activation.kind.name} has no FlashInfer equivalent; "
                          f"use {sorted(k.name for k in _ACTIVATION_TYPE)}")
     if w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-        raise ValueError(f"FlashInfer backends take bfloat16 weights, got {w13.dtype} / {w2.dtype}; "
-                         "build the layer with dtype=torch.bfloat16")
+        raise ValueError("FlashInfer backends take bfloat16 weights, "
+                         f"got {w13.dtype} / {w2.dtype}; build the layer with dtype=torch.bfloat16")
     E, H, I = w2.shape
     geometry = dict(num_local_experts=E, hidden_size=H, intermediate_size=I, device=w13.device,
                     activation=getattr(fi.fused_moe, _ACTIVATION_CONFIG[activation.kind])())
@@ -110,39 +92,38 @@ def prepare_experts(config_name: str, w13: torch.Tensor, w2: torch.Tensor, activ
 
 
 class FlashInferRunner(ExpertsRunner):
-    """What the three FlashInfer paths share: FlashInfer imported and the weights' view built once, in prepare."""
+    """The three paths' share: FlashInfer imported and the weights' view built once, in prepare."""
 
     prepared: FlashInferExperts | None = None
     fi: FlashInferModules | None = None
 
     def weights_config(self, quant: QuantFormat) -> str:
-        """The name of FlashInfer's *Config class whose prepare_weights builds this path's view."""
+        """FlashInfer's *Config class whose prepare_weights builds this path's view."""
         raise NotImplementedError
 
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
         weights = super().prepare(weights)  # padded to the spec's multiple first
         self.fi = import_flashinfer()
         quant = self.context.quantization.experts.format
-        self.prepared = prepare_experts(self.weights_config(quant), weights.w13, weights.w2, self.activation, quant,
-                                        self.fi)
+        self.prepared = prepare_experts(self.weights_config(quant), weights.w13, weights.w2,
+                                        self.activation, quant, self.fi)
         return weights
 
     def check_input(self, hidden_states: torch.Tensor, *tensors: torch.Tensor) -> None:
         """`tensors`: the call's other inputs, which must not need gradients either."""
-        if torch.compiler.is_compiling():  # FlashInfer's entry points have not been traced through
+        if torch.compiler.is_compiling():  # FlashInfer's entry points have not been traced
             refuse_compile(hidden_states, f"the {self.spec.backend} backend")
         if self.prepared is None:
-            raise RuntimeError(f"backend {self.spec.backend} runs on prepared weights: call layer.prepare_weights() "
-                               "once after loading them")
+            raise RuntimeError(f"backend {self.spec.backend} runs on prepared weights: "
+                               "call layer.prepare_weights() once after loading them")
         checks.no_grad_needed(f"the {self.spec.backend} backend", "use the triton or torch backend",
                               hidden_states, *tensors)
         if hidden_states.dtype != torch.bfloat16:
-            raise ValueError(f"x is {hidden_states.dtype}; FlashInfer backends take bfloat16 hidden states")
+            raise ValueError(f"x is {hidden_states.dtype}; "
+                             "FlashInfer backends take bfloat16 hidden states")
 
 
 class TrtllmRoutedRunner(FlashInferRunner):
-    """flashinfer_trtllm_routed: trtllm-gen on our top-k."""
-
     def weights_config(self, quant):
         return "TrtllmFp4Config" if quant is QuantFormat.NVFP4 else "TrtllmBf16Config"
 
@@ -154,11 +135,10 @@ class TrtllmRoutedRunner(FlashInferRunner):
 
 
 class TrtllmRunner(TrtllmRoutedRunner):
-    """flashinfer_trtllm: routing and experts in one fused call, from the router logits."""
-
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: call the layer, "
-                         "or use flashinfer_trtllm_routed to run it on a given top-k")
+        raise ValueError("flashinfer_trtllm routes inside its kernel from the router logits: "
+                         "call the layer, or use flashinfer_trtllm_routed "
+                         "to run it on a given top-k")
 
     def __call__(self, weights, hidden_states, router_logits, correction_bias=None):
         self.check_input(hidden_states, router_logits, weights.w13, weights.w2)
@@ -168,8 +148,6 @@ class TrtllmRunner(TrtllmRoutedRunner):
 
 
 class CutlassRunner(FlashInferRunner):
-    """flashinfer_cutlass: FlashInfer's CUTLASS fused MoE on our top-k."""
-
     def weights_config(self, quant):
         return "CutlassBf16Config"
 
@@ -180,20 +158,25 @@ class CutlassRunner(FlashInferRunner):
         return run_cutlass(self.prepared, self.fi, hidden_states, topk_ids, topk_weights)
 
 
-def _trtllm_common(experts: FlashInferExperts, fi: FlashInferModules, top_k: int, routing_method: str) -> dict:
+def _trtllm_common(experts: FlashInferExperts, fi: FlashInferModules, top_k: int,
+                   routing_method: str) -> dict:
     return dict(
         num_experts=experts.num_experts, top_k=top_k, n_group=None, topk_group=None,
-        intermediate_size=experts.intermediate_size, local_expert_offset=0, local_num_experts=experts.num_experts,
-        routed_scaling_factor=None, routing_method_type=int(fi.enums.RoutingMethodType[routing_method]),
-        activation_type=int(fi.enums.ActivationType[_ACTIVATION_TYPE[experts.activation]]), do_finalize=True,
+        intermediate_size=experts.intermediate_size, local_expert_offset=0,
+        local_num_experts=experts.num_experts, routed_scaling_factor=None,
+        routing_method_type=int(fi.enums.RoutingMethodType[routing_method]),
+        activation_type=int(fi.enums.ActivationType[_ACTIVATION_TYPE[experts.activation]]),
+        do_finalize=True,
     )
 
 
-def _trtllm_weights(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor) -> dict:
+def _trtllm_weights(experts: FlashInferExperts, fi: FlashInferModules,
+                    hidden_states: torch.Tensor) -> dict:
     if experts.quant is not QuantFormat.NVFP4:
         return dict(hidden_states=hidden_states, use_shuffled_weight=True,
                     weight_layout=int(fi.enums.WeightLayout.BlockMajorK), **experts.weights)
-    hidden_fp4, hidden_scale = fi.fused_moe.TrtllmFp4Config.prepare_activations(hidden_states)  # [T, H/2], [T, H/16]
+    # [T, H/2], [T, H/16]
+    hidden_fp4, hidden_scale = fi.fused_moe.TrtllmFp4Config.prepare_activations(hidden_states)
     weights = dict(experts.weights)
     return dict(hidden_states=hidden_fp4, hidden_states_scale=hidden_scale,
                 hidden_states_scale_layout=fi.enums.SfLayout.layout_linear,
@@ -208,19 +191,24 @@ def _output(result) -> torch.Tensor:
 
 def run_trtllm(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
                router_logits: torch.Tensor, routing: RoutingSpec) -> torch.Tensor:
-    """flashinfer_trtllm: hidden_states (T, H) bf16, router_logits (T, E) -> (T, H); routing inside the kernel."""
+    """hidden_states (T, H) bf16, router_logits (T, E) -> (T, H); routing inside the kernel."""
     method = fused_routing_method(routing)
-    kwargs = dict(routing_logits=router_logits.float(), routing_bias=None, norm_topk_prob=routing.renormalize,
-                  **_trtllm_common(experts, fi, routing.top_k, method), **_trtllm_weights(experts, fi, hidden_states))
-    kernel = fi.fused_moe.trtllm_fp4_block_scale_moe if experts.quant is QuantFormat.NVFP4 else fi.fused_moe.trtllm_bf16_moe
+    kwargs = dict(routing_logits=router_logits.float(), routing_bias=None,
+                  norm_topk_prob=routing.renormalize,
+                  **_trtllm_common(experts, fi, routing.top_k, method),
+                  **_trtllm_weights(experts, fi, hidden_states))
+    kernel = (fi.fused_moe.trtllm_fp4_block_scale_moe if experts.quant is QuantFormat.NVFP4
+              else fi.fused_moe.trtllm_bf16_moe)
     return _output(kernel(**kwargs))
 
 
-def run_trtllm_routed(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
-                      topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """flashinfer_trtllm_routed: hidden_states (T, H) bf16, our topk_ids / topk_weights (T, K) -> (T, H)."""
-    routing = (topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous())  # the unpacked form
-    kwargs = dict(topk_ids=routing, **_trtllm_common(experts, fi, topk_ids.shape[1], _PRECOMPUTED_ROUTING),
+def run_trtllm_routed(experts: FlashInferExperts, fi: FlashInferModules,
+                      hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+    """hidden_states (T, H) bf16, our topk_ids / topk_weights (T, K) -> (T, H)."""
+    routing = (topk_ids.to(torch.int32).contiguous(), topk_weights.float().contiguous())  # unpacked
+    kwargs = dict(topk_ids=routing,
+                  **_trtllm_common(experts, fi, topk_ids.shape[1], _PRECOMPUTED_ROUTING),
                   **_trtllm_weights(experts, fi, hidden_states))
     if experts.quant is QuantFormat.NVFP4:
         return _output(fi.fused_moe.trtllm_fp4_block_scale_routed_moe(routing_bias=None, **kwargs))
@@ -229,7 +217,7 @@ def run_trtllm_routed(experts: FlashInferExperts, fi: FlashInferModules, hidden_
 
 def run_cutlass(experts: FlashInferExperts, fi: FlashInferModules, hidden_states: torch.Tensor,
                 topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """flashinfer_cutlass: hidden_states (T, H) bf16, our topk_ids / topk_weights (T, K) -> (T, H)."""
+    """hidden_states (T, H) bf16, our topk_ids / topk_weights (T, K) -> (T, H)."""
     activation_type = fi.enums.ActivationType[_ACTIVATION_TYPE[experts.activation]]
     return _output(fi.fused_moe.cutlass_fused_moe(
         input=hidden_states, token_selected_experts=topk_ids.to(torch.int32).contiguous(),

@@ -1,15 +1,6 @@
-"""The resolver: one pure function from a request and what is known to the backend that runs, and why.
-
-    requested ("auto" or a backend), platform, model context, layer traits
-      -> explicit request?  runs here -> it, unchanged        cannot -> ValueError (backend, platform, reason)
-      -> auto: the architecture's rule (rules.py), if any   pin that runs here -> the pin
-                                                            no pin / pin cannot run -> the default, with the reason
-      -> default: triton on a CUDA GPU; on CPU torch, or triton when the Triton interpreter is on and
-                  computes the layer's dtype correctly (not bf16: catalog.py)
-
-Called once when a layer is built; the `Resolution` is logged and kept as `layer.resolution`, and
-`build_runner` makes the resolved backend's runner.
-"""
+"""The resolver: one pure function from a request and what is known to the backend, and why.
+An explicit request runs unchanged or is a ValueError; "auto" takes the architecture rule's pin
+when it runs here, else the default (triton on GPU or in the interpreter's exact dtypes; torch)."""
 from __future__ import annotations
 
 import functools
@@ -41,17 +32,17 @@ class Resolution:
     platform: Platform
 
     def __str__(self) -> str:
-        return f"{self.backend} (requested {self.requested}, {self.platform}, rule: {self.rule}): {self.reason}"
+        return (f"{self.backend} (requested {self.requested}, {self.platform}, rule: {self.rule}): "
+                f"{self.reason}")
 
     @property
     def torch_fallback(self) -> bool:
-        """auto chose the torch reference: the Triton kernels do not run (CPU without the interpreter, or bf16 there)."""
+        """auto chose the torch reference: the Triton kernels do not run here."""
         return self.requested == AUTO and self.backend == ExpertBackend.TORCH
 
 
 def parse_backend(backend: str) -> str:
-    """AUTO or a registered backend's name (ExpertBackend members are names); anything else is a
-    ValueError that lists the choices."""
+    """AUTO or a registered backend's name; a ValueError listing the choices otherwise."""
     if backend == AUTO:
         return AUTO
     if isinstance(backend, str) and backend in SPECS:
@@ -60,14 +51,18 @@ def parse_backend(backend: str) -> str:
     raise ValueError(f"backend={backend!r} is not a backend; pass one of {choices}")
 
 
-def default_candidates(platform: Platform, layer: LayerTraits | None = None) -> list[tuple[ExpertBackend, str]]:
+def default_candidates(platform: Platform,
+                       layer: LayerTraits | None = None) -> list[tuple[ExpertBackend, str]]:
     """The defaults for this platform and layer, best first, each with why."""
     if platform.device_type == "cuda":
-        return [(ExpertBackend.TRITON, "no rule pins another backend: the Triton pipeline on a CUDA GPU")]
+        return [(ExpertBackend.TRITON,
+                 "no rule pins another backend: the Triton pipeline on a CUDA GPU")]
     if layer is not None and layer.format.fp8 is not None:
-        return [(ExpertBackend.TORCH, f"CPU with {layer.format} experts: the float32 torch reference, dequantized")]
+        return [(ExpertBackend.TORCH,
+                 f"CPU with {layer.format} experts: the float32 torch reference, dequantized")]
     if platform.interpreter:
-        return [(ExpertBackend.TRITON, "CPU with the Triton interpreter on: the Triton pipeline, interpreted"),
+        return [(ExpertBackend.TRITON,
+                 "CPU with the Triton interpreter on: the Triton pipeline, interpreted"),
                 (ExpertBackend.TORCH, "the torch reference")]
     return [(ExpertBackend.TORCH, "CPU without the Triton interpreter: the torch reference "
                                   f"({interpreter_hint()} to run the Triton kernels)")]
@@ -75,8 +70,7 @@ def default_candidates(platform: Platform, layer: LayerTraits | None = None) -> 
 
 def default_backend(platform: Platform, context: ModelContext = ModelContext(),
                     layer: LayerTraits | None = None) -> tuple[ExpertBackend, str]:
-    """The first default candidate that can run the layer (auto never picks a path known to compute
-    it wrongly, e.g. bf16 on the interpreter); a ValueError naming every reason when none can."""
+    """The first candidate that runs the layer correctly; else a ValueError naming every reason."""
     reasons = []
     for backend, why in default_candidates(platform, layer):
         blocked = unsupported_reason(backend, platform, context, layer)
@@ -88,26 +82,29 @@ def default_backend(platform: Platform, context: ModelContext = ModelContext(),
 
 def resolve(requested: str, platform: Platform, context: ModelContext = ModelContext(),
             layer: LayerTraits | None = None) -> Resolution:
-    """The backend for `requested` on `platform`; raises ValueError for an explicit request that cannot run."""
+    """A ValueError for an explicit request that cannot run here."""
     requested = parse_backend(requested)
     if requested != AUTO:
         reason = unsupported_reason(requested, platform, context, layer)
         if reason:
             raise ValueError(f"backend={str(requested)!r} cannot run on {platform}: {reason}. "
                              f"Choose another backend, or backend='auto'")
-        return Resolution(requested, str(requested), EXPLICIT, "requested explicitly, never rewritten", platform)
+        return Resolution(requested, str(requested), EXPLICIT,
+                          "requested explicitly, never rewritten", platform)
     default, why_default = default_backend(platform, context, layer)
     rule = rule_for(context.architecture)
     if rule is None:
-        return Resolution(default, AUTO, DEFAULT, f"no rule for {context.architecture or 'this model'}; {why_default}",
+        return Resolution(default, AUTO, DEFAULT,
+                          f"no rule for {context.architecture or 'this model'}; {why_default}",
                           platform)
     decision = rule.decide(platform, context)
     if decision.backend is None:
         return Resolution(default, AUTO, rule.name, f"{decision.reason}; keeps {default}", platform)
     blocked = unsupported_reason(decision.backend, platform, context, layer)
     if blocked:
-        return Resolution(default, AUTO, rule.name, f"would pick {decision.backend} ({decision.reason}), "
-                                                    f"but {blocked}; keeps {default}", platform)
+        return Resolution(default, AUTO, rule.name,
+                          f"would pick {decision.backend} ({decision.reason}), "
+                          f"but {blocked}; keeps {default}", platform)
     return Resolution(decision.backend, AUTO, rule.name, decision.reason, platform)
 
 
@@ -119,13 +116,13 @@ def _log_resolution(resolution: Resolution) -> None:
 
 @functools.lru_cache(maxsize=None)
 def warn_fallback(reason: str) -> None:
-    """Falling back to the torch reference is said where users look: a warning, once per process and reason."""
-    warnings.warn(f"moe_triton: the experts run on the torch reference backend, not the Triton kernels: {reason}",
-                  stacklevel=2)
+    # said where users look: a warning, once per process and reason
+    warnings.warn("moe_triton: the experts run on the torch reference backend, "
+                  f"not the Triton kernels: {reason}", stacklevel=2)
 
 
 def build_runner(resolution: Resolution, layer: LayerTraits, placement: Placement) -> ExpertsRunner:
-    """The resolved backend's runner, inside the parallel dispatch when the placement shards the experts."""
+    """The resolved backend's runner, inside the parallel dispatch when the experts are sharded."""
     _log_resolution(resolution)
     if resolution.torch_fallback:
         warn_fallback(resolution.reason)

@@ -1,10 +1,5 @@
-"""Per-architecture rules for `backend="auto"`, registered by the architecture names they cover.
-
-Each rule narrows its blast radius to one architecture family, one platform, one quantization,
-and returns a `Decision`: pin a backend, or keep the default, saying why. A pin is still checked
-against the catalog by the resolver (FlashInfer present, all-to-all, LoRA, the layer's shape); a
-pin that cannot run falls back to the default with that reason. There is no global fallback.
-"""
+"""Per-architecture rules for `backend="auto"`: one family, platform and quantization each, a pin
+or the default with why; the resolver still checks a pin. There is no global fallback."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,22 +45,27 @@ def rule_for(architecture: str | None) -> Rule | None:
 @rule("Cohere2MoeForCausalLM", "Cohere2VisionForConditionalGeneration")
 def cohere2_moe(platform: Platform, context: ModelContext) -> Decision:
     if platform.sm not in _BLACKWELL:
-        return Decision(None, f"the fused trtllm-gen path is pinned on SM100/SM103 only, not {platform}")
+        return Decision(None, "the fused trtllm-gen path is pinned on SM100/SM103 only, "
+                              f"not {platform}")
     quant = context.quantization.experts
     if quant.format in (QuantFormat.NONE, QuantFormat.NVFP4):
-        return Decision(ExpertBackend.FLASHINFER_TRTLLM, f"{quant} on {platform}: trtllm-gen fuses routing and experts")
+        return Decision(ExpertBackend.FLASHINFER_TRTLLM,
+                        f"{quant} on {platform}: trtllm-gen fuses routing and experts")
     if quant.format is QuantFormat.FP8:
-        return Decision(None, f"{quant}: the fused path rejects this FP8 MoE format at the first forward")
+        return Decision(None, f"{quant}: the fused path rejects this FP8 MoE format "
+                              "at the first forward")
     return Decision(None, f"{quant}: not a format the fused path is known to take; fail closed")
 
 
 @rule("MiniMaxM2ForCausalLM")
 def minimax_m2(platform: Platform, context: ModelContext) -> Decision:
     if platform.sm not in _BLACKWELL:
-        return Decision(None, f"the routed trtllm-gen path is pinned on SM100/SM103 only, not {platform}")
+        return Decision(None, "the routed trtllm-gen path is pinned on SM100/SM103 only, "
+                              f"not {platform}")
     quant = context.quantization.experts
     if quant.format is QuantFormat.NVFP4 and quant.method == "modelopt":
         return Decision(ExpertBackend.FLASHINFER_TRTLLM_ROUTED,
-                        f"{quant} on {platform}: trtllm-gen on our sigmoid + correction-bias top-k, "
+                        f"{quant} on {platform}: "
+                        "trtllm-gen on our sigmoid + correction-bias top-k, "
                         "which its fused router does not compute")
     return Decision(None, f"{quant}: only ModelOpt NVFP4 is pinned")

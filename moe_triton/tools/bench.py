@@ -1,8 +1,5 @@
-"""Timing and roofline helpers of `moe-triton bench`, shared with benchmarks/ and the GPU tests.
-
-Every time is reported beside its floor, max(bytes / B, FLOPs / F), with B (device-to-device copy,
-bytes read + written) and F (a large bf16 matmul) measured in the same run.
-"""
+"""Timing and roofline helpers of `moe-triton bench`, benchmarks/ and the GPU tests: every time
+beside its floor max(bytes / B, FLOPs / F), B (a copy) and F (a bf16 matmul) measured in the run."""
 from __future__ import annotations
 
 import statistics
@@ -19,7 +16,7 @@ from ..graphs import capture_graph
 class Ceilings:
     bandwidth: float  # bytes/s, read + written, of a large device-to-device copy
     matmul_flops: float  # FLOP/s of a large bf16 matmul on random data
-    fp8_matmul_flops: float = float("nan")  # FLOP/s of a large FP8 torch._scaled_mm (bf16 out), where measured
+    fp8_matmul_flops: float = float("nan")  # FLOP/s of a large FP8 torch._scaled_mm, bf16 out
 
 
 @dataclass(frozen=True)
@@ -38,9 +35,9 @@ E64_K4 = LayerShape("E64-K4", 64, 4, 4096, 1536)
 GRID_SHAPES = {shape.name: shape for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)}
 
 
-def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: int = 2, scale_bytes: int = 0) -> int:
-    """Fewest bytes the layer must move: the distinct experts' weights once (`dtype_bytes` each, plus
-    `scale_bytes` of scales per expert), bf16 activations in and out."""
+def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: int = 2,
+                scale_bytes: int = 0) -> int:
+    """Fewest bytes moved: each hit expert's weights once (+ `scale_bytes`), bf16 in and out."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
     ids = topk_ids[(topk_ids >= 0) & (topk_ids < E)]
     experts_hit = int(torch.unique(ids).numel())
@@ -53,7 +50,8 @@ def layer_flops(shape: LayerShape, num_tokens: int) -> int:
 
 
 def floor_seconds(bytes_moved: int, flops: int, ceilings: Ceilings, fp8: bool = False) -> float:
-    return max(bytes_moved / ceilings.bandwidth, flops / (ceilings.fp8_matmul_flops if fp8 else ceilings.matmul_flops))
+    return max(bytes_moved / ceilings.bandwidth,
+               flops / (ceilings.fp8_matmul_flops if fp8 else ceilings.matmul_flops))
 
 
 def measure_ceilings(device: torch.device) -> Ceilings:
@@ -66,16 +64,16 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     mm_ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).T  # _scaled_mm wants b column-major
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).T  # _scaled_mm: b column-major
     one = torch.ones((), device=device)
-    fp8_ms = do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), warmup=50, rep=300,
-                      return_mode="median")
+    fp8_ms = do_bench(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                      warmup=50, rep=300, return_mode="median")
     flops = 2 * 8192**3
-    return Ceilings(2 * src.numel() * 4 / (copy_ms * 1e-3), flops / (mm_ms * 1e-3), flops / (fp8_ms * 1e-3))
+    return Ceilings(2 * src.numel() * 4 / (copy_ms * 1e-3), flops / (mm_ms * 1e-3),
+                    flops / (fp8_ms * 1e-3))
 
 
 def time_graph_replays(graph: torch.cuda.CUDAGraph, num_variants: int, replays: int = 50) -> float:
-    """Seconds per step of a graph from graphs.capture_graph (median of `replays` timed replays)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -88,17 +86,17 @@ def time_graph_replays(graph: torch.cuda.CUDAGraph, num_variants: int, replays: 
 
 
 def time_eager(step: Callable[[int], object], num_variants: int) -> float:
-    """Seconds per call via triton.testing.do_bench (median, L2 flushed between calls)."""
+    """Seconds per call: do_bench's median, L2 flushed between calls."""
     from triton.testing import do_bench
 
     counter = iter(range(10**9))
-    return do_bench(lambda: step(next(counter) % num_variants), warmup=25, rep=200, return_mode="median") * 1e-3
+    return do_bench(lambda: step(next(counter) % num_variants), warmup=25, rep=200,
+                    return_mode="median") * 1e-3
 
 
-def time_step(step: Callable[[int], object], num_variants: int, graphable: bool) -> tuple[float, str]:
-    """Seconds per call and how they were taken: graph replays when asked and capturable, else
-    do_bench (a step that cannot be captured, like transformers' grouped_mm whose offsets become a
-    host-side shape, falls back to eager timing and says so)."""
+def time_step(step: Callable[[int], object], num_variants: int,
+              graphable: bool) -> tuple[float, str]:
+    """Seconds per call and how: graph replays when capturable, else do_bench (grouped_mm)."""
     if graphable:
         try:
             return time_graph_replays(capture_graph(step, num_variants), num_variants), "graph"
@@ -108,7 +106,6 @@ def time_step(step: Callable[[int], object], num_variants: int, graphable: bool)
 
 
 def time_cpu(step: Callable[[int], object], repeats: int = 3) -> float:
-    """Wall-clock seconds per call (median) on the CPU, where the Triton interpreter runs."""
     times = []
     for i in range(repeats):
         start = time.perf_counter()
@@ -133,15 +130,16 @@ def random_experts(shape: LayerShape, dtype: torch.dtype, device, seed: int = 0)
     return w13, w2
 
 
-def random_inputs(shape: LayerShape, num_tokens: int, dtype: torch.dtype, device, num_variants: int = 4,
-                  seed: int = 1) -> LayerInputs:
+def random_inputs(shape: LayerShape, num_tokens: int, dtype: torch.dtype, device,
+                  num_variants: int = 4, seed: int = 1) -> LayerInputs:
     """Hidden states and softmax top-k routing of random (never zero) logits."""
     g = torch.Generator(device=device).manual_seed(seed)
     inputs = LayerInputs([], [], [])
     for _ in range(num_variants):
         logits = torch.randn(num_tokens, shape.num_experts, generator=g, device=device)
         weights, ids = torch.topk(logits.softmax(dim=-1), shape.top_k, dim=-1)
-        inputs.hidden_states.append(torch.randn(num_tokens, shape.hidden_size, generator=g, device=device, dtype=dtype))
+        inputs.hidden_states.append(torch.randn(num_tokens, shape.hidden_size, generator=g,
+                                                device=device, dtype=dtype))
         inputs.topk_ids.append(ids.int())
         inputs.topk_weights.append(weights)
     return inputs
@@ -149,17 +147,15 @@ def random_inputs(shape: LayerShape, num_tokens: int, dtype: torch.dtype, device
 
 def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: int = 2048,
                                hidden: int = 2048, device="cuda") -> int:
-    """Device memory a CUDA graph of a synthetic `num_layers` stack reserves, each layer running
-    a side branch on an alternate stream: one stream per layer, or the shared "alt" role stream.
-
-    The allocator never reuses a block across streams, so per-layer streams keep every layer's
-    side-branch intermediates alive in the graph pool; the shared role stream reuses one set.
-    """
+    """Graph-pool bytes of a stack whose layers branch on a stream each, or on the "alt" role:
+    blocks are never reused across streams, so per-layer streams keep every branch's alive."""
     from ..graphs import run_branches
 
     g = torch.Generator(device=device).manual_seed(0)
-    up = torch.randn(hidden, 4 * hidden, generator=g, device=device, dtype=torch.bfloat16) / hidden**0.5
-    down = torch.randn(4 * hidden, hidden, generator=g, device=device, dtype=torch.bfloat16) / (4 * hidden) ** 0.5
+    up = (torch.randn(hidden, 4 * hidden, generator=g, device=device, dtype=torch.bfloat16)
+          / hidden**0.5)
+    down = (torch.randn(4 * hidden, hidden, generator=g, device=device, dtype=torch.bfloat16)
+            / (4 * hidden) ** 0.5)
     x = torch.randn(tokens, hidden, generator=g, device=device, dtype=torch.bfloat16)
 
     def mlp(h):

@@ -1,14 +1,6 @@
-"""`moe-triton` (also `python -m moe_triton`): the command line. Environment is read here only.
-
-    moe-triton bench                      time the expert layer on a built-in shape
-    moe-triton resolve MODEL [--platform sm100] [--backend auto] [--dtype D] [--all-to-all X] [--lora]
-    moe-triton probe A B                  the same small layer on backends A and B, compared
-    moe-triton demo                       the main job (README)
-
-One rule for every subcommand: on a machine without CUDA (or with --cpu) it runs with the Triton
-interpreter on, restarting itself under TRITON_INTERPRET=1 when that was not set. Every refusal
-(a usage mistake, a bad model, an impossible backend) is one line on stderr and exit status 2.
-"""
+"""`moe-triton bench | resolve | probe | demo`: the command line; environment is read here only.
+Without CUDA (or with --cpu) it restarts itself under TRITON_INTERPRET=1 when unset. Every refusal
+is one line on stderr and exit status 2."""
 from __future__ import annotations
 
 import argparse
@@ -35,8 +27,6 @@ def _restart_with_interpreter(argv: list[str]) -> None:
 
 
 def _runs_on_cpu(args) -> bool:
-    """The one rule of every subcommand: on a machine without CUDA (or with --cpu) it runs with the
-    Triton interpreter on, restarting itself once when TRITON_INTERPRET was not set."""
     return not torch.cuda.is_available() or getattr(args, "cpu", False)
 
 
@@ -58,30 +48,35 @@ def bench(args) -> int:
     )
     on_gpu = not _runs_on_cpu(args)
     device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter's bf16 dot computes wrongly
+    dtype = torch.bfloat16 if on_gpu else torch.float16  # the interpreter's bf16 dot is wrong
     shape, tokens = _bench_cases(on_gpu)
     tokens = args.tokens or tokens
-    where = torch.cuda.get_device_name() if on_gpu else "CPU, Triton interpreter (correctness path, NOT a performance number)"
-    print(f"moe-triton bench: {shape.name} E={shape.num_experts} K={shape.top_k} H={shape.hidden_size} "
-          f"I={shape.intermediate_size}, {dtype}, on {where}")
+    where = (torch.cuda.get_device_name() if on_gpu
+             else "CPU, Triton interpreter (correctness path, NOT a performance number)")
+    print(f"moe-triton bench: {shape.name} E={shape.num_experts} K={shape.top_k} "
+          f"H={shape.hidden_size} I={shape.intermediate_size}, {dtype}, on {where}")
     ceilings = measure_ceilings(device) if on_gpu else None
     w13, w2 = random_experts(shape, dtype, device)
     rows = []
     for T in tqdm(tokens, desc="timing", unit="case"):
         inputs = random_inputs(shape, T, dtype, device, num_variants=4)
-        step = lambda i: fused_experts(inputs.hidden_states[i], w13, w2, inputs.topk_ids[i], inputs.topk_weights[i])  # noqa: E731
+        step = lambda i: fused_experts(inputs.hidden_states[i], w13, w2,  # noqa: E731
+                                       inputs.topk_ids[i], inputs.topk_weights[i])
         if not on_gpu:
             rows.append((T, time_cpu(step), None, "wall"))
             continue
-        seconds = time_graph_replays(capture_graph(step, 4), 4) if T <= 256 else time_eager(step, 4)
-        floor = floor_seconds(sum(layer_bytes(shape, ids) for ids in inputs.topk_ids) / 4, layer_flops(shape, T), ceilings)
+        seconds = (time_graph_replays(capture_graph(step, 4), 4) if T <= 256
+                   else time_eager(step, 4))
+        floor = floor_seconds(sum(layer_bytes(shape, ids) for ids in inputs.topk_ids) / 4,
+                              layer_flops(shape, T), ceilings)
         rows.append((T, seconds, floor, "graph" if T <= 256 else "do_bench"))
     if ceilings:
         print(f"ceilings measured now: copy {ceilings.bandwidth / 1e12:.2f} TB/s, "
               f"bf16 matmul {ceilings.matmul_flops / 1e12:.0f} TFLOP/s")
     print(f"{'tokens':>8} {'time_us':>12} {'floor_us':>10} {'of floor':>9}  timing")
     for T, seconds, floor, how in rows:
-        floor_text = f"{floor * 1e6:10.1f} {floor / seconds:8.0%}" if floor else f"{'-':>10} {'-':>9}"
+        floor_text = (f"{floor * 1e6:10.1f} {floor / seconds:8.0%}" if floor
+                      else f"{'-':>10} {'-':>9}")
         print(f"{T:>8} {seconds * 1e6:12.1f} {floor_text}  {how}")
     return 0
 
@@ -91,7 +86,8 @@ def _read_config(path: Path) -> tuple[dict, Path | None]:
     if not config_file.is_file():
         raise ValueError(f"{path} is neither a config.json nor a model directory holding one")
     if config_file.suffix != ".json":
-        raise ValueError(f"{path} is not a config.json; pass the model directory ({path.parent}) or its config.json")
+        raise ValueError(f"{path} is not a config.json; "
+                         f"pass the model directory ({path.parent}) or its config.json")
     try:
         config = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -109,14 +105,16 @@ def resolve_backend(args) -> int:
     try:
         config, model_dir = _read_config(Path(args.model))
         platform = args.platform or platforms.detect_platform()
-        context = ModelContext.from_config(config, model_dir, all_to_all=args.all_to_all, lora=args.lora)
+        context = ModelContext.from_config(config, model_dir, all_to_all=args.all_to_all,
+                                           lora=args.lora)
         resolution = resolve(args.backend, platform, context)
         layers, not_built = _layer_resolutions(model_dir, args, platform, context)
     except ValueError as error:
         print(f"moe-triton resolve: {error}", file=sys.stderr)
         return 2
     if args.platform:
-        where = f"{platform} (named" + (f"; FlashInfer {platform.flashinfer} assumed)" if platform.flashinfer else ")")
+        where = f"{platform} (named" + (f"; FlashInfer {platform.flashinfer} assumed)"
+                                        if platform.flashinfer else ")")
     else:
         where = f"{platform} (this machine; FlashInfer {platform.flashinfer or 'not installed'})"
     print(f"model:         {context.architecture} ({args.model})")
@@ -125,7 +123,8 @@ def resolve_backend(args) -> int:
         print(f"  {group}: {detail}")
     print(f"experts held:  {_experts_format(context)}")
     print(f"platform:      {where}")
-    print(f"all-to-all:    {context.all_to_all or 'none'}   LoRA: {'on' if context.lora else 'off'}")
+    print(f"all-to-all:    {context.all_to_all or 'none'}   "
+          f"LoRA: {'on' if context.lora else 'off'}")
     if layers:
         dtype = str(layers[0][1]).removeprefix("torch.")
         print(f"layers:        {len(layers)} MoE layers, resolved as load_model builds them "
@@ -144,7 +143,7 @@ def resolve_backend(args) -> int:
 
 
 def _layer_resolutions(model_dir: Path, args, platform, context) -> tuple[list, str | None]:
-    """([(resolution, dtype)] of every MoE layer as load_model would build it on `platform`, why not)."""
+    """([(resolution, dtype)] of each MoE layer as load_model builds it on `platform`, why not)."""
     import dataclasses
     import warnings
 
@@ -163,7 +162,6 @@ def _layer_resolutions(model_dir: Path, args, platform, context) -> tuple[list, 
 
 
 def _experts_format(context) -> str:
-    """The format load_model holds the experts in, or why it cannot load them."""
     try:
         return f"{context.experts_format()} (load_model)"
     except ValueError as error:
@@ -175,21 +173,22 @@ def probe_backends(args) -> int:
 
     on_gpu = not _runs_on_cpu(args)
     device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter's bf16 dot computes wrongly
+    dtype = torch.bfloat16 if on_gpu else torch.float32  # the interpreter's bf16 dot is wrong
     case = ProbeCase(num_tokens=args.tokens)
     try:
-        layer_a, hidden_states, lm_head = build_case(case, args.backends[0], dtype, device, seed=args.seed)
+        layer_a, hidden_states, lm_head = build_case(case, args.backends[0], dtype, device,
+                                                     seed=args.seed)
         layer_b, _, _ = build_case(case, args.backends[1], dtype, device, seed=args.seed)
     except (ValueError, ImportError) as error:
         print(f"moe-triton probe: {error}", file=sys.stderr)
         return 2
-    print(f"moe-triton probe: E={case.num_experts} K={case.top_k} H={case.hidden_size} I={case.intermediate_size} "
-          f"T={case.num_tokens}, {dtype}")
+    print(f"moe-triton probe: E={case.num_experts} K={case.top_k} H={case.hidden_size} "
+          f"I={case.intermediate_size} T={case.num_tokens}, {dtype}")
     for layer in (layer_a, layer_b):
         print(f"  {layer.resolution}")
     try:
-        report = probe(layer_a, layer_b, hidden_states, lm_head=lm_head, tolerance=args.tolerance,
-                       min_token_agreement=args.min_agreement)
+        report = probe(layer_a, layer_b, hidden_states, lm_head=lm_head,
+                       tolerance=args.tolerance, min_token_agreement=args.min_agreement)
     except ProbeMismatch as mismatch:
         print(mismatch.report)
         return 1
@@ -198,15 +197,16 @@ def probe_backends(args) -> int:
 
 
 def demo(args) -> int:
-    """The main job: errors are one line and a non-zero exit; --debug shows the traceback."""
     from .demo import DemoOptions, run_demo
 
     if args.model is not None and not (args.model / "config.json").exists():
-        print(f"moe-triton demo: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        print(f"moe-triton demo: {args.model} is not a checkpoint directory (no config.json)",
+              file=sys.stderr)
         return 2
     try:
-        options = DemoOptions(model=args.model, backend=args.backend, batch=args.batch, tokens=args.tokens,
-                              graphs=not args.no_graphs, overlap=not args.no_overlap, quant=args.quant)
+        options = DemoOptions(model=args.model, backend=args.backend, batch=args.batch,
+                              tokens=args.tokens, graphs=not args.no_graphs,
+                              overlap=not args.no_overlap, quant=args.quant)
         return run_demo(options)
     except Exception as error:  # one clear line for users; the traceback on request
         if args.debug:
@@ -217,13 +217,12 @@ def demo(args) -> int:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
-        """A usage mistake is one line on stderr and exit 2, like every other refusal of the CLI."""
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(2)
 
 
 def _number(cast, accepts, expected: str):
-    """An argparse type: `cast(text)` when `accepts` it, else the one-line error saying what was expected."""
+    """An argparse type: `cast(text)` when `accepts` it, else a one-line error."""
     def parse(text: str):
         try:
             value = cast(text)
@@ -251,47 +250,8 @@ def _platform(text: str):
 
 def main(argv: list[str] | None = None) -> int:
     from .. import platform as platforms
-    from ..runners.spec import ALL_TO_ALL_BACKENDS, ExpertBackend
 
-    parser = _Parser(prog="moe-triton", description="Triton MoE expert layer tools")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="generate with a small MoE model and check it against transformers")
-    demo_parser.add_argument("--model", type=Path, help="a local checkpoint directory (default: a built-in tiny model)")
-    backends = ["auto", *(backend.value for backend in ExpertBackend)]
-    demo_parser.add_argument("--backend", default="auto", choices=backends)
-    demo_parser.add_argument("--batch", type=_positive_int, default=2)
-    demo_parser.add_argument("--tokens", type=_positive_int, default=16, help="new tokens per sequence")
-    demo_parser.add_argument("--no-graphs", action="store_true", help="decode eagerly, without CUDA graphs")
-    demo_parser.add_argument("--no-overlap", action="store_true", help="no alternate streams in captured decode")
-    demo_parser.add_argument("--quant", choices=["fp8"],
-                             help="the built-in model as an FP8 checkpoint (block-scaled), experts on the FP8 kernels")
-    demo_parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    demo_parser.set_defaults(run=demo)
-    bench_parser = commands.add_parser("bench", help="time the expert layer on a built-in shape")
-    bench_parser.add_argument("--tokens", type=_positive_int, nargs="+", help="token counts to time")
-    bench_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
-    bench_parser.set_defaults(run=bench)
-    resolve_parser = commands.add_parser("resolve", help="which expert backend a model gets here, and why")
-    resolve_parser.add_argument("model", help="a config.json or a model directory holding one")
-    resolve_parser.add_argument("--platform", type=_platform,
-                                help="resolve for a named platform: cpu, sm90, sm100, sm103, sm110, sm120")
-    resolve_parser.add_argument("--backend", default="auto", choices=backends)
-    resolve_parser.add_argument("--all-to-all", dest="all_to_all", choices=ALL_TO_ALL_BACKENDS,
-                                help="the serving engine's expert-parallel all-to-all backend, e.g. deepep")
-    resolve_parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
-    resolve_parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                                help="load_model's dtype (default: config.json's, as load_model)")
-    resolve_parser.set_defaults(run=resolve_backend)
-    probe_parser = commands.add_parser("probe", help="run a small layer on two backends and compare (temperature 0)")
-    probe_parser.add_argument("backends", nargs=2, choices=backends, metavar="BACKEND",
-                              help=f"two of {', '.join(backends)} (e.g. torch triton)")
-    probe_parser.add_argument("--tokens", type=_positive_int, default=16)
-    probe_parser.add_argument("--tolerance", type=_tolerance, help="max relative difference (default by dtype)")
-    probe_parser.add_argument("--min-agreement", dest="min_agreement", type=_fraction, default=1.0,
-                              help="minimum fraction of equal greedy tokens")
-    probe_parser.add_argument("--seed", type=int, default=0)
-    probe_parser.add_argument("--cpu", action="store_true", help="use the CPU interpreter even if a GPU is present")
-    probe_parser.set_defaults(run=probe_backends)
+    parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = parser.parse_args(argv)
@@ -300,6 +260,83 @@ def main(argv: list[str] | None = None) -> int:
     if _runs_on_cpu(args) and not platforms.interpreter_enabled():
         _restart_with_interpreter(argv)
     return args.run(args)
+
+
+def _parser() -> _Parser:
+    from ..runners.spec import ExpertBackend
+
+    parser = _Parser(prog="moe-triton", description="Triton MoE expert layer tools")
+    commands = parser.add_subparsers(dest="command", required=True)
+    backends = ["auto", *(backend.value for backend in ExpertBackend)]
+    _add_demo(commands, backends)
+    _add_bench(commands)
+    _add_resolve(commands, backends)
+    _add_probe(commands, backends)
+    return parser
+
+
+def _add_demo(commands, backends: list[str]) -> None:
+    demo_parser = commands.add_parser(
+        "demo", help="generate with a small MoE model and check it against transformers")
+    demo_parser.add_argument("--model", type=Path,
+                             help="a local checkpoint directory (default: a built-in tiny model)")
+    demo_parser.add_argument("--backend", default="auto", choices=backends)
+    demo_parser.add_argument("--batch", type=_positive_int, default=2)
+    demo_parser.add_argument("--tokens", type=_positive_int, default=16,
+                             help="new tokens per sequence")
+    demo_parser.add_argument("--no-graphs", action="store_true",
+                             help="decode eagerly, without CUDA graphs")
+    demo_parser.add_argument("--no-overlap", action="store_true",
+                             help="no alternate streams in captured decode")
+    demo_parser.add_argument("--quant", choices=["fp8"],
+                             help="the built-in model as an FP8 checkpoint (block-scaled), "
+                                  "experts on the FP8 kernels")
+    demo_parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    demo_parser.set_defaults(run=demo)
+
+
+def _add_bench(commands) -> None:
+    bench_parser = commands.add_parser("bench", help="time the expert layer on a built-in shape")
+    bench_parser.add_argument("--tokens", type=_positive_int, nargs="+",
+                              help="token counts to time")
+    bench_parser.add_argument("--cpu", action="store_true",
+                              help="use the CPU interpreter even if a GPU is present")
+    bench_parser.set_defaults(run=bench)
+
+
+def _add_resolve(commands, backends: list[str]) -> None:
+    from ..runners.spec import ALL_TO_ALL_BACKENDS
+
+    resolve_parser = commands.add_parser("resolve",
+                                         help="which expert backend a model gets here, and why")
+    resolve_parser.add_argument("model", help="a config.json or a model directory holding one")
+    resolve_parser.add_argument("--platform", type=_platform,
+                                help="resolve for a named platform: "
+                                     "cpu, sm90, sm100, sm103, sm110, sm120")
+    resolve_parser.add_argument("--backend", default="auto", choices=backends)
+    resolve_parser.add_argument("--all-to-all", dest="all_to_all", choices=ALL_TO_ALL_BACKENDS,
+                                help="the serving engine's expert-parallel all-to-all backend, "
+                                     "e.g. deepep")
+    resolve_parser.add_argument("--lora", action="store_true", help="LoRA adapters on the experts")
+    resolve_parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                                help="load_model's dtype (default: config.json's, as load_model)")
+    resolve_parser.set_defaults(run=resolve_backend)
+
+
+def _add_probe(commands, backends: list[str]) -> None:
+    probe_parser = commands.add_parser(
+        "probe", help="run a small layer on two backends and compare (temperature 0)")
+    probe_parser.add_argument("backends", nargs=2, choices=backends, metavar="BACKEND",
+                              help=f"two of {', '.join(backends)} (e.g. torch triton)")
+    probe_parser.add_argument("--tokens", type=_positive_int, default=16)
+    probe_parser.add_argument("--tolerance", type=_tolerance,
+                              help="max relative difference (default by dtype)")
+    probe_parser.add_argument("--min-agreement", dest="min_agreement", type=_fraction, default=1.0,
+                              help="minimum fraction of equal greedy tokens")
+    probe_parser.add_argument("--seed", type=int, default=0)
+    probe_parser.add_argument("--cpu", action="store_true",
+                              help="use the CPU interpreter even if a GPU is present")
+    probe_parser.set_defaults(run=probe_backends)
 
 
 if __name__ == "__main__":

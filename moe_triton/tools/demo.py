@@ -1,16 +1,6 @@
-"""`moe-triton demo`: build (once) a small MoE checkpoint, load it through models/, generate,
-check the tokens against transformers' own generation, and print what ran where and how fast.
-
-The built-in checkpoint is a narrow Cohere2-MoE (the parallel block, so overlap has something
-to overlap) with RANDOM weights: its tokens mean nothing; that they equal transformers' does.
-
-`--quant fp8` writes the same model as an FP8 checkpoint in the DeepSeek / Qwen3-FP8 layout (every
-linear but the router and the head in e4m3 with 16 x 16 block `weight_scale_inv`) and runs its
-experts on the Triton FP8 kernels: on a GPU in bfloat16, on CPU under the interpreter in float16.
-The reference is transformers on the same checkpoint, dequantized (FineGrainedFP8Config(dequantize
-=True)): FP8 also rounds the experts' activations, so the check is that the logits stay within
-FP8's error (FP8_LOGITS_TOL) and the tokens are reported, not required to match.
-"""
+"""`moe-triton demo`: a tiny Cohere2-MoE (RANDOM weights, built once) loaded through models/ and
+checked against transformers' tokens; `--quant fp8` writes it block-scaled for the FP8 kernels,
+whose logits must stay within FP8_LOGITS_TOL (FP8 rounds activations: tokens are reported)."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,9 +16,9 @@ import torch
 
 DEMO_NAME = "cohere2-moe-tiny-random-v2"
 FP8_DEMO_NAME = "cohere2-moe-tiny-random-fp8-v1"
-FP8_BLOCK = (16, 16)  # the tiny model's sizes (64, 48, 32) are multiples: transformers' dequantizer needs that
-# Two activation roundings in e4m3 (the layer input and the intermediate), each at most 2^-4 relative,
-# RMS 0.036: 0.05 relative on the experts' output bounds the logits (tests/test_models_fp8.py).
+FP8_BLOCK = (16, 16)  # divides the sizes (64, 48, 32), as transformers' dequantizer needs
+# Two e4m3 activation roundings (layer input, intermediate), each <= 2^-4 relative, RMS 0.036:
+# 0.05 relative on the experts' output bounds the logits (tests/test_models_fp8.py).
 FP8_LOGITS_TOL = 0.05
 
 
@@ -47,7 +37,8 @@ class DemoOptions:
         if self.quant not in (None, "fp8"):
             raise ValueError(f"DemoOptions.quant must be None or 'fp8', got {self.quant!r}")
         if self.quant is not None and self.model is not None:
-            raise ValueError("--quant fp8 builds the built-in model in FP8; a --model checkpoint runs in its own format")
+            raise ValueError("--quant fp8 builds the built-in model in FP8; "
+                             "a --model checkpoint runs in its own format")
         for name in ("batch", "tokens", "prompt_length"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -60,12 +51,11 @@ def cache_dir(name: str = DEMO_NAME) -> Path:
 
 
 def cached_checkpoint(path: Path, write) -> Path:
-    """`path`, written once by `write(directory)` and reused after: written into a temporary
-    directory beside it and renamed into place when whole, so an interrupted build (Ctrl-C) leaves
-    nothing behind and the next run builds it again."""
+    """`path`, written once by `write` into a temporary directory renamed when whole (Ctrl-C)."""
     if path.exists():
         if not ((path / "config.json").is_file() and (path / "model.safetensors").is_file()):
-            raise ValueError(f"the demo's cached checkpoint {path} is incomplete (an interrupted build?): "
+            raise ValueError(f"the demo's cached checkpoint {path} is incomplete "
+                             "(an interrupted build?): "
                              f"remove it (rm -rf {path}) and run again")
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +73,6 @@ def cached_checkpoint(path: Path, write) -> Path:
 
 
 def build_demo_checkpoint(path: Path) -> Path:
-    """The built-in checkpoint, written with save_pretrained once; later runs reuse it."""
     return cached_checkpoint(path, _write_demo_checkpoint)
 
 
@@ -92,11 +81,13 @@ def _write_demo_checkpoint(path: Path) -> None:
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
 
     with tqdm(total=3, desc="building the demo checkpoint (random weights)", unit="step") as bar:
-        config = Cohere2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                                  num_experts_per_tok=2, num_shared_experts=1, sliding_window=64,
-                                  layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        config = Cohere2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                  num_shared_experts=1, sliding_window=64,
+                                  layer_types=["sliding_attention", "full_attention"],
+                                  tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                                  eos_token_id=2)
         torch.manual_seed(0)
         model = Cohere2MoeForCausalLM(config)
         bar.update()
@@ -109,10 +100,9 @@ def _write_demo_checkpoint(path: Path) -> None:
 
 
 def build_fp8_demo_checkpoint(path: Path, source: Path) -> Path:
-    """`source` (the built-in checkpoint, per-expert Hub layout) as an FP8 checkpoint, once: each linear's
-    weight (the experts' one by one) in e4m3 beside its block `weight_scale_inv`, as DeepSeek-V3 and
-    Qwen3-*-FP8 store them; the router (`mlp.gate`), embeddings, norms and the head as they are."""
-    return cached_checkpoint(path, lambda staging: _write_fp8_demo_checkpoint(staging, source))
+    """`source` with each linear in e4m3 beside its block `weight_scale_inv` (router, head kept)."""
+    return cached_checkpoint(path,
+                             lambda staging: _write_fp8_demo_checkpoint(staging, source))
 
 
 def _write_fp8_demo_checkpoint(path: Path, source: Path) -> None:
@@ -125,13 +115,16 @@ def _write_fp8_demo_checkpoint(path: Path, source: Path) -> None:
     fmt = WeightFormat.fp8_block(*FP8_BLOCK)
     tensors = {}
     for name, tensor in load_file(source / "model.safetensors").items():
-        if name.endswith("_proj.weight"):  # q/k/v/o, the shared experts' and every expert's gate/up/down
-            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantize_weight(tensor, fmt)
+        if name.endswith("_proj.weight"):  # q/k/v/o, shared and routed experts' gate/up/down
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = (
+                quantize_weight(tensor, fmt))
         else:
             tensors[name] = tensor
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": ["gate", "lm_head"]}
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": list(FP8_BLOCK),
+                                     "modules_to_not_convert": ["gate", "lm_head"]}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
@@ -147,19 +140,18 @@ def _timed(fn):
 
 
 def resolution_line(resolution, weight_format=None) -> str:
-    """The demo's lines on the experts: their backend (saying so when auto fell back to the torch
-    reference) and, next to it, the format their weights are held in."""
+    """The experts' backend (saying so when auto fell back to torch) and their weights' format."""
     line = f"experts backend: {resolution}"
     if resolution.torch_fallback:
-        line += "\n  (fallback: the Triton kernels do not run here; the torch reference computes the experts)"
+        line += ("\n  (fallback: the Triton kernels do not run here; "
+                 "the torch reference computes the experts)")
     if weight_format is not None:
         line += f"\nexperts format: {weight_format} (on {resolution.backend})"
     return line
 
 
 def _reference(path: Path, dtype, device):
-    """transformers' model on the same checkpoint; an FP8 one dequantized (transformers' own FP8 kernel
-    comes from the Hub at run time, which need not be reachable, and only runs on a GPU)."""
+    """transformers on the checkpoint; FP8 dequantized (its FP8 kernel needs the Hub and a GPU)."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     extra = {}
@@ -171,12 +163,12 @@ def _reference(path: Path, dtype, device):
 def _is_fp8_checkpoint(path: Path) -> bool:
     from ..runners import ModelContext
 
-    return ModelContext.from_config(json_config(path), path).quantization.checkpoint_format().method == "fp8"
+    return (ModelContext.from_config(json_config(path), path)
+            .quantization.checkpoint_format().method == "fp8")
 
 
 def check_reference_packages(options: DemoOptions) -> None:
-    """The reference of an FP8 demo loads through transformers' FP8 quantizer, which needs accelerate:
-    say so before step 1, not at step 4, minutes later."""
+    # transformers' FP8 quantizer needs accelerate: say so before step 1, not minutes later at 4
     fp8 = options.quant == "fp8"
     if options.model is not None:
         try:
@@ -184,13 +176,12 @@ def check_reference_packages(options: DemoOptions) -> None:
         except Exception:  # a config that cannot be read: load_model, in step 1, says what is wrong
             fp8 = False
     if fp8 and importlib.util.find_spec("accelerate") is None:
-        raise ValueError("the FP8 demo's reference (transformers on the dequantized checkpoint) needs the "
-                         "package accelerate: pip install accelerate")
+        raise ValueError("the FP8 demo's reference (transformers on the dequantized checkpoint) "
+                         "needs the package accelerate: pip install accelerate")
 
 
 def _agreement(ours: torch.Tensor, expected: torch.Tensor) -> float:
-    """The fraction of equal new tokens; both stop at EOS, so one may be longer: its extra tokens
-    count as disagreeing."""
+    """The fraction of equal new tokens; a longer one's extra tokens (after EOS) disagree."""
     width = max(ours.shape[1], expected.shape[1])
     ours, expected = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1)
                       for t in (ours, expected))
@@ -204,67 +195,95 @@ def json_config(path: Path) -> dict:
 
 
 def run_demo(options: DemoOptions, print_=print) -> int:
-    from ..models import load_model
-    from ..platform import interpreter_enabled
-
     check_reference_packages(options)
     on_gpu = torch.cuda.is_available()
     device = "cuda" if on_gpu else "cpu"
+    path, dtype, backend = _demo_inputs(options, on_gpu, print_)
+    steps = 5 if on_gpu and options.graphs and options.overlap else 4
+
+    def phase(step: int, text: str) -> None:  # the long steps say what they do (interpreter: slow)
+        print_(f"[{step}/{steps}] {text} ...")
+        sys.stdout.flush()
+
+    model, fp8_kernels = _load(options, path, dtype, device, backend, on_gpu, phase, print_)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (options.batch, options.prompt_length),
+                           generator=g).to(device)
+    ours, seconds, prefill_seconds = _generate(options, model, prompt, phase)
+    match, error, agree = _check(options, path, model, prompt, ours, fp8_kernels, dtype, device,
+                                 phase)
+    return _report(options, model, prompt, ours, seconds, prefill_seconds, match, error, agree,
+                   fp8_kernels, on_gpu, phase, print_)
+
+
+def _demo_inputs(options: DemoOptions, on_gpu: bool, print_) -> tuple[Path, torch.dtype, str]:
+    from ..platform import interpreter_enabled
+
     fp8 = options.quant == "fp8"
     path = options.model or build_demo_checkpoint(cache_dir())
     if fp8:
         path = build_fp8_demo_checkpoint(cache_dir(FP8_DEMO_NAME), path)
-    # The built-in model is tiny: float32 keeps its greedy tokens comparable with transformers'. FP8
-    # experts take bf16 on a GPU; on CPU float16, the dtype the interpreter's FP8 kernels run in.
+    # float32 keeps the tiny model's greedy tokens comparable; FP8: bf16 on GPU, fp16 interpreted
     dtype = torch.float32 if options.model is None or not on_gpu else torch.bfloat16
     if fp8:
         dtype = torch.bfloat16 if on_gpu else torch.float16
-    backend = "triton" if fp8 and options.backend == "auto" else options.backend  # FP8 kernels, also on CPU
+    backend = "triton" if fp8 and options.backend == "auto" else options.backend
     where = torch.cuda.get_device_name() if on_gpu else (
-        "CPU, Triton kernels in the interpreter (slow, a correctness path)" if interpreter_enabled() else "CPU")
-    built_in = "  (built-in: RANDOM weights, the tokens mean nothing)" if options.model is None else ""
+        "CPU, Triton kernels in the interpreter (slow, a correctness path)"
+        if interpreter_enabled() else "CPU")
+    built_in = ("  (built-in: RANDOM weights, the tokens mean nothing)" if options.model is None
+                else "")
     print_(f"model: {path}{built_in}{'  FP8: experts on the Triton FP8 kernels' if fp8 else ''}")
     print_(f"device: {where}, dtype {str(dtype).removeprefix('torch.')}")
-    steps = 5 if on_gpu and options.graphs and options.overlap else 4
+    return path, dtype, backend
 
-    def phase(step: int, text: str) -> None:  # the long steps say what they do (the interpreter is slow)
-        print_(f"[{step}/{steps}] {text} ...")
-        sys.stdout.flush()
+
+def _load(options, path, dtype, device, backend, on_gpu, phase, print_):
+    from ..models import load_model
 
     phase(1, "loading the checkpoint through moe_triton.models")
     model = load_model(path, dtype=dtype, device=device, backend=backend)
     model.use_graphs, model.use_overlap = options.graphs and on_gpu, options.overlap and on_gpu
     layer = next(m for m in model.modules() if hasattr(m, "resolution"))
     print_(resolution_line(layer.resolution, layer.weight_format))
-    fp8_kernels = layer.weight_format.fp8 is not None and layer.backend != "torch"  # activations rounded to e4m3 too
+    fp8_kernels = layer.weight_format.fp8 is not None and layer.backend != "torch"
+    return model, fp8_kernels
 
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (options.batch, options.prompt_length), generator=g).to(device)
-    phase(2, f"generating {options.batch} x {options.tokens} tokens (the first run compiles the kernels"
-             f"{', captures the decode graphs' if model.use_graphs else ''})")
+
+def _generate(options, model, prompt, phase):
+    phase(2, f"generating {options.batch} x {options.tokens} tokens (the first run compiles the "
+             f"kernels{', captures the decode graphs' if model.use_graphs else ''})")
     model.setup(options.batch, options.prompt_length + options.tokens)
     ours = model.generate(prompt, options.tokens)  # also the warm-up: kernels compile on first use
     phase(3, "timing generate and prefill")
     _, seconds = _timed(lambda: model.generate(prompt, options.tokens))
     _, prefill_seconds = _timed(lambda: model.prefill(prompt))
+    return ours, seconds, prefill_seconds
 
+
+def _check(options, path, model, prompt, ours, fp8_kernels, dtype, device, phase):
     phase(4, "generating the same tokens with transformers, the reference")
-    # FP8 kernels are compared with what the FP8 weights stand for: the dequantized checkpoint, in
-    # float32 (transformers' dequantizing loader leaves float32 weights beside bf16 activations)
+    # float32: transformers' dequantizing loader leaves float32 weights beside bf16 activations
     reference = _reference(path, torch.float32 if fp8_kernels else dtype, device)
     expected = reference.generate(prompt, max_new_tokens=options.tokens, do_sample=False)
     match = torch.equal(ours, expected)
+    error = agree = None
     if fp8_kernels:
         with torch.no_grad():
             logits, reference_logits = model.prefill(prompt), reference(prompt).logits.float()
         error = ((logits - reference_logits).norm() / reference_logits.norm()).item()
         agree = _agreement(ours[:, options.prompt_length:], expected[:, options.prompt_length:])
+    return match, error, agree
 
-    new_tokens = ours.shape[1] - options.prompt_length  # fewer than asked when every sequence hit EOS
+
+def _report(options, model, prompt, ours, seconds, prefill_seconds, match, error, agree,
+            fp8_kernels, on_gpu, phase, print_) -> int:
+    new_tokens = ours.shape[1] - options.prompt_length  # fewer than asked when all hit EOS
     stopped = ", stopped at EOS" if new_tokens < options.tokens else ""
     shown = f"{options.batch} x {new_tokens} tokens{stopped}"
     rows = [("generate", options.batch * new_tokens / seconds, seconds * 1e3)]
-    rows.append(("prefill", options.batch * options.prompt_length / prefill_seconds, prefill_seconds * 1e3))
+    rows.append(("prefill", options.batch * options.prompt_length / prefill_seconds,
+                 prefill_seconds * 1e3))
     if on_gpu and options.graphs and options.overlap:  # the same generation without overlap
         phase(5, "generating again with overlap off")
         model.use_overlap = False
@@ -281,7 +300,8 @@ def run_demo(options: DemoOptions, print_=print) -> int:
         print_(f"{name:<24}{rate:>12.1f}{ms:>12.2f}")
     if fp8_kernels:
         within = error < FP8_LOGITS_TOL
-        print_(f"prefill logits vs transformers on the dequantized checkpoint: relative error {error:.4f} "
+        print_("prefill logits vs transformers on the dequantized checkpoint: "
+               f"relative error {error:.4f} "
                f"(FP8 bound {FP8_LOGITS_TOL}): {'ok' if within else 'TOO LARGE'}")
         print_(f"tokens equal to transformers' generate: {agree:.0%} ({shown}; "
                "FP8's activation rounding may flip a near tie)")

@@ -1,11 +1,5 @@
-"""The temperature-0 probe: the same layer on two backends, identical inputs, compared.
-
-A fused path that returns plausible but wrong outputs (swapped gate/up halves, a different
-routing rule) is a known failure of this field; run the probe before trusting a new backend.
-It reports the max absolute and relative difference of the outputs and, through an output
-projection standing in for an LM head, the agreement of greedy (argmax, temperature 0) tokens,
-and raises `ProbeMismatch` past the tolerance.
-"""
+"""The temperature-0 probe: one layer on two backends, outputs and greedy tokens compared; fused
+paths that are plausible but wrong (swapped gate/up halves) are a known failure."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,30 +37,34 @@ class ProbeReport:
         return self.rel_diff <= self.tolerance and tokens_ok
 
     def __str__(self) -> str:
-        tokens = "" if self.token_agreement is None else f", greedy tokens agree {self.token_agreement:.1%}"
+        tokens = ("" if self.token_agreement is None
+                  else f", greedy tokens agree {self.token_agreement:.1%}")
         verdict = "PASS" if self.passed else "FAIL"
-        return (f"{verdict}: {self.backend_a} vs {self.backend_b}: max abs diff {self.max_abs_diff:.3e}, "
+        return (f"{verdict}: {self.backend_a} vs {self.backend_b}: "
+                f"max abs diff {self.max_abs_diff:.3e}, "
                 f"relative {self.rel_diff:.3e} (tolerance {self.tolerance:.1e}){tokens}")
 
 
 def probe(layer_a: torch.nn.Module, layer_b: torch.nn.Module, hidden_states: torch.Tensor, *,
           lm_head: torch.Tensor | None = None, tolerance: float | None = None,
           min_token_agreement: float = 1.0) -> ProbeReport:
-    """Run both layers on hidden_states (T, H); lm_head (V, H) turns outputs into greedy tokens.
-    Raises ProbeMismatch when the outputs differ past `tolerance` (default by dtype) or the
-    tokens agree less than `min_token_agreement`."""
+    """Both layers on hidden_states (T, H), lm_head (V, H); ProbeMismatch past `tolerance`
+    (default by dtype) or below `min_token_agreement`."""
     with torch.no_grad():
         a, b = layer_a(hidden_states).float(), layer_b(hidden_states).float()  # [T, H]
     if a.shape != b.shape:
-        raise ValueError(f"the layers disagree on the output shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+        raise ValueError("the layers disagree on the output shape: "
+                         f"{tuple(a.shape)} vs {tuple(b.shape)}")
     max_abs = (a - b).abs().max().item() if a.numel() else 0.0
     rel = max_abs / max(b.abs().max().item() if b.numel() else 0.0, 1e-30)
     agreement = None
     if lm_head is not None:
-        tokens_a, tokens_b = (a @ lm_head.float().T).argmax(-1), (b @ lm_head.float().T).argmax(-1)  # [T]
+        tokens_a, tokens_b = ((a @ lm_head.float().T).argmax(-1),  # [T]
+                              (b @ lm_head.float().T).argmax(-1))
         agreement = (tokens_a == tokens_b).float().mean().item() if tokens_a.numel() else 1.0
     report = ProbeReport(_name(layer_a), _name(layer_b), max_abs, rel, agreement,
-                         TOLERANCE.get(hidden_states.dtype, 3e-2) if tolerance is None else tolerance,
+                         (TOLERANCE.get(hidden_states.dtype, 3e-2) if tolerance is None
+                          else tolerance),
                          min_token_agreement)
     if not report.passed:
         raise ProbeMismatch(report)
@@ -80,7 +78,7 @@ def _name(layer: torch.nn.Module) -> str:
 
 @dataclass(frozen=True)
 class ProbeCase:
-    """The built-in small layer of `moe-triton probe`: I is deliberately unaligned (padding runs)."""
+    """`moe-triton probe`'s layer: I is deliberately unaligned (padding runs)."""
 
     num_experts: int = 8
     top_k: int = 2
@@ -90,12 +88,15 @@ class ProbeCase:
     num_tokens: int = 16
 
 
-def build_case(case: ProbeCase, backend: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """The case's layer on `backend` (weights from `seed`, prepared), its inputs (T, H) and LM head (V, H)."""
+def build_case(case: ProbeCase, backend: str, dtype: torch.dtype, device: torch.device,
+               seed: int = 0):
+    """The layer on `backend`, prepared, its inputs (T, H) and LM head (V, H)."""
     g = torch.Generator().manual_seed(seed)
     E, H, I = case.num_experts, case.hidden_size, case.intermediate_size
-    layer = FusedMoE(E, case.top_k, H, I, routing=RoutingSpec(case.top_k, Scoring.SOFTMAX, renormalize=True),
-                     activation=SILU_AND_MUL, placement=Placement(backend), dtype=dtype, device=device)
+    layer = FusedMoE(E, case.top_k, H, I,
+                     routing=RoutingSpec(case.top_k, Scoring.SOFTMAX, renormalize=True),
+                     activation=SILU_AND_MUL, placement=Placement(backend), dtype=dtype,
+                     device=device)
     with torch.no_grad():
         layer.gate_weight.copy_(torch.randn(E, H, generator=g) / H**0.5)
         layer.gate_up_proj.copy_(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
