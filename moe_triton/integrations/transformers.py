@@ -29,7 +29,7 @@ from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
 from ..placement import Placement
 from ..routing import RoutingSpec, Scoring, SelectOn
-from ..weights import ExpertWeights, WeightFormat, per_tensor_rows
+from ..weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 # transformers activation classes (ACT2FN values) -> our activation kinds
 _ACTIVATION_BY_CLASS = {
@@ -91,29 +91,26 @@ def moe_triton_fp8_experts_forward(experts: nn.Module, hidden_states, top_k_inde
 
 
 def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
-    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over [gate; up], split
-    only where I is a multiple of block_n), or per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]),
-    with the static input scale, the largest of `gate_up_proj_activation_scale`."""
+    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over [gate; up]), or
+    per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]), with the static input scale, the largest
+    of `gate_up_proj_activation_scale`."""
     if getattr(experts, "has_bias", False):
         raise ValueError(f"{type(experts).__name__} has expert biases, which moe_triton does not implement")
     prefix = "gate_up_proj" if gated else "up_proj"
     w13, s13 = getattr(experts, prefix), getattr(experts, f"{prefix}_scale_inv")
     w2, s2 = experts.down_proj, experts.down_proj_scale_inv
-    E, rows, H = w13.shape
     static = getattr(experts, "activation_scheme", "dynamic") == "static"
     block = getattr(experts, "block_size", None)
-    if block is not None:
-        if static or (gated and (rows // 2) % block[0]):
-            raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with activation_scheme "
-                             f"{experts.activation_scheme!r} and I={w2.shape[2]}: moe_triton runs block scales with "
-                             "dynamic activations and a [gate; up] grid it can split (I % block_n == 0)")
-        fmt, s13, s2 = WeightFormat.fp8_block(*block), s13.float(), s2.float()
-    else:  # per tensor
-        fmt = WeightFormat.fp8_tensor(static_input=static)
-        s13 = per_tensor_rows(s13.float().reshape(E, -1) if s13[0].numel() == 2 else s13.float().reshape(E), rows)
-        s2 = per_tensor_rows(s2.float().reshape(E), H)
-    input_scale = experts.gate_up_proj_activation_scale.float().max().reshape(1) if static else None
-    return ExpertWeights(w13, w2, gated, fmt, s13, s2, input_scale)
+    input_scale = getattr(experts, "gate_up_proj_activation_scale", None)
+    try:
+        fmt = WeightFormat(Fp8Scaling.BLOCK, tuple(block), static) if block else WeightFormat.fp8_tensor(static)
+        return ExpertWeights.from_checkpoint(w13, w2, fmt, s13, s2, input_scale, gated)
+    except ValueError as error:
+        if block is None:
+            raise ValueError(f"{type(experts).__name__}: {error}") from None
+        raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with activation_scheme "
+                         f"{experts.activation_scheme!r} and I={w2.shape[2]}: moe_triton runs block scales with "
+                         f"dynamic activations and a [gate; up] grid it can split ({error})") from None
 
 
 def register_experts_implementation(name: str = "moe_triton") -> None:
