@@ -170,7 +170,7 @@ class ExpertWeights:
     w2: torch.Tensor  # [E, H, I]
     gated: bool = True  # w13 holds gate and up rows (every activation but relu^2)
     # None means NATIVE: torch.compile traces code that builds ExpertWeights (transformers' experts
-    # forward does, per call) and cannot wrap an instance held as a dataclass default
+    # forward does, per traced graph) and cannot wrap an instance held as a dataclass default
     format: WeightFormat | None = None
     w13_scale: torch.Tensor | None = None  # FP8: see the module docstring
     w2_scale: torch.Tensor | None = None

@@ -17,7 +17,9 @@ each supported block has one small adapter below, registered by its class name.
 """
 from __future__ import annotations
 
-from typing import Callable
+import operator
+import weakref
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -77,17 +79,51 @@ def _expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """ExpertsInterface entry: (T, H), (T, K), (T, K) -> (T, H), on our Triton pipeline."""
-    activation = experts_activation(experts)
-    weights = ExpertWeights(*_expert_weights(experts), gated=activation.gated)
+    activation, weights = _built(experts, _native_experts)
     x = hidden_states.to(weights.dtype)
     return run_experts(x, weights, top_k_index, top_k_weights, activation=activation)
 
 
 def moe_triton_fp8_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """FP8ExpertsInterface entry: transformers' FP8Experts on our FP8 kernels; (T, H) bf16/fp16 in and out."""
-    activation = experts_activation(experts)
-    weights = fp8_expert_weights(experts, activation.gated)
+    activation, weights = _built(experts, _fp8_experts)
     return run_experts(hidden_states, weights, top_k_index, top_k_weights, activation=activation)
+
+
+class _Built(NamedTuple):
+    params: tuple  # the module's parameters when built: held, so no new tensor can take their ids
+    state: tuple  # grad mode, then each parameter's (data_ptr, version)
+    activation: Activation
+    weights: ExpertWeights
+
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, _Built] = weakref.WeakKeyDictionary()
+
+
+def _built(experts: nn.Module, build) -> tuple[Activation, ExpertWeights]:
+    """`build(experts)` once per experts module, again when a parameter is replaced, moved or written
+    in place, or grad mode flips (views and converted scales carry the mode they were built in)."""
+    if torch.compiler.is_compiling():  # traced once per graph: nothing to keep
+        return build(experts)
+    params = tuple(experts._parameters.values())
+    try:
+        state = (torch.is_grad_enabled(), *[(p.data_ptr(), p._version) for p in params if p is not None])
+    except RuntimeError:  # inference tensors keep no version
+        state = (torch.is_grad_enabled(), *[p.data_ptr() for p in params if p is not None])
+    entry = _BUILT.get(experts)
+    if entry is None or entry.state != state or not all(map(operator.is_, entry.params, params)):
+        entry = _BUILT[experts] = _Built(params, state, *build(experts))
+    return entry.activation, entry.weights
+
+
+def _native_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
+    activation = experts_activation(experts)
+    return activation, ExpertWeights(*_expert_weights(experts), gated=activation.gated)
+
+
+def _fp8_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
+    activation = experts_activation(experts)
+    return activation, fp8_expert_weights(experts, activation.gated)
 
 
 def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
