@@ -60,7 +60,8 @@ def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weig
     """A stacked per-expert scale [E, ...], checked against its weight's (N, C) and returned in float32."""
     weight_name = origins.get(f"{prefix}.0.{proj}.weight", f"{prefix}.0.{proj}.weight")
     name, fmt = weight_name.removesuffix("weight") + kind, checkpoint.experts  # as the checkpoint names it
-    expected = [(), (1,)] if weight is None else fmt.linear_scale_shapes(*weight)  # None: an input scale
+    # weight None: an input scale, one per expert
+    expected = [(), (1,)] if weight is None else fmt.linear_scale_shapes(*weight)
     if scale is None:
         raise ValueError(f"missing tensor {name}: {fmt} experts ({checkpoint.method}) need it beside "
                          f"{weight_name}, shape {' or '.join(map(str, expected))}")
@@ -82,18 +83,20 @@ def fused_scales(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
         weight = tensors.get(weight_name)
         if weight is None or weight.dim() != 3 or weight.dtype != FP8_DTYPE:
             continue
-        out[f"{weight_name}_scale"] = _fused_grid(name, out.pop(name), weight, checkpoint, origins or {})
+        scale = out.pop(name)
+        out[f"{weight_name}_scale"] = _fused_grid(name, scale, weight, checkpoint, origins or {})
     return out
 
 
 def _fused_grid(key: str, scale: torch.Tensor, weight: torch.Tensor, checkpoint: CheckpointFormat,
                 origins: dict[str, str]):
     name, fmt = origins.get(key, key), checkpoint.experts
+    gated = key.endswith(".gate_up_proj_scale_inv")
     try:
-        return fmt.checkpoint_scale(scale, *weight.shape[1:], gated=key.endswith(".gate_up_proj_scale_inv"))
+        return fmt.checkpoint_scale(scale, *weight.shape[1:], gated)
     except ValueError as error:
-        raise ValueError(f"tensor {name}: {error} (the quantization config gives {fmt} experts; for "
-                         f"{tuple(weight.shape)} weights)") from None
+        raise ValueError(f"tensor {name}: {error} (the quantization config gives {fmt} experts; "
+                         f"for {tuple(weight.shape)} weights)") from None
 
 
 def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat, dtype: torch.dtype,
@@ -119,15 +122,14 @@ def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor
     """An FP8 weight (N, C) and its per-tensor, per-row or block scale -> float32 (N, C)."""
     N, C = weight.shape
     blocks = {block: WeightFormat.fp8_block(*block) for block in checkpoint.linear_blocks}
-    stored = scale.float().reshape(()) if scale.numel() == 1 else scale.float()  # per tensor: any shape
+    stored = scale.float().reshape(()) if scale.numel() == 1 else scale.float()  # per tensor
     for fmt in (WeightFormat.fp8_tensor(), WeightFormat.fp8_channel(), *blocks.values()):
         if tuple(stored.shape) in fmt.linear_scale_shapes(N, C):
             return dequantize(weight, stored, fmt)
-    grids = [fmt.linear_scale_shapes(N, C)[0] for fmt in blocks.values()]
-    expected = [(1,), (N, 1), *grids]
-    raise ValueError(f"tensor {scale_name} has shape {tuple(scale.shape)}; expected one of {expected} (per tensor, per "
-                     f"row{', or the grid of ' + ' / '.join(map(str, blocks)) + ' blocks' if blocks else ''}) for its "
-                     f"({N}, {C}) FP8 weight")
+    expected = [(1,), (N, 1), *(fmt.linear_scale_shapes(N, C)[0] for fmt in blocks.values())]
+    grids = f", or the grid of {' / '.join(map(str, blocks))} blocks" if blocks else ""
+    raise ValueError(f"tensor {scale_name} has shape {tuple(scale.shape)}; expected one of "
+                     f"{expected} (per tensor, per row{grids}) for its ({N}, {C}) FP8 weight")
 
 
 def check_float8_dtypes(tensors: dict[str, torch.Tensor]) -> None:

@@ -135,32 +135,36 @@ def qwen3_experts(seed=0, transposed=False):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    experts = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4))
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4)
+    experts = Qwen3MoeExperts(config)
     g = torch.Generator().manual_seed(seed)
     for name, p in list(experts.named_parameters()):
         w = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
-        setattr(experts, name, torch.nn.Parameter(w.transpose(1, 2).contiguous() if transposed else w))
+        w = w.transpose(1, 2).contiguous() if transposed else w
+        setattr(experts, name, torch.nn.Parameter(w))
     experts.is_transposed = transposed
     return experts
 
 
 def routed(seed=1, T=5, E=4, H=16):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(T, H, generator=g), torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]), \
-        torch.rand(T, 2, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    return torch.randn(T, H, generator=g), ids, torch.rand(T, 2, generator=g)
 
 
 def spy_on_weights(monkeypatch):
+    """The ExpertWeights each drop-in call hands to run_experts, in order."""
     import moe_triton.integrations.transformers as integration
 
     seen, real = [], integration.run_experts
-    monkeypatch.setattr(integration, "run_experts", lambda *a, **k: seen.append(a[1]) or real(*a, **k))
+    spy = lambda *args, **kwargs: seen.append(args[1]) or real(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(integration, "run_experts", spy)
     return seen
 
 
 def test_the_drop_in_builds_its_expert_weights_once_per_module(monkeypatch):
-    """Built on the first call, reused while the module holds the same parameters; built anew after a
-    parameter is replaced or its data moved (and the output is then the new weights')."""
+    """Built on the first call, reused while the module holds the same parameters; built anew
+    after a parameter is replaced or its data moved (and the output is then the new weights')."""
     from moe_triton.integrations.transformers import moe_triton_experts_forward as forward
 
     seen = spy_on_weights(monkeypatch)
@@ -173,16 +177,17 @@ def test_the_drop_in_builds_its_expert_weights_once_per_module(monkeypatch):
         experts.down_proj = torch.nn.Parameter(experts.down_proj * 2)  # replaced
         out = forward(experts, x, ids, weights)
         assert seen[-1] is not seen[0] and seen[-1].w2 is experts.down_proj
-        expected = moe_triton.fused_experts_torch(x, experts.gate_up_proj, experts.down_proj, ids, weights)
-        assert_close(out, expected, torch.float32)
-        experts.gate_up_proj.data = experts.gate_up_proj.data.clone()  # moved: the same Parameter, new data
+        w13, w2 = experts.gate_up_proj, experts.down_proj
+        assert_close(out, moe_triton.fused_experts_torch(x, w13, w2, ids, weights), torch.float32)
+        experts.gate_up_proj.data = experts.gate_up_proj.data.clone()  # moved: same Parameter
         forward(experts, x, ids, weights)
-        assert seen[-1] is not seen[-2] and seen[-1].w13.data_ptr() == experts.gate_up_proj.data_ptr()
+        assert seen[-1] is not seen[-2]
+        assert seen[-1].w13.data_ptr() == experts.gate_up_proj.data_ptr()
 
 
 def test_the_drop_in_s_cached_views_follow_grad_mode():
-    """Transposed storage is held as views: built under no_grad they carry no autograd, so a call in
-    grad mode builds them again and gradients reach the parameters."""
+    """Transposed storage is held as views: built under no_grad they carry no autograd, so a call
+    in grad mode builds them again and gradients reach the parameters."""
     from moe_triton.integrations.transformers import moe_triton_experts_forward as forward
 
     experts = qwen3_experts(transposed=True)
@@ -192,7 +197,8 @@ def test_the_drop_in_s_cached_views_follow_grad_mode():
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
     params = (experts.gate_up_proj, experts.down_proj)
     grads = torch.autograd.grad(forward(experts, x, ids, weights), params, grad_out)
-    reference = moe_triton.fused_experts_torch(x, params[0].transpose(1, 2), params[1].transpose(1, 2), ids, weights)
+    w13, w2 = (p.transpose(1, 2) for p in params)
+    reference = moe_triton.fused_experts_torch(x, w13, w2, ids, weights)
     for grad, expected in zip(grads, torch.autograd.grad(reference, params, grad_out)):
         assert_close(grad, expected, torch.float32)
 
@@ -315,7 +321,8 @@ def test_fp8_drop_in_converts_scales_once_and_again_when_they_change(monkeypatch
         assert len(seen) == 2 and seen[1] is seen[0]
         experts.down_proj_scale_inv.mul_(2)  # in place
         assert rms_error() < FP8_RMS_TOL and seen[-1] is not seen[0]
-        experts.gate_up_proj_scale_inv = torch.nn.Parameter(experts.gate_up_proj_scale_inv * 0.5)  # replaced
+        replaced = torch.nn.Parameter(experts.gate_up_proj_scale_inv * 0.5)
+        experts.gate_up_proj_scale_inv = replaced
         assert rms_error() < FP8_RMS_TOL and seen[-1] is not seen[-2]
 
 

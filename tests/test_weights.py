@@ -8,7 +8,13 @@ import torch.nn.functional as F
 
 from moe_triton import ExpertWeights, Fp8Scaling, WeightFormat
 from moe_triton.runners.padding import pad_expert_weights
-from moe_triton.weights import FP8_DTYPE, FP8_MAX, dequantize_weight, per_tensor_rows, quantize_weight
+from moe_triton.weights import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    per_tensor_rows,
+    quantize_weight,
+)
 
 E, H, I = 3, 72, 61  # I not a multiple of any block: partial blocks at the edges
 FORMATS = [WeightFormat.fp8_block(128, 128), WeightFormat.fp8_block(32, 16), WeightFormat.fp8_channel(),
@@ -132,11 +138,12 @@ def test_bad_weights_name_the_tensor(make, match):
         make()
 
 
-# ---- the format's geometry: experts, slices and padding of I, checkpoint layouts ----------------
-# References slice / pad the dequantized float32 weights with torch, gate and up apart; the methods'
-# results must dequantize to them exactly (each weight keeps its own e4m3 value and scale).
+# ---- the format's geometry: experts, slices and padding of I, checkpoint layouts --------------
+# References slice / pad the dequantized float32 weights with torch, gate and up apart; the
+# methods' results must dequantize to them exactly (each weight keeps its e4m3 value and scale).
 
 GEOMETRY_FORMATS = [WeightFormat(), *FORMATS, WeightFormat.fp8_tensor(static_input=True)]
+GATED = pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
 
 
 def experts_in(fmt, gated=True, seed=0):
@@ -148,9 +155,14 @@ def experts_in(fmt, gated=True, seed=0):
                          torch.tensor([0.02]) if fmt.static_input else None)
 
 
+def projections(w13, gated):
+    return w13.chunk(2 if gated else 1, dim=1)  # (gate, up) or (up,)
+
+
 def torch_narrow(w13, w2, gated, start, length, lead):
-    parts = [F.pad(p[:, start:start + length], (0, 0, lead, 0)) for p in w13.chunk(2 if gated else 1, dim=1)]
-    return torch.cat(parts, dim=1), F.pad(w2[:, :, start:start + length], (lead, 0))
+    cut = slice(start, start + length)
+    parts = [F.pad(p[:, cut], (0, 0, lead, 0)) for p in projections(w13, gated)]
+    return torch.cat(parts, dim=1), F.pad(w2[:, :, cut], (lead, 0))
 
 
 def assert_same_experts(actual: ExpertWeights, w13, w2):
@@ -159,8 +171,8 @@ def assert_same_experts(actual: ExpertWeights, w13, w2):
 
 
 @pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
-@pytest.mark.parametrize("index", [slice(1, 3), torch.tensor([2, 0]), torch.tensor([], dtype=torch.long)[:0]],
+@GATED
+@pytest.mark.parametrize("index", [slice(1, 3), torch.tensor([2, 0]), torch.tensor([]).int()],
                          ids=["slice", "tensor", "none"])
 def test_select_experts_keeps_their_scales(fmt, gated, index):
     weights = experts_in(fmt, gated)
@@ -179,7 +191,7 @@ SLICES = [(0, 61), (0, 40), (32, 29), (32, 10), (40, 13), (5, 30), (60, 1)]
 
 
 @pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
+@GATED
 @pytest.mark.parametrize("start,length", SLICES, ids=str)
 def test_narrow_intermediate_is_the_slice_of_the_dequantized_weights(fmt, gated, start, length):
     """Behind grid_lead(start) zero columns, which put a slice that starts inside a block (of w13's
@@ -196,29 +208,29 @@ def test_narrow_intermediate_is_the_slice_of_the_dequantized_weights(fmt, gated,
 
 @pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
 def test_narrow_intermediate_with_a_lead_zeroes_real_columns(fmt):
-    """A lead over columns that hold weights (48 of them, from column 0): they become zeros, gate and
-    up apart."""
+    """A lead over columns that hold weights (48 of them, from column 0): they become zeros, gate
+    and up apart."""
     weights = experts_in(fmt)
     cut = weights.narrow_intermediate(48, 13, lead=48)
     assert_same_experts(cut, *torch_narrow(*weights.dequantized(), True, 48, 13, 48))
 
 
 @pytest.mark.parametrize("start,length,lead,match", [
-    (40, 13, 0, r"starts at column 40, inside a \(32, 16\) block.*lead=format.grid_lead\(start\) \(here 8\)"),
+    (40, 13, 0, r"starts at column 40, inside a \(32, 16\) block.*grid_lead\(start\) \(here 8\)"),
     (33, 10, 0, "inside a"),
     (0, 62, 0, "must lie in I=61"),
     (0, 0, 0, "length >= 1"),
     (4, 10, 8, "start - lead >= 0"),
     (8, 10, -1, "lead >= 0"),
 ])
-def test_narrow_intermediate_refuses_slices_off_the_block_grid_or_out_of_range(start, length, lead, match):
+def test_narrow_intermediate_refuses_off_grid_or_out_of_range(start, length, lead, match):
     weights = experts_in(WeightFormat.fp8_block(32, 16))
     with pytest.raises(ValueError, match=match):
         weights.narrow_intermediate(start, length, lead)
 
 
 @pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
+@GATED
 @pytest.mark.parametrize("multiple", [16, 128, 61])
 def test_pad_intermediate_is_the_zero_padded_dequantized_weights(fmt, gated, multiple):
     weights = experts_in(fmt, gated)
@@ -228,14 +240,13 @@ def test_pad_intermediate_is_the_zero_padded_dequantized_weights(fmt, gated, mul
         return
     extra = -I % multiple
     w13, w2 = weights.dequantized()
-    expected = torch.cat([F.pad(p, (0, 0, 0, extra)) for p in w13.chunk(2 if gated else 1, dim=1)], dim=1)
+    expected = torch.cat([F.pad(p, (0, 0, 0, extra)) for p in projections(w13, gated)], dim=1)
     assert_same_experts(padded, expected, F.pad(w2, (0, extra)))
     if fmt.fp8 is not None:  # the new scale entries are 1: they multiply zeros only
-        halves = 2 if gated else 1
-        old = weights.w13_scale.shape[1] // halves
-        assert all((part[:, old:] == 1).all() for part in padded.w13_scale.chunk(halves, dim=1))
-        old = weights.w2_scale.shape[-1]
-        assert (padded.w2_scale[..., old:] == 1).all() and torch.equal(padded.w2_scale[..., :old], weights.w2_scale)
+        old = weights.w13_scale.shape[1] // len(projections(w13, gated))
+        assert all((p[:, old:] == 1).all() for p in projections(padded.w13_scale, gated))
+        old, s2 = weights.w2_scale.shape[-1], padded.w2_scale
+        assert (s2[..., old:] == 1).all() and torch.equal(s2[..., :old], weights.w2_scale)
 
 
 def test_pad_intermediate_refuses_a_bad_multiple():
@@ -243,14 +254,14 @@ def test_pad_intermediate_refuses_a_bad_multiple():
         experts_in(WeightFormat.fp8_channel()).pad_intermediate(0)
 
 
-def test_select_experts_refuses_what_is_not_an_index():
-    weights = experts_in(WeightFormat.fp8_channel())
-    for bad, match in ((1, "got int"), (torch.tensor([0.0]), "1-D integer tensor"), (torch.tensor([0, 3]), r"\[0, 3\)")):
-        with pytest.raises(ValueError, match=match):
-            weights.select_experts(bad)
+@pytest.mark.parametrize("bad,match", [(1, "got int"), (torch.tensor([0.0]), "1-D integer tensor"),
+                                       (torch.tensor([0, 3]), r"\[0, 3\)")], ids=str)
+def test_select_experts_refuses_what_is_not_an_index(bad, match):
+    with pytest.raises(ValueError, match=match):
+        experts_in(WeightFormat.fp8_channel()).select_experts(bad)
 
 
-# ---- checkpoint layouts -> ExpertWeights ------------------------------------------------------------
+# ---- checkpoint layouts -> ExpertWeights ---------------------------------------------------------
 
 def stored_projection(w: torch.Tensor, fmt: WeightFormat, style: int):
     """A stack of per-expert linears [E, N, C] as a checkpoint stores them: e4m3 and each expert's
@@ -276,17 +287,16 @@ def dequantize_stored(q: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -
 
 
 @pytest.mark.parametrize("fmt", GEOMETRY_FORMATS[1:], ids=str)
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
+@GATED
 @pytest.mark.parametrize("style", [0, 1, 2])
 def test_from_checkpoint_holds_what_the_checkpoint_s_tensors_stand_for(fmt, gated, style):
     weights = native(gated)
     dynamic = WeightFormat.fp8_tensor() if fmt.static_input else fmt
-    projections = weights.w13.chunk(2, dim=1) if gated else (weights.w13,)
-    first = [stored_projection(p, dynamic, style) for p in projections]  # (gate, up) or (up,)
-    down = stored_projection(weights.w2, dynamic, style)
-    inputs = [torch.rand(E, generator=torch.Generator().manual_seed(i)) / 100 for i in range(len(first))]
-    experts = ExpertWeights.from_checkpoint([q for q, _ in first], down[0], fmt, [s for _, s in first], down[1],
-                                            inputs, gated=gated)
+    first = [stored_projection(p, dynamic, style) for p in projections(weights.w13, gated)]
+    (q13, s13), down = zip(*first), stored_projection(weights.w2, dynamic, style)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.rand(E, generator=g) / 100 for _ in first]  # gate's and up's, per expert
+    experts = ExpertWeights.from_checkpoint(q13, down[0], fmt, s13, down[1], inputs, gated=gated)
     assert experts.format == fmt and experts.gated == gated
     expected = torch.cat([dequantize_stored(q, s, fmt) for q, s in first], dim=1)
     assert_same_experts(experts, expected, dequantize_stored(*down, fmt))
@@ -294,11 +304,12 @@ def test_from_checkpoint_holds_what_the_checkpoint_s_tensors_stand_for(fmt, gate
         assert experts.input_scale.item() == max(t.max().item() for t in inputs)
     else:
         assert experts.input_scale is None
-    if not gated or fmt.block is None or I % fmt.block[0] == 0:  # one tensor over [gate; up] reads the same
-        fused = torch.cat([s.reshape(E, -1) for _, s in first], dim=1) if fmt.fp8 is Fp8Scaling.TENSOR else (
-            torch.cat([s for _, s in first], dim=1))
-        again = ExpertWeights.from_checkpoint(experts.w13, down[0], fmt, fused, down[1], inputs, gated=gated)
-        assert_same_experts(again, expected, dequantize_stored(*down, fmt))
+    if gated and fmt.block is not None and I % fmt.block[0]:
+        return  # one block grid over [gate; up] cannot be split here: see below
+    per_tensor = fmt.fp8 is Fp8Scaling.TENSOR
+    fused = torch.cat([s.reshape(E, -1) if per_tensor else s for s in s13], dim=1)  # [gate; up]'s
+    again = ExpertWeights.from_checkpoint(experts.w13, down[0], fmt, fused, down[1], inputs, gated)
+    assert_same_experts(again, expected, dequantize_stored(*down, fmt))
 
 
 def test_from_checkpoint_splits_a_fused_block_grid_only_on_its_block_rows():
@@ -310,27 +321,33 @@ def test_from_checkpoint_splits_a_fused_block_grid_only_on_its_block_rows():
     experts = ExpertWeights.from_checkpoint(q13, q2, fmt, s13, s2)
     assert_same_experts(experts, dequantize_stored(q13, s13, fmt), dequantize_stored(q2, s2, fmt))
     odd = native().to_format(fmt)
-    with pytest.raises(ValueError, match=r"one scale grid over the concatenated \[gate; up\] rows, but I=61 is not "
-                                         r"a multiple of block_n=32, so block row 1 holds gate and up rows"):
+    with pytest.raises(ValueError, match=r"one scale grid over the concatenated \[gate; up\] "
+                                         r"rows, but I=61 is not a multiple of block_n=32, so "
+                                         "block row 1 holds gate and up rows"):
         ExpertWeights.from_checkpoint(odd.w13, odd.w2, fmt, odd.w13_scale[:, 1:], odd.w2_scale)
 
 
+def from_checkpoint(q, fmt=None, w13_scale=None, w2_scale=None, w13=None):
+    """ExpertWeights.from_checkpoint on the FP8 experts `q`, with what is given instead."""
+    return ExpertWeights.from_checkpoint(q.w13 if w13 is None else w13, q.w2, fmt or q.format,
+                                         q.w13_scale if w13_scale is None else w13_scale,
+                                         q.w2_scale if w2_scale is None else w2_scale)
+
+
 @pytest.mark.parametrize("make,match", [
-    (lambda q: ExpertWeights.from_checkpoint(q.w13, q.w2, q.format, [q.w13_scale[:, :2], q.w13_scale[:, 2:3]],
-                                             q.w2_scale),
+    (lambda q: from_checkpoint(q, w13_scale=[q.w13_scale[:, :2], q.w13_scale[:, 2:3]]),
      r"give \(3, 3, 5\); fp8 e4m3, 32x16 block scales.* need \(3, 4, 5\)"),
-    (lambda q: ExpertWeights.from_checkpoint(q.w13, q.w2, q.format, q.w13_scale.int(), q.w2_scale), "float tensors"),
-    (lambda q: ExpertWeights.from_checkpoint(q.w13, q.w2, q.format, None, q.w2_scale), "float tensors"),
-    (lambda q: ExpertWeights.from_checkpoint(q.w13, q.w2, WeightFormat.fp8_tensor(static_input=True),
-                                             torch.ones(E), torch.ones(E)), "need their input scales"),
-    (lambda q: ExpertWeights.from_checkpoint(q.w13, q.w2, WeightFormat.fp8_tensor(), torch.ones(E, 3),
-                                             torch.ones(E)), r"per-tensor scales of \(3, 3\)"),
-    (lambda q: ExpertWeights.from_checkpoint([q.w13[:, :3], q.w13[:, 3:]], q.w2, q.format, q.w13_scale, q.w2_scale),
-     "projections must be tensors of one shape"),
-    (lambda q: ExpertWeights.from_checkpoint(q.w13.float(), q.w2.float(), WeightFormat(), q.w13_scale, None),
-     "scales were given for unquantized weights"),
-], ids=["misshapen", "int-scale", "missing-scale", "missing-input-scale", "per-tensor-3", "uneven-stacks",
-        "unquantized-with-scales"])
+    (lambda q: from_checkpoint(q, w13_scale=q.w13_scale.int()), "float tensors"),
+    (lambda q: from_checkpoint(q, w13_scale=[None]), "float tensors"),
+    (lambda q: from_checkpoint(q, WeightFormat.fp8_tensor(static_input=True), torch.ones(E),
+                               torch.ones(E)), "need their input scales"),
+    (lambda q: from_checkpoint(q, WeightFormat.fp8_tensor(), torch.ones(E, 3), torch.ones(E)),
+     r"per-tensor scales of \(3, 3\)"),
+    (lambda q: from_checkpoint(q, w13=[q.w13[:, :3], q.w13[:, 3:]]), "tensors of one shape"),
+    (lambda q: ExpertWeights.from_checkpoint(q.w13.float(), q.w2.float(), WeightFormat(),
+                                             q.w13_scale), "scales were given for unquantized"),
+], ids=["misshapen", "int-scale", "missing-scale", "missing-input-scale", "per-tensor-3",
+        "uneven-stacks", "unquantized-with-scales"])
 def test_from_checkpoint_names_what_is_wrong(make, match):
     with pytest.raises(ValueError, match=match):
         make(native().to_format(WeightFormat.fp8_block(32, 16)))
@@ -338,6 +355,6 @@ def test_from_checkpoint_names_what_is_wrong(make, match):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_dequantize_weight_inverts_quantize_weight_s_layout(fmt):
-    w = native().w13[0]  # [2I, H]
-    q, scale = quantize_weight(w, fmt)
-    assert torch.equal(dequantize_weight(q, scale, fmt), dequantize_stored(q[None], scale[None], fmt)[0])
+    q, scale = quantize_weight(native().w13[0], fmt)  # [2I, H]
+    expected = dequantize_stored(q[None], scale[None], fmt)[0]
+    assert torch.equal(dequantize_weight(q, scale, fmt), expected)

@@ -101,15 +101,17 @@ _BUILT: weakref.WeakKeyDictionary[nn.Module, _Built] = weakref.WeakKeyDictionary
 
 
 def _built(experts: nn.Module, build) -> tuple[Activation, ExpertWeights]:
-    """`build(experts)` once per experts module, again when a parameter is replaced, moved or written
-    in place, or grad mode flips (views and converted scales carry the mode they were built in)."""
+    """`build(experts)` once per experts module, again when a parameter is replaced, moved or
+    written in place, or grad mode flips (views and converted scales carry the mode they were
+    built in)."""
     if torch.compiler.is_compiling():  # traced once per graph: nothing to keep
         return build(experts)
     params = tuple(experts._parameters.values())
+    grad = torch.is_grad_enabled()
     try:
-        state = (torch.is_grad_enabled(), *[(p.data_ptr(), p._version) for p in params if p is not None])
+        state = (grad, *[(p.data_ptr(), p._version) for p in params if p is not None])
     except RuntimeError:  # inference tensors keep no version
-        state = (torch.is_grad_enabled(), *[p.data_ptr() for p in params if p is not None])
+        state = (grad, *[p.data_ptr() for p in params if p is not None])
     entry = _BUILT.get(experts)
     if entry is None or entry.state != state or not all(map(operator.is_, entry.params, params)):
         entry = _BUILT[experts] = _Built(params, state, *build(experts))
@@ -127,9 +129,9 @@ def _fp8_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
 
 
 def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
-    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over [gate; up]), or
-    per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]), with the static input scale, the largest
-    of `gate_up_proj_activation_scale`."""
+    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over
+    [gate; up]), or per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]), with the static input
+    scale, the largest of `gate_up_proj_activation_scale`."""
     if getattr(experts, "has_bias", False):
         raise ValueError(f"{type(experts).__name__} has expert biases, which moe_triton does not implement")
     prefix = "gate_up_proj" if gated else "up_proj"
@@ -139,14 +141,16 @@ def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
     block = getattr(experts, "block_size", None)
     input_scale = getattr(experts, "gate_up_proj_activation_scale", None)
     try:
-        fmt = WeightFormat(Fp8Scaling.BLOCK, tuple(block), static) if block else WeightFormat.fp8_tensor(static)
+        scaling = Fp8Scaling.BLOCK if block else Fp8Scaling.TENSOR
+        fmt = WeightFormat(scaling, tuple(block) if block else None, static)
         return ExpertWeights.from_checkpoint(w13, w2, fmt, s13, s2, input_scale, gated)
     except ValueError as error:
         if block is None:
             raise ValueError(f"{type(experts).__name__}: {error}") from None
-        raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with activation_scheme "
-                         f"{experts.activation_scheme!r} and I={w2.shape[2]}: moe_triton runs block scales with "
-                         f"dynamic activations and a [gate; up] grid it can split ({error})") from None
+        raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with "
+                         f"activation_scheme {experts.activation_scheme!r} and I={w2.shape[2]}: "
+                         "moe_triton runs block scales with dynamic activations and a [gate; up] "
+                         f"grid it can split ({error})") from None
 
 
 def register_experts_implementation(name: str = "moe_triton") -> None:

@@ -63,7 +63,8 @@ def shard_expert_weights(weights: ExpertWeights, spec: ParallelSpec, rank: int) 
     E, I = weights.num_experts, weights.intermediate_size
     experts_per_rank, cols_per_rank = local_sizes(E, I, spec)
     ep_rank, tp_rank = spec.coords(rank)
-    experts = weights.select_experts(slice(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank))
+    first = ep_rank * experts_per_rank
+    experts = weights.select_experts(slice(first, first + experts_per_rank))
     lead = block_lead(weights.format, I, spec, rank)
     return experts.narrow_intermediate(tp_rank * cols_per_rank, cols_per_rank, lead)  # I/tp + lead
 
