@@ -358,3 +358,29 @@ def test_dequantize_weight_inverts_quantize_weight_s_layout(fmt):
     q, scale = quantize_weight(native().w13[0], fmt)  # [2I, H]
     expected = dequantize_stored(q[None], scale[None], fmt)[0]
     assert torch.equal(dequantize_weight(q, scale, fmt), expected)
+
+
+def cuda_experts(weights: ExpertWeights) -> ExpertWeights:
+    tensors = [getattr(weights, n) for n in ("w13", "w2", "w13_scale", "w2_scale", "input_scale")]
+    moved = [t.cuda() if t is not None else None for t in tensors]
+    return ExpertWeights(*moved[:2], weights.gated, weights.format, *moved[2:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
+@GATED
+def test_the_geometry_on_the_gpu_gives_the_cpu_s_tensors(fmt, gated):
+    """e4m3 on CUDA: the copies, zeroed leads and padding give the bytes the CPU gives."""
+    weights = experts_in(fmt, gated)
+    on_gpu = cuda_experts(weights)
+    lead = fmt.grid_lead(40)
+    for method in (lambda w: w.select_experts(torch.tensor([2, 0], device=w.device)),
+                   lambda w: w.narrow_intermediate(40, 13, lead),
+                   lambda w: w.narrow_intermediate(48, 13, 48), lambda w: w.pad_intermediate(128)):
+        expected, actual = method(weights), method(on_gpu)
+        assert actual.device.type == "cuda"
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            a, e = getattr(actual, name), getattr(expected, name)
+            assert (a is None) == (e is None), name
+            if a is not None:
+                assert a.cpu().view(torch.uint8).equal(e.view(torch.uint8)), name
