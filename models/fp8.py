@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from moe_triton.quant_config import CheckpointFormat
-from moe_triton.weights import FP8_DTYPE, Fp8Scaling, per_tensor_rows
+from moe_triton.weights import FP8_DTYPE, WeightFormat
+from moe_triton.weights import dequantize_weight as dequantize
 
 INPUT_SCALE = "input_scale"
 # Calibrated FP8 KV-cache scales (ModelOpt's kv_cache_quant_algo): the cache here keeps the model dtype.
@@ -42,21 +43,15 @@ def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor], weig
     per_proj = {proj: _checked(prefix, proj, kind, scales.get((proj, kind)), weights[proj], checkpoint, origins)
                 for proj in weights}
     gated = "gate_proj" in per_proj
-    halves = [per_proj[p] for p in (("gate_proj", "up_proj") if gated else ("up_proj",))]
-    rows = sum(weights[p][0] for p in (("gate_proj", "up_proj") if gated else ("up_proj",)))
-    if fmt.fp8 is Fp8Scaling.BLOCK:
-        w13_scale, w2_scale = torch.cat(halves, dim=1), per_proj["down_proj"]
-    elif fmt.fp8 is Fp8Scaling.CHANNEL:
-        w13_scale, w2_scale = torch.cat([s.flatten(1) for s in halves], dim=1), per_proj["down_proj"].flatten(1)
-    else:  # TENSOR: gate and up each keep their own scale, stored per row
-        w13_scale = per_tensor_rows(torch.stack([s.flatten() for s in halves], dim=1) if gated else halves[0].flatten(), rows)
-        w2_scale = per_tensor_rows(per_proj["down_proj"].flatten(), weights["down_proj"][0])
-    out[f"{prefix}.{'gate_up_proj' if gated else 'up_proj'}_scale"] = w13_scale
-    out[f"{prefix}.down_proj_scale"] = w2_scale
-    if fmt.static_input:
+    first = ("gate_proj", "up_proj") if gated else ("up_proj",)  # stacked in this order: [gate; up]
+    rows, (H, I) = sum(weights[p][0] for p in first), weights["down_proj"]
+    out[f"{prefix}.{'gate_up_proj' if gated else 'up_proj'}_scale"] = fmt.checkpoint_scale(
+        [per_proj[p] for p in first], rows, H, gated)
+    out[f"{prefix}.down_proj_scale"] = fmt.checkpoint_scale(per_proj["down_proj"], H, I)
+    if fmt.input_scale_shape is not None:
         inputs = [_checked(prefix, proj, INPUT_SCALE, scales.get((proj, INPUT_SCALE)), None, checkpoint, origins)
-                  for proj in (("gate_proj", "up_proj") if gated else ("up_proj",))]
-        out[f"{prefix}.input_scale"] = torch.stack([s.max() for s in inputs]).max().reshape(1)
+                  for proj in first]
+        out[f"{prefix}.input_scale"] = fmt.checkpoint_input_scale(inputs)
     return out
 
 
@@ -65,12 +60,8 @@ def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weig
     """A stacked per-expert scale [E, ...], checked against its weight's (N, C) and returned in float32."""
     weight_name = origins.get(f"{prefix}.0.{proj}.weight", f"{prefix}.0.{proj}.weight")
     name, fmt = weight_name.removesuffix("weight") + kind, checkpoint.experts  # as the checkpoint names it
-    if weight is None:  # an input scale: one per expert
-        expected = [(), (1,)]
-    elif fmt.block is not None:
-        expected = [(-(-weight[0] // fmt.block[0]), -(-weight[1] // fmt.block[1]))]
-    else:
-        expected = [(weight[0], 1), (weight[0],)] if fmt.fp8 is Fp8Scaling.CHANNEL else [(), (1,)]
+    # weight None: an input scale, one per expert
+    expected = [(), (1,)] if weight is None else fmt.linear_scale_shapes(*weight)
     if scale is None:
         raise ValueError(f"missing tensor {name}: {fmt} experts ({checkpoint.method}) need it beside "
                          f"{weight_name}, shape {' or '.join(map(str, expected))}")
@@ -92,30 +83,20 @@ def fused_scales(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
         weight = tensors.get(weight_name)
         if weight is None or weight.dim() != 3 or weight.dtype != FP8_DTYPE:
             continue
-        out[f"{weight_name}_scale"] = _fused_grid(name, out.pop(name), weight, tensors, checkpoint, origins or {})
+        scale = out.pop(name)
+        out[f"{weight_name}_scale"] = _fused_grid(name, scale, weight, checkpoint, origins or {})
     return out
 
 
-def _fused_grid(key: str, scale: torch.Tensor, weight: torch.Tensor, tensors: dict, checkpoint: CheckpointFormat,
+def _fused_grid(key: str, scale: torch.Tensor, weight: torch.Tensor, checkpoint: CheckpointFormat,
                 origins: dict[str, str]):
     name, fmt = origins.get(key, key), checkpoint.experts
-    if fmt.block is None:
-        raise ValueError(f"tensor {name}: a fused scale grid needs block-scaled experts; the quantization config "
-                         f"gives {fmt} (expected per-expert .{checkpoint.weight_scale} tensors)")
-    E, rows, cols = weight.shape
-    down = tensors.get(key.rsplit(".", 1)[0] + ".down_proj")
-    gated = down is not None and down.dim() == 3 and rows == 2 * down.shape[2] and not key.endswith(".down_proj_scale_inv")
-    block_n = fmt.block[0]
-    if gated and (rows // 2) % block_n:
-        raise ValueError(f"tensor {name}: one scale grid over the concatenated [gate; up] rows, but I={rows // 2} is not "
-                         f"a multiple of block_n={block_n}, so block row {rows // 2 // block_n} holds gate and up rows "
-                         "together and cannot be split into a gate grid and an up grid; expected I % block_n == 0, "
-                         f"or per-expert gate_proj / up_proj .{checkpoint.weight_scale} tensors")
-    expected = fmt.scale_shape(E, rows, cols, 2 if gated else 1)
-    if tuple(scale.shape) != expected or not scale.dtype.is_floating_point:
-        raise ValueError(f"tensor {name} is a {scale.dtype} tensor of shape {tuple(scale.shape)}; expected a float "
-                         f"scale grid of shape {expected} for {fmt} experts of shape {tuple(weight.shape)}")
-    return scale.float()
+    gated = key.endswith(".gate_up_proj_scale_inv")
+    try:
+        return fmt.checkpoint_scale(scale, *weight.shape[1:], gated)
+    except ValueError as error:
+        raise ValueError(f"tensor {name}: {error} (the quantization config gives {fmt} experts; "
+                         f"for {tuple(weight.shape)} weights)") from None
 
 
 def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat, dtype: torch.dtype,
@@ -140,20 +121,15 @@ def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointF
 def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor, checkpoint: CheckpointFormat):
     """An FP8 weight (N, C) and its per-tensor, per-row or block scale -> float32 (N, C)."""
     N, C = weight.shape
-    grids = {block: (-(-N // block[0]), -(-C // block[1])) for block in checkpoint.linear_blocks}
-    scale = scale.float()
-    if scale.numel() == 1:
-        return weight.float() * scale.reshape(())
-    if tuple(scale.shape) in ((N, 1), (N,)):
-        return weight.float() * scale.reshape(N, 1)
-    for (block_n, block_c), grid in grids.items():
-        if tuple(scale.shape) == grid:
-            per_element = scale.repeat_interleave(block_n, 0)[:N].repeat_interleave(block_c, 1)[:, :C]
-            return weight.float() * per_element
-    expected = [(1,), (N, 1), *grids.values()]
-    raise ValueError(f"tensor {scale_name} has shape {tuple(scale.shape)}; expected one of {expected} (per tensor, per "
-                     f"row{', or the grid of ' + ' / '.join(map(str, grids)) + ' blocks' if grids else ''}) for its "
-                     f"({N}, {C}) FP8 weight")
+    blocks = {block: WeightFormat.fp8_block(*block) for block in checkpoint.linear_blocks}
+    stored = scale.float().reshape(()) if scale.numel() == 1 else scale.float()  # per tensor
+    for fmt in (WeightFormat.fp8_tensor(), WeightFormat.fp8_channel(), *blocks.values()):
+        if tuple(stored.shape) in fmt.linear_scale_shapes(N, C):
+            return dequantize(weight, stored, fmt)
+    expected = [(1,), (N, 1), *(fmt.linear_scale_shapes(N, C)[0] for fmt in blocks.values())]
+    grids = f", or the grid of {' / '.join(map(str, blocks))} blocks" if blocks else ""
+    raise ValueError(f"tensor {scale_name} has shape {tuple(scale.shape)}; expected one of "
+                     f"{expected} (per tensor, per row{grids}) for its ({N}, {C}) FP8 weight")
 
 
 def check_float8_dtypes(tensors: dict[str, torch.Tensor]) -> None:

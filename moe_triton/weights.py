@@ -25,7 +25,9 @@ GEMM's epilogue (expert_gemm.py): finer than per token, and no pass of its own.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -98,6 +100,70 @@ class WeightFormat:
         block_n, block_c = self.block
         return (experts, halves * -(-(rows // halves) // block_n), -(-cols // block_c))
 
+    def linear_scale_shapes(self, rows: int, cols: int) -> list[tuple[int, ...]]:
+        """The shapes a checkpoint stores one linear's (rows, cols) weight scale in."""
+        if self.block is not None:
+            return [self.scale_shape(1, rows, cols)[1:]]
+        per_row = {Fp8Scaling.CHANNEL: [(rows, 1), (rows,)], Fp8Scaling.TENSOR: [(), (1,)]}
+        return per_row.get(self.fp8, [])
+
+    def checkpoint_scale(self, stored: torch.Tensor | Sequence[torch.Tensor], rows: int, cols: int,
+                         gated: bool = False) -> torch.Tensor:
+        """A checkpoint's scale of an [E, rows, cols] weight -> ExpertWeights' layout, float32.
+        `stored` is one tensor over all rows or one per projection ((gate, up) when `gated`), as
+        stored: BLOCK [E, ceil(N / bn), ceil(C / bc)], CHANNEL [E, N(, 1)], TENSOR [E(, 1, 1)]
+        (one tensor over [gate; up]: [E, 2(, 1)], gate then up)."""
+        parts = list(stored) if isinstance(stored, (list, tuple)) else [stored]
+        halves = 2 if gated else 1
+        if self.fp8 is None:
+            raise ValueError("scales were given for unquantized weights; "
+                             "pass format=WeightFormat.fp8_... with them")
+        floats = all(isinstance(p, torch.Tensor) and p.dim() and p.is_floating_point()
+                     for p in parts)
+        if len(parts) not in (1, halves) or not floats:
+            raise ValueError(f"{self} scales must be float tensors [E, ...], one over all {rows} "
+                             f"rows or one per projection, got {[_describe(p) for p in parts]}")
+        E = parts[0].shape[0]
+        if self.block is not None:
+            I, block_n = rows // 2, self.block[0]
+            if len(parts) < halves and I % block_n:
+                raise ValueError(f"one scale grid over the concatenated [gate; up] rows, but I={I} "
+                                 f"is not a multiple of block_n={block_n}, so block row "
+                                 f"{I // block_n} holds gate and up rows together and cannot be "
+                                 "split into a gate grid and an up grid; expected "
+                                 "I % block_n == 0, or a grid per projection")
+            scale = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        elif self.fp8 is Fp8Scaling.CHANNEL:
+            scale = torch.cat([p.reshape(E, -1) for p in parts], dim=1)
+        else:  # TENSOR: [E, 1] one scale, [E, 2] gate and up each their own; stored per row
+            per_tensor = torch.cat([p.reshape(E, -1) for p in parts], dim=1)
+            if per_tensor.shape[1] not in (1, halves):
+                raise ValueError(f"per-tensor scales of {tuple(per_tensor.shape)} for {halves} "
+                                 "projection(s)")
+            one = per_tensor.shape[1] == 1
+            scale = per_tensor_rows(per_tensor[:, 0] if one else per_tensor, rows)
+        expected = self.scale_shape(E, rows, cols, halves)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"scales {[tuple(p.shape) for p in parts]} give {tuple(scale.shape)}; "
+                             f"{self} weights [E, {rows}, {cols}] need {expected}")
+        return scale.float()
+
+    def checkpoint_input_scale(self, stored: torch.Tensor | Sequence[torch.Tensor] | None):
+        """The static input scale: the largest of the first GEMM's (every expert's gate and up
+        ones see the layer's input); None for dynamic activations."""
+        if not self.static_input:
+            return None
+        parts = list(stored) if isinstance(stored, (list, tuple)) else [stored]
+        if not parts or not all(isinstance(p, torch.Tensor) and p.numel() for p in parts):
+            raise ValueError(f"{self} weights need their input scales, "
+                             f"got {[_describe(p) for p in parts]}")
+        return torch.stack([p.float().max() for p in parts]).max().reshape(1)
+
+    def grid_lead(self, start: int) -> int:
+        """Zero columns of I before a slice starting at `start` that put it on the block grid (of
+        w13's rows and w2's columns alike); 0 without blocks."""
+        return start % math.lcm(*self.block) if self.block is not None else 0
+
 
 NATIVE = WeightFormat()
 
@@ -110,7 +176,7 @@ class ExpertWeights:
     w2: torch.Tensor  # [E, H, I]
     gated: bool = True  # w13 holds gate and up rows (every activation but relu^2)
     # None means NATIVE: torch.compile traces code that builds ExpertWeights (transformers' experts
-    # forward does, per call) and cannot wrap an instance held as a dataclass default
+    # forward does, per traced graph) and cannot wrap an instance held as a dataclass default
     format: WeightFormat | None = None
     w13_scale: torch.Tensor | None = None  # FP8: see the module docstring
     w2_scale: torch.Tensor | None = None
@@ -150,8 +216,7 @@ class ExpertWeights:
             if w.dtype != FP8_DTYPE:
                 raise ValueError(f"{name} is {w.dtype}; {self.format} weights are {FP8_DTYPE} (mixed formats "
                                  "between w13 and w2 are not supported)")
-        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
-        halves = 2 if self.gated else 1
+        E, H, I, halves = self.num_experts, self.hidden_size, self.intermediate_size, self.halves
         for name, scale, shape in (("w13_scale", self.w13_scale, self.format.scale_shape(E, halves * I, H, halves)),
                                    ("w2_scale", self.w2_scale, self.format.scale_shape(E, H, I))):
             if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
@@ -179,6 +244,11 @@ class ExpertWeights:
     @property
     def intermediate_size(self) -> int:
         return self.w2.shape[2]
+
+    @property
+    def halves(self) -> int:
+        """The projections stacked in w13: 2 ([gate; up]) or 1 (up)."""
+        return 2 if self.gated else 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,8 +288,7 @@ class ExpertWeights:
         """(w13, w2) in float32, the scales applied: what the FP8 weights stand for."""
         if self.format.fp8 is None:
             return self.w13.float(), self.w2.float()
-        halves = 2 if self.gated else 1
-        return (_dequantize(self.w13, self.w13_scale, self.format, halves),
+        return (_dequantize(self.w13, self.w13_scale, self.format, self.halves),
                 _dequantize(self.w2, self.w2_scale, self.format, 1))
 
     def to_format(self, fmt: WeightFormat) -> "ExpertWeights":
@@ -230,18 +299,109 @@ class ExpertWeights:
         if fmt.static_input:
             raise ValueError("a static input scale comes from calibration, not from the weights: quantize with "
                              "WeightFormat.fp8_tensor() and pass input_scale to ExpertWeights yourself")
-        halves = 2 if self.gated else 1
         # an expert at a time: DeepSeek-V3's experts are 45 GB in float32
-        w13, s13 = zip(*(_quantize(w.float(), fmt, halves) for w in self.w13.split(1)))
+        w13, s13 = zip(*(_quantize(w.float(), fmt, self.halves) for w in self.w13.split(1)))
         w2, s2 = zip(*(_quantize(w.float(), fmt, 1) for w in self.w2.split(1)))
         return ExpertWeights(torch.cat(w13), torch.cat(w2), self.gated, fmt, torch.cat(s13), torch.cat(s2))
 
     def expert(self, index: int) -> "ExpertWeights":
-        """Expert `index` alone (E = 1), scales included: a view, for references that go expert by expert."""
-        one = slice(index, index + 1)
-        return ExpertWeights(self.w13[one], self.w2[one], self.gated, self.format,
-                             *(s[one] if s is not None else None for s in (self.w13_scale, self.w2_scale)),
-                             self.input_scale)
+        """Expert `index` alone (E = 1), scales included: a view, for references going expert by
+        expert."""
+        return self.select_experts(slice(index, index + 1))
+
+    def select_experts(self, index: slice | torch.Tensor) -> "ExpertWeights":
+        """The experts `index` picks (a slice: views; a 1-D integer tensor: copies), with their
+        scales."""
+        E = self.num_experts
+        if isinstance(index, torch.Tensor):
+            if index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+                raise ValueError("select_experts takes a slice or a 1-D integer tensor, "
+                                 f"got {_describe(index)}")
+            if index.numel() and not (0 <= int(index.min()) and int(index.max()) < E):
+                raise ValueError(f"select_experts: expert indices must lie in [0, {E}), "
+                                 f"got {int(index.min())}..{int(index.max())}")
+        elif not isinstance(index, slice):
+            raise ValueError("select_experts takes a slice or a 1-D integer tensor, "
+                             f"got {type(index).__name__}")
+        tensors = {n: getattr(self, n) for n in ("w13", "w2", "w13_scale", "w2_scale")}
+        return replace(self, **{n: t[index] for n, t in tensors.items() if t is not None})
+
+    def narrow_intermediate(self, start: int, length: int, lead: int = 0) -> "ExpertWeights":
+        """Columns [start, start + length) of I, gate and up apart, behind `lead` zero columns (the
+        columns start - lead .. start, zeroed): fresh, contiguous tensors, scales cut with their
+        weights. Block scales keep the block grid: start - lead must lie on it (`format.grid_lead`
+        gives the lead that puts a slice there); a partial last block keeps its block's scale."""
+        I, fmt = self.intermediate_size, self.format
+        first, stop = start - lead, start + length
+        if lead < 0 or length < 1 or first < 0 or stop > I:
+            raise ValueError(f"narrow_intermediate(start={start}, length={length}, lead={lead}) "
+                             f"must lie in I={I}: lead >= 0, length >= 1, start - lead >= 0 and "
+                             "start + length <= I")
+        if fmt.grid_lead(first):
+            raise ValueError(f"narrow_intermediate: the slice starts at column {first}, inside a "
+                             f"{fmt.block} block of {fmt} weights; start on the block grid or pass "
+                             f"lead=format.grid_lead(start) (here {fmt.grid_lead(start)}) zero "
+                             "columns")
+        fields = {}
+        for name, (dim, parts, step) in self._intermediate_axes().items():
+            lo, hi = first // step, -(-stop // step)
+            chunks = getattr(self, name).chunk(parts, dim)
+            fields[name] = torch.cat([c.narrow(dim, lo, hi - lo) for c in chunks], dim)  # a copy
+            if lead and name in ("w13", "w2"):  # e4m3 zeroed as bytes: zero bytes are +0.0
+                cut = fields[name]
+                cut = cut.view(torch.uint8) if cut.dtype == FP8_DTYPE else cut
+                for part in cut.chunk(parts, dim):
+                    part.narrow(dim, 0, lead).zero_()
+        rest = {name: getattr(self, name).contiguous() for name in ("w13_scale", "w2_scale")
+                if name not in fields and getattr(self, name) is not None}
+        return replace(self, **fields, **rest)
+
+    def pad_intermediate(self, multiple: int) -> "ExpertWeights":
+        """I zero-padded to a multiple of `multiple`, gate and up apart; new scale entries are 1
+        (they multiply zeros). The same object when I is one already."""
+        if multiple < 1:
+            raise ValueError(f"multiple must be >= 1, got {multiple}")
+        padded = -(-self.intermediate_size // multiple) * multiple
+        if padded == self.intermediate_size:
+            return self
+        fields = {}
+        for name, (dim, parts, step) in self._intermediate_axes().items():
+            fill = 0.0 if name in ("w13", "w2") else 1.0
+            chunks = getattr(self, name).chunk(parts, dim)
+            size = -(-padded // step)
+            fields[name] = torch.cat([_pad_end(c, dim, size, fill) for c in chunks], dim)
+        return replace(self, **fields)
+
+    def _intermediate_axes(self) -> dict[str, tuple[int, int, int]]:
+        """Each tensor holding an I axis -> (its dim, the projections stacked along it, I columns
+        per entry): the one table narrow_intermediate and pad_intermediate read."""
+        axes = {"w13": (1, self.halves, 1), "w2": (2, 1, 1)}
+        if self.format.block is not None:
+            block_n, block_c = self.format.block
+            axes |= {"w13_scale": (1, self.halves, block_n), "w2_scale": (2, 1, block_c)}
+        elif self.format.fp8 is not None:  # a scale per row: w13's rows are I's, w2's are H's
+            axes["w13_scale"] = (1, self.halves, 1)
+        return axes
+
+    @classmethod
+    def from_checkpoint(cls, w13: torch.Tensor | Sequence[torch.Tensor], w2: torch.Tensor,
+                        fmt: WeightFormat, w13_scale=None, w2_scale=None, input_scale=None,
+                        gated: bool = True) -> "ExpertWeights":
+        """Experts as a checkpoint stores them: w13 [gate; up] [E, 2I, H] or its (gate, up) stacks
+        [E, I, H] (non-gated: up), w2 [E, H, I], their scales as stored
+        (`WeightFormat.checkpoint_scale`) and static input scales (`checkpoint_input_scale`)."""
+        if isinstance(w13, (list, tuple)):
+            if len({tuple(w.shape) if isinstance(w, torch.Tensor) else None for w in w13}) != 1:
+                raise ValueError("w13's projections must be tensors of one shape, "
+                                 f"got {[_describe(w) for w in w13]}")
+            w13 = torch.cat(list(w13), dim=1)
+        if fmt.fp8 is None or not all(isinstance(w, torch.Tensor) and w.dim() == 3
+                                      for w in (w13, w2)):
+            return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)  # says what is wrong
+        w13_scale = fmt.checkpoint_scale(w13_scale, *w13.shape[1:], gated)
+        w2_scale = fmt.checkpoint_scale(w2_scale, *w2.shape[1:])
+        input_scale = fmt.checkpoint_input_scale(input_scale)
+        return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
 
 
 def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,6 +411,15 @@ def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, t
         raise ValueError(f"quantize_weight takes a 2-D weight and a dynamic FP8 format, got {_describe(w)}, {fmt}")
     q, scale = _quantize(w[None].float(), fmt, 1)
     return q[0], scale[0] if fmt.fp8 is not Fp8Scaling.TENSOR else scale[0, :1]
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """One linear's e4m3 weight (N, C) and its scale as stored (`fmt.linear_scale_shapes`) ->
+    float32 (N, C)."""
+    if q.dim() != 2 or fmt.fp8 is None:
+        raise ValueError("dequantize_weight takes a 2-D weight and an FP8 format, "
+                         f"got {_describe(q)}, {fmt}")
+    return _dequantize(q[None], fmt.checkpoint_scale(scale[None], *q.shape), fmt, 1)[0]
 
 
 def per_tensor_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -300,6 +469,13 @@ def _quantize(w: torch.Tensor, fmt: WeightFormat, halves: int) -> tuple[torch.Te
     scale = amax.clamp(min=1e-12) / FP8_MAX
     q = (w / _row_blocks(scale, fmt, halves, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale.float()
+
+
+def _pad_end(t: torch.Tensor, dim: int, size: int, fill: float) -> torch.Tensor:
+    """t grown to `size` along `dim` with `fill` (zero bytes for e4m3, which has no pad kernel)."""
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, t.new_zeros(shape) if fill == 0 else t.new_full(shape, fill)], dim)
 
 
 def _describe(t) -> str:

@@ -129,6 +129,80 @@ def test_experts_implementation_uses_our_kernels(tmp_path, monkeypatch):
     assert len(calls) == 2  # one per MoE layer
 
 
+def qwen3_experts(seed=0, transposed=False):
+    """transformers' Qwen3MoeExperts (E 4, H 16, I 8), random; `transposed` stores its weights as
+    (E, H, 2I) and (E, I, H) under `is_transposed`, as gpt-oss-style experts do."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4)
+    experts = Qwen3MoeExperts(config)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in list(experts.named_parameters()):
+        w = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+        w = w.transpose(1, 2).contiguous() if transposed else w
+        setattr(experts, name, torch.nn.Parameter(w))
+    experts.is_transposed = transposed
+    return experts
+
+
+def routed(seed=1, T=5, E=4, H=16):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    return torch.randn(T, H, generator=g), ids, torch.rand(T, 2, generator=g)
+
+
+def spy_on_weights(monkeypatch):
+    """The ExpertWeights each drop-in call hands to run_experts, in order."""
+    import moe_triton.integrations.transformers as integration
+
+    seen, real = [], integration.run_experts
+    spy = lambda *args, **kwargs: seen.append(args[1]) or real(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(integration, "run_experts", spy)
+    return seen
+
+
+def test_the_drop_in_builds_its_expert_weights_once_per_module(monkeypatch):
+    """Built on the first call, reused while the module holds the same parameters; built anew
+    after a parameter is replaced or its data moved (and the output is then the new weights')."""
+    from moe_triton.integrations.transformers import moe_triton_experts_forward as forward
+
+    seen = spy_on_weights(monkeypatch)
+    experts, other = qwen3_experts(), qwen3_experts(seed=2)
+    x, ids, weights = routed()
+    with torch.no_grad():
+        for module in (experts, experts, other, experts):
+            forward(module, x, ids, weights)
+        assert seen[1] is seen[0] and seen[3] is seen[0] and seen[2] is not seen[0]
+        experts.down_proj = torch.nn.Parameter(experts.down_proj * 2)  # replaced
+        out = forward(experts, x, ids, weights)
+        assert seen[-1] is not seen[0] and seen[-1].w2 is experts.down_proj
+        w13, w2 = experts.gate_up_proj, experts.down_proj
+        assert_close(out, moe_triton.fused_experts_torch(x, w13, w2, ids, weights), torch.float32)
+        experts.gate_up_proj.data = experts.gate_up_proj.data.clone()  # moved: same Parameter
+        forward(experts, x, ids, weights)
+        assert seen[-1] is not seen[-2]
+        assert seen[-1].w13.data_ptr() == experts.gate_up_proj.data_ptr()
+
+
+def test_the_drop_in_s_cached_views_follow_grad_mode():
+    """Transposed storage is held as views: built under no_grad they carry no autograd, so a call
+    in grad mode builds them again and gradients reach the parameters."""
+    from moe_triton.integrations.transformers import moe_triton_experts_forward as forward
+
+    experts = qwen3_experts(transposed=True)
+    x, ids, weights = routed()
+    with torch.no_grad():
+        forward(experts, x, ids, weights)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    params = (experts.gate_up_proj, experts.down_proj)
+    grads = torch.autograd.grad(forward(experts, x, ids, weights), params, grad_out)
+    w13, w2 = (p.transpose(1, 2) for p in params)
+    reference = moe_triton.fused_experts_torch(x, w13, w2, ids, weights)
+    for grad, expected in zip(grads, torch.autograd.grad(reference, params, grad_out)):
+        assert_close(grad, expected, torch.float32)
+
+
 # ---- FP8: transformers' FP8Experts on our FP8 kernels (FP8ExpertsInterface) ---------------------------
 # transformers builds FP8Experts only on an FP8-capable GPU (on CPU it dequantizes on load), so these
 # build one directly, with parameters quantized by transformers' own Fp8Quantize, and check its
@@ -223,6 +297,33 @@ def test_fp8_experts_interface_gives_straight_through_gradients():
                                                dequantized(experts, "down_proj"), ids, leaves[1])
     for grad, expected in zip(grads, torch.autograd.grad(reference, leaves, grad_out.float())):
         assert_close(grad, expected, torch.float16)
+
+
+def test_fp8_drop_in_converts_scales_once_and_again_when_they_change(monkeypatch):
+    """Per-tensor scales are converted into per-row ones on the first call only; a scale written in
+    place or replaced is converted anew (the output follows it)."""
+    seen = spy_on_weights(monkeypatch)
+    experts = fp8_experts(None, "static")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 64, generator=g).half()
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=g)
+
+    def rms_error():
+        out = experts(x, ids, weights)
+        reference = moe_triton.fused_experts_torch(x, dequantized(experts, "gate_up_proj"),
+                                                   dequantized(experts, "down_proj"), ids, weights)
+        return ((out.float() - reference).square().mean() / reference.square().mean()).sqrt()
+
+    with torch.no_grad():
+        assert rms_error() < FP8_RMS_TOL
+        experts(x, ids, weights)
+        assert len(seen) == 2 and seen[1] is seen[0]
+        experts.down_proj_scale_inv.mul_(2)  # in place
+        assert rms_error() < FP8_RMS_TOL and seen[-1] is not seen[0]
+        replaced = torch.nn.Parameter(experts.gate_up_proj_scale_inv * 0.5)
+        experts.gate_up_proj_scale_inv = replaced
+        assert rms_error() < FP8_RMS_TOL and seen[-1] is not seen[-2]
 
 
 def test_fp8_experts_the_kernels_cannot_run_are_refused_naming_why():

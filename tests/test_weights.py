@@ -1,11 +1,20 @@
 """weights.py: ExpertWeights validates once, in every format; FP8 quantize -> dequantize round trips
 against an independent float32 computation; padding keeps weights and scales consistent."""
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_triton import ExpertWeights, Fp8Scaling, WeightFormat
 from moe_triton.runners.padding import pad_expert_weights
-from moe_triton.weights import FP8_DTYPE, FP8_MAX, per_tensor_rows
+from moe_triton.weights import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight,
+    per_tensor_rows,
+    quantize_weight,
+)
 
 E, H, I = 3, 72, 61  # I not a multiple of any block: partial blocks at the edges
 FORMATS = [WeightFormat.fp8_block(128, 128), WeightFormat.fp8_block(32, 16), WeightFormat.fp8_channel(),
@@ -127,3 +136,251 @@ def fp8(*shape):
 def test_bad_weights_name_the_tensor(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+# ---- the format's geometry: experts, slices and padding of I, checkpoint layouts --------------
+# References slice / pad the dequantized float32 weights with torch, gate and up apart; the
+# methods' results must dequantize to them exactly (each weight keeps its e4m3 value and scale).
+
+GEOMETRY_FORMATS = [WeightFormat(), *FORMATS, WeightFormat.fp8_tensor(static_input=True)]
+GATED = pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
+
+
+def experts_in(fmt, gated=True, seed=0):
+    weights = native(gated, seed)
+    if fmt.fp8 is None:
+        return weights
+    q = weights.to_format(WeightFormat.fp8_tensor() if fmt.static_input else fmt)
+    return ExpertWeights(q.w13, q.w2, gated, fmt, q.w13_scale, q.w2_scale,
+                         torch.tensor([0.02]) if fmt.static_input else None)
+
+
+def projections(w13, gated):
+    return w13.chunk(2 if gated else 1, dim=1)  # (gate, up) or (up,)
+
+
+def torch_narrow(w13, w2, gated, start, length, lead):
+    cut = slice(start, start + length)
+    parts = [F.pad(p[:, cut], (0, 0, lead, 0)) for p in projections(w13, gated)]
+    return torch.cat(parts, dim=1), F.pad(w2[:, :, cut], (lead, 0))
+
+
+def assert_same_experts(actual: ExpertWeights, w13, w2):
+    a13, a2 = actual.dequantized()
+    assert torch.equal(a13, w13) and torch.equal(a2, w2)
+
+
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
+@GATED
+@pytest.mark.parametrize("index", [slice(1, 3), torch.tensor([2, 0]), torch.tensor([]).int()],
+                         ids=["slice", "tensor", "none"])
+def test_select_experts_keeps_their_scales(fmt, gated, index):
+    weights = experts_in(fmt, gated)
+    if isinstance(index, torch.Tensor) and not index.numel():
+        with pytest.raises(ValueError, match="E=0 experts"):
+            weights.select_experts(index)
+        return
+    picked = weights.select_experts(index)
+    w13, w2 = weights.dequantized()
+    assert picked.format == fmt and picked.input_scale is weights.input_scale
+    assert_same_experts(picked, w13[index], w2[index])
+
+
+# (start, length): I = 61 ends inside a block of every block format
+SLICES = [(0, 61), (0, 40), (32, 29), (32, 10), (40, 13), (5, 30), (60, 1)]
+
+
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
+@GATED
+@pytest.mark.parametrize("start,length", SLICES, ids=str)
+def test_narrow_intermediate_is_the_slice_of_the_dequantized_weights(fmt, gated, start, length):
+    """Behind grid_lead(start) zero columns, which put a slice that starts inside a block (of w13's
+    rows, block_n, and of w2's columns, block_c, alike) back on the block grid."""
+    weights = experts_in(fmt, gated)
+    lead = fmt.grid_lead(start)
+    assert lead == (start % math.lcm(*fmt.block) if fmt.block else 0)
+    cut = weights.narrow_intermediate(start, length, lead)
+    assert cut.intermediate_size == lead + length and cut.input_scale is weights.input_scale
+    assert cut.w13.is_contiguous() and cut.w2.is_contiguous()
+    assert cut.w13.data_ptr() != weights.w13.data_ptr()  # fresh: a shard owns its tensors
+    assert_same_experts(cut, *torch_narrow(*weights.dequantized(), gated, start, length, lead))
+
+
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
+def test_narrow_intermediate_with_a_lead_zeroes_real_columns(fmt):
+    """A lead over columns that hold weights (48 of them, from column 0): they become zeros, gate
+    and up apart."""
+    weights = experts_in(fmt)
+    cut = weights.narrow_intermediate(48, 13, lead=48)
+    assert_same_experts(cut, *torch_narrow(*weights.dequantized(), True, 48, 13, 48))
+
+
+@pytest.mark.parametrize("start,length,lead,match", [
+    (40, 13, 0, r"starts at column 40, inside a \(32, 16\) block.*grid_lead\(start\) \(here 8\)"),
+    (33, 10, 0, "inside a"),
+    (0, 62, 0, "must lie in I=61"),
+    (0, 0, 0, "length >= 1"),
+    (4, 10, 8, "start - lead >= 0"),
+    (8, 10, -1, "lead >= 0"),
+])
+def test_narrow_intermediate_refuses_off_grid_or_out_of_range(start, length, lead, match):
+    weights = experts_in(WeightFormat.fp8_block(32, 16))
+    with pytest.raises(ValueError, match=match):
+        weights.narrow_intermediate(start, length, lead)
+
+
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
+@GATED
+@pytest.mark.parametrize("multiple", [16, 128, 61])
+def test_pad_intermediate_is_the_zero_padded_dequantized_weights(fmt, gated, multiple):
+    weights = experts_in(fmt, gated)
+    padded = weights.pad_intermediate(multiple)
+    if multiple == 61:
+        assert padded is weights
+        return
+    extra = -I % multiple
+    w13, w2 = weights.dequantized()
+    expected = torch.cat([F.pad(p, (0, 0, 0, extra)) for p in projections(w13, gated)], dim=1)
+    assert_same_experts(padded, expected, F.pad(w2, (0, extra)))
+    if fmt.fp8 is not None:  # the new scale entries are 1: they multiply zeros only
+        old = weights.w13_scale.shape[1] // len(projections(w13, gated))
+        assert all((p[:, old:] == 1).all() for p in projections(padded.w13_scale, gated))
+        old, s2 = weights.w2_scale.shape[-1], padded.w2_scale
+        assert (s2[..., old:] == 1).all() and torch.equal(s2[..., :old], weights.w2_scale)
+
+
+def test_pad_intermediate_refuses_a_bad_multiple():
+    with pytest.raises(ValueError, match="multiple must be >= 1, got 0"):
+        experts_in(WeightFormat.fp8_channel()).pad_intermediate(0)
+
+
+@pytest.mark.parametrize("bad,match", [(1, "got int"), (torch.tensor([0.0]), "1-D integer tensor"),
+                                       (torch.tensor([0, 3]), r"\[0, 3\)")], ids=str)
+def test_select_experts_refuses_what_is_not_an_index(bad, match):
+    with pytest.raises(ValueError, match=match):
+        experts_in(WeightFormat.fp8_channel()).select_experts(bad)
+
+
+# ---- checkpoint layouts -> ExpertWeights ---------------------------------------------------------
+
+def stored_projection(w: torch.Tensor, fmt: WeightFormat, style: int):
+    """A stack of per-expert linears [E, N, C] as a checkpoint stores them: e4m3 and each expert's
+    scale in one of the shapes published checkpoints use (`style` picks among them)."""
+    q, scales = zip(*(quantize_weight(e, fmt) for e in w))
+    scale = torch.stack(scales)  # [E, Nb, Cb] block, [E, N] per row, [E, 1] per tensor
+    if fmt.fp8 is Fp8Scaling.CHANNEL and style:
+        scale = scale[..., None]  # [E, N, 1], compressed-tensors' channel scale
+    elif fmt.fp8 is Fp8Scaling.TENSOR:
+        scale = (scale[:, 0], scale, scale[..., None])[style]  # [E] (stacked ()), [E, 1], [E, 1, 1]
+    return torch.stack(q), scale
+
+
+def dequantize_stored(q: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
+    """The published definition, q * scale, the scale broadcast over its tensor, row or block."""
+    E, N, C = q.shape
+    if fmt.block is not None:
+        bn, bc = fmt.block
+        scale = scale.repeat_interleave(bn, 1)[:, :N].repeat_interleave(bc, 2)[:, :, :C]
+    else:
+        scale = scale.reshape(E, -1, 1)
+    return q.float() * scale
+
+
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS[1:], ids=str)
+@GATED
+@pytest.mark.parametrize("style", [0, 1, 2])
+def test_from_checkpoint_holds_what_the_checkpoint_s_tensors_stand_for(fmt, gated, style):
+    weights = native(gated)
+    dynamic = WeightFormat.fp8_tensor() if fmt.static_input else fmt
+    first = [stored_projection(p, dynamic, style) for p in projections(weights.w13, gated)]
+    (q13, s13), down = zip(*first), stored_projection(weights.w2, dynamic, style)
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.rand(E, generator=g) / 100 for _ in first]  # gate's and up's, per expert
+    experts = ExpertWeights.from_checkpoint(q13, down[0], fmt, s13, down[1], inputs, gated=gated)
+    assert experts.format == fmt and experts.gated == gated
+    expected = torch.cat([dequantize_stored(q, s, fmt) for q, s in first], dim=1)
+    assert_same_experts(experts, expected, dequantize_stored(*down, fmt))
+    if fmt.static_input:  # one for every expert's gate and up input: the largest
+        assert experts.input_scale.item() == max(t.max().item() for t in inputs)
+    else:
+        assert experts.input_scale is None
+    if gated and fmt.block is not None and I % fmt.block[0]:
+        return  # one block grid over [gate; up] cannot be split here: see below
+    per_tensor = fmt.fp8 is Fp8Scaling.TENSOR
+    fused = torch.cat([s.reshape(E, -1) if per_tensor else s for s in s13], dim=1)  # [gate; up]'s
+    again = ExpertWeights.from_checkpoint(experts.w13, down[0], fmt, fused, down[1], inputs, gated)
+    assert_same_experts(again, expected, dequantize_stored(*down, fmt))
+
+
+def test_from_checkpoint_splits_a_fused_block_grid_only_on_its_block_rows():
+    """I = 64 with 32-row blocks: the grid over [gate; up] is the gate grid then the up grid. I = 61
+    (a block row holding gate and up rows under one scale) is refused."""
+    fmt, g = WeightFormat.fp8_block(32, 16), torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(E, 128, H, generator=g), torch.randn(E, H, 64, generator=g)
+    (q13, s13), (q2, s2) = stored_projection(w13, fmt, 0), stored_projection(w2, fmt, 0)
+    experts = ExpertWeights.from_checkpoint(q13, q2, fmt, s13, s2)
+    assert_same_experts(experts, dequantize_stored(q13, s13, fmt), dequantize_stored(q2, s2, fmt))
+    odd = native().to_format(fmt)
+    with pytest.raises(ValueError, match=r"one scale grid over the concatenated \[gate; up\] "
+                                         r"rows, but I=61 is not a multiple of block_n=32, so "
+                                         "block row 1 holds gate and up rows"):
+        ExpertWeights.from_checkpoint(odd.w13, odd.w2, fmt, odd.w13_scale[:, 1:], odd.w2_scale)
+
+
+def from_checkpoint(q, fmt=None, w13_scale=None, w2_scale=None, w13=None):
+    """ExpertWeights.from_checkpoint on the FP8 experts `q`, with what is given instead."""
+    return ExpertWeights.from_checkpoint(q.w13 if w13 is None else w13, q.w2, fmt or q.format,
+                                         q.w13_scale if w13_scale is None else w13_scale,
+                                         q.w2_scale if w2_scale is None else w2_scale)
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda q: from_checkpoint(q, w13_scale=[q.w13_scale[:, :2], q.w13_scale[:, 2:3]]),
+     r"give \(3, 3, 5\); fp8 e4m3, 32x16 block scales.* need \(3, 4, 5\)"),
+    (lambda q: from_checkpoint(q, w13_scale=q.w13_scale.int()), "float tensors"),
+    (lambda q: from_checkpoint(q, w13_scale=[None]), "float tensors"),
+    (lambda q: from_checkpoint(q, WeightFormat.fp8_tensor(static_input=True), torch.ones(E),
+                               torch.ones(E)), "need their input scales"),
+    (lambda q: from_checkpoint(q, WeightFormat.fp8_tensor(), torch.ones(E, 3), torch.ones(E)),
+     r"per-tensor scales of \(3, 3\)"),
+    (lambda q: from_checkpoint(q, w13=[q.w13[:, :3], q.w13[:, 3:]]), "tensors of one shape"),
+    (lambda q: ExpertWeights.from_checkpoint(q.w13.float(), q.w2.float(), WeightFormat(),
+                                             q.w13_scale), "scales were given for unquantized"),
+], ids=["misshapen", "int-scale", "missing-scale", "missing-input-scale", "per-tensor-3",
+        "uneven-stacks", "unquantized-with-scales"])
+def test_from_checkpoint_names_what_is_wrong(make, match):
+    with pytest.raises(ValueError, match=match):
+        make(native().to_format(WeightFormat.fp8_block(32, 16)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_dequantize_weight_inverts_quantize_weight_s_layout(fmt):
+    q, scale = quantize_weight(native().w13[0], fmt)  # [2I, H]
+    expected = dequantize_stored(q[None], scale[None], fmt)[0]
+    assert torch.equal(dequantize_weight(q, scale, fmt), expected)
+
+
+def cuda_experts(weights: ExpertWeights) -> ExpertWeights:
+    tensors = [getattr(weights, n) for n in ("w13", "w2", "w13_scale", "w2_scale", "input_scale")]
+    moved = [t.cuda() if t is not None else None for t in tensors]
+    return ExpertWeights(*moved[:2], weights.gated, weights.format, *moved[2:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", GEOMETRY_FORMATS, ids=str)
+@GATED
+def test_the_geometry_on_the_gpu_gives_the_cpu_s_tensors(fmt, gated):
+    """e4m3 on CUDA: the copies, zeroed leads and padding give the bytes the CPU gives."""
+    weights = experts_in(fmt, gated)
+    on_gpu = cuda_experts(weights)
+    lead = fmt.grid_lead(40)
+    for method in (lambda w: w.select_experts(torch.tensor([2, 0], device=w.device)),
+                   lambda w: w.narrow_intermediate(40, 13, lead),
+                   lambda w: w.narrow_intermediate(48, 13, 48), lambda w: w.pad_intermediate(128)):
+        expected, actual = method(weights), method(on_gpu)
+        assert actual.device.type == "cuda"
+        for name in ("w13", "w2", "w13_scale", "w2_scale"):
+            a, e = getattr(actual, name), getattr(expected, name)
+            assert (a is None) == (e is None), name
+            if a is not None:
+                assert a.cpu().view(torch.uint8).equal(e.view(torch.uint8)), name

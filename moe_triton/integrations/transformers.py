@@ -17,7 +17,9 @@ each supported block has one small adapter below, registered by its class name.
 """
 from __future__ import annotations
 
-from typing import Callable
+import operator
+import weakref
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -29,7 +31,7 @@ from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
 from ..placement import Placement
 from ..routing import RoutingSpec, Scoring, SelectOn
-from ..weights import ExpertWeights, WeightFormat, per_tensor_rows
+from ..weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 # transformers activation classes (ACT2FN values) -> our activation kinds
 _ACTIVATION_BY_CLASS = {
@@ -77,43 +79,78 @@ def _expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """ExpertsInterface entry: (T, H), (T, K), (T, K) -> (T, H), on our Triton pipeline."""
-    activation = experts_activation(experts)
-    weights = ExpertWeights(*_expert_weights(experts), gated=activation.gated)
+    activation, weights = _built(experts, _native_experts)
     x = hidden_states.to(weights.dtype)
     return run_experts(x, weights, top_k_index, top_k_weights, activation=activation)
 
 
 def moe_triton_fp8_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """FP8ExpertsInterface entry: transformers' FP8Experts on our FP8 kernels; (T, H) bf16/fp16 in and out."""
-    activation = experts_activation(experts)
-    weights = fp8_expert_weights(experts, activation.gated)
+    activation, weights = _built(experts, _fp8_experts)
     return run_experts(hidden_states, weights, top_k_index, top_k_weights, activation=activation)
 
 
+class _Built(NamedTuple):
+    params: tuple  # the module's parameters when built: held, so no new tensor can take their ids
+    state: tuple  # grad mode, then each parameter's (data_ptr, version)
+    activation: Activation
+    weights: ExpertWeights
+
+
+_BUILT: weakref.WeakKeyDictionary[nn.Module, _Built] = weakref.WeakKeyDictionary()
+
+
+def _built(experts: nn.Module, build) -> tuple[Activation, ExpertWeights]:
+    """`build(experts)` once per experts module, again when a parameter is replaced, moved or
+    written in place, or grad mode flips (views and converted scales carry the mode they were
+    built in)."""
+    if torch.compiler.is_compiling():  # traced once per graph: nothing to keep
+        return build(experts)
+    params = tuple(experts._parameters.values())
+    grad = torch.is_grad_enabled()
+    try:
+        state = (grad, *[(p.data_ptr(), p._version) for p in params if p is not None])
+    except RuntimeError:  # inference tensors keep no version
+        state = (grad, *[p.data_ptr() for p in params if p is not None])
+    entry = _BUILT.get(experts)
+    if entry is None or entry.state != state or not all(map(operator.is_, entry.params, params)):
+        entry = _BUILT[experts] = _Built(params, state, *build(experts))
+    return entry.activation, entry.weights
+
+
+def _native_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
+    activation = experts_activation(experts)
+    return activation, ExpertWeights(*_expert_weights(experts), gated=activation.gated)
+
+
+def _fp8_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
+    activation = experts_activation(experts)
+    return activation, fp8_expert_weights(experts, activation.gated)
+
+
 def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
-    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over [gate; up], split
-    only where I is a multiple of block_n), or per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]),
-    with the static input scale, the largest of `gate_up_proj_activation_scale`."""
+    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over
+    [gate; up]), or per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]), with the static input
+    scale, the largest of `gate_up_proj_activation_scale`."""
     if getattr(experts, "has_bias", False):
         raise ValueError(f"{type(experts).__name__} has expert biases, which moe_triton does not implement")
     prefix = "gate_up_proj" if gated else "up_proj"
     w13, s13 = getattr(experts, prefix), getattr(experts, f"{prefix}_scale_inv")
     w2, s2 = experts.down_proj, experts.down_proj_scale_inv
-    E, rows, H = w13.shape
     static = getattr(experts, "activation_scheme", "dynamic") == "static"
     block = getattr(experts, "block_size", None)
-    if block is not None:
-        if static or (gated and (rows // 2) % block[0]):
-            raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with activation_scheme "
-                             f"{experts.activation_scheme!r} and I={w2.shape[2]}: moe_triton runs block scales with "
-                             "dynamic activations and a [gate; up] grid it can split (I % block_n == 0)")
-        fmt, s13, s2 = WeightFormat.fp8_block(*block), s13.float(), s2.float()
-    else:  # per tensor
-        fmt = WeightFormat.fp8_tensor(static_input=static)
-        s13 = per_tensor_rows(s13.float().reshape(E, -1) if s13[0].numel() == 2 else s13.float().reshape(E), rows)
-        s2 = per_tensor_rows(s2.float().reshape(E), H)
-    input_scale = experts.gate_up_proj_activation_scale.float().max().reshape(1) if static else None
-    return ExpertWeights(w13, w2, gated, fmt, s13, s2, input_scale)
+    input_scale = getattr(experts, "gate_up_proj_activation_scale", None)
+    try:
+        scaling = Fp8Scaling.BLOCK if block else Fp8Scaling.TENSOR
+        fmt = WeightFormat(scaling, tuple(block) if block else None, static)
+        return ExpertWeights.from_checkpoint(w13, w2, fmt, s13, s2, input_scale, gated)
+    except ValueError as error:
+        if block is None:
+            raise ValueError(f"{type(experts).__name__}: {error}") from None
+        raise ValueError(f"{type(experts).__name__}: block scales {tuple(block)} with "
+                         f"activation_scheme {experts.activation_scheme!r} and I={w2.shape[2]}: "
+                         "moe_triton runs block scales with dynamic activations and a [gate; up] "
+                         f"grid it can split ({error})") from None
 
 
 def register_experts_implementation(name: str = "moe_triton") -> None:

@@ -6,21 +6,17 @@ taken from the gate half and from the up half of w13 = [gate; up] separately, so
 again [gate slice; up slice] and the gated activation pairs the right rows. The slice is taken
 before any backend padding: a backend pads I/tp as it would pad any I (7688 / 8 = 961).
 
-FP8 scales are cut with their weights: per-row scales (CHANNEL, TENSOR) with their rows, every
-scale with its expert. BLOCK scales stay on the checkpoint's block grid: a slice that starts inside
-a block (I/tp = 961 with 128-wide blocks) is preceded by `block_lead` zero columns of I, which puts
-its first column at the same place in its first local block as in the global one. Then each local
-block is exactly one global block, and the shard keeps that block's scale: every weight keeps its
-own scale (exact), and the zero columns add act(0) * 0 = 0 (the padding argument of padding.py).
+Scales are cut with their weights (`ExpertWeights.narrow_intermediate`). BLOCK scales stay on the
+checkpoint's block grid: a slice that starts inside a block (I/tp = 961 with 128-wide blocks) is
+preceded by `block_lead` zero columns of I, so each local block is exactly one global block and
+keeps its scale (exact); the zero columns add act(0) * 0 = 0 (the padding argument of padding.py).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from ..activation import SILU_AND_MUL, Activation
-from ..weights import FP8_DTYPE, NATIVE, ExpertWeights, WeightFormat
+from ..weights import NATIVE, ExpertWeights, WeightFormat
 from .spec import ParallelSpec
 
 
@@ -37,12 +33,9 @@ def local_sizes(num_experts: int, intermediate_size: int, spec: ParallelSpec, ra
 
 
 def block_lead(weight_format: WeightFormat, intermediate_size: int, spec: ParallelSpec, rank: int) -> int:
-    """Zero columns of I in front of rank `rank`'s TP slice that keep its BLOCK scales on the global
-    block grid (the slice's start modulo both block sides); 0 for other formats and aligned slices."""
-    if weight_format.block is None:
-        return 0
-    start = spec.coords(rank)[1] * (intermediate_size // spec.tp_size)
-    return start % math.lcm(*weight_format.block)
+    """Zero columns of I in front of rank `rank`'s TP slice that keep its scales on the format's
+    block grid (`WeightFormat.grid_lead`); 0 for other formats and aligned slices."""
+    return weight_format.grid_lead(spec.coords(rank)[1] * (intermediate_size // spec.tp_size))
 
 
 def shard_experts(w13: torch.Tensor, w2: torch.Tensor, spec: ParallelSpec, rank: int, *,
@@ -70,33 +63,10 @@ def shard_expert_weights(weights: ExpertWeights, spec: ParallelSpec, rank: int) 
     E, I = weights.num_experts, weights.intermediate_size
     experts_per_rank, cols_per_rank = local_sizes(E, I, spec)
     ep_rank, tp_rank = spec.coords(rank)
+    first = ep_rank * experts_per_rank
+    experts = weights.select_experts(slice(first, first + experts_per_rank))
     lead = block_lead(weights.format, I, spec, rank)
-    first = tp_rank * cols_per_rank - lead  # on the block grid
-    cols = slice(first, first + lead + cols_per_rank)
-    halves = 2 if weights.gated else 1
-    experts = slice(ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank)
-    w13 = _halves(weights.w13[experts], halves, cols, lead)  # [E/ep, halves * I', H]
-    w2 = _lead_zeroed(weights.w2[experts, :, cols], lead, dim=2)  # [E/ep, H, I']
-    s13, s2 = weights.w13_scale, weights.w2_scale
-    if weights.format.block is not None:  # whole blocks: the local grid is a window of the global one
-        block_n, block_c = weights.format.block
-        s13 = _halves(s13[experts], halves, slice(first // block_n, -(-cols.stop // block_n)), 0)
-        s2 = s2[experts, :, first // block_c: -(-cols.stop // block_c)].contiguous()
-    elif s13 is not None:  # a scale per row: cut with the rows
-        s13, s2 = _halves(s13[experts], halves, cols, 0), s2[experts].contiguous()
-    return ExpertWeights(w13, w2, weights.gated, weights.format, s13, s2, weights.input_scale)
-
-
-def _halves(t: torch.Tensor, halves: int, rows: slice, lead: int) -> torch.Tensor:
-    """`rows` of each half of t [E, halves * n, ...] ([gate; up]), the first `lead` of each zeroed."""
-    return torch.cat([_lead_zeroed(part[:, rows], lead, dim=1) for part in t.chunk(halves, dim=1)], dim=1)
-
-
-def _lead_zeroed(t: torch.Tensor, lead: int, dim: int) -> torch.Tensor:
-    t = t.clone(memory_format=torch.contiguous_format)
-    if lead:  # zero bytes are +0.0 in every float format, e4m3 included
-        (t.view(torch.uint8) if t.dtype == FP8_DTYPE else t).narrow(dim, 0, lead).zero_()
-    return t
+    return experts.narrow_intermediate(tp_rank * cols_per_rank, cols_per_rank, lead)  # I/tp + lead
 
 
 def localize_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
