@@ -29,7 +29,7 @@ from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
 from ..placement import Placement
 from ..routing import RoutingSpec, Scoring, SelectOn
-from ..weights import ExpertWeights, WeightFormat, per_tensor_rows
+from ..weights import NATIVE, ExpertWeights, WeightFormat, per_tensor_rows
 
 # transformers activation classes (ACT2FN values) -> our activation kinds
 _ACTIVATION_BY_CLASS = {
@@ -196,7 +196,7 @@ def from_transformers(block: nn.Module, backend: str = "auto", context: ModelCon
     # Built on the meta device (nothing allocated), resolved for the block's own device, then given its tensors.
     placement = Placement(backend, context or ModelContext(), platform=platforms.detect_platform(w13.device))
     layer = FusedMoE(E, parts["routing"].top_k, H, I, activation=experts_activation(block.experts),
-                     placement=placement, dtype=w13.dtype, device="meta", **parts)
+                     weight_format=NATIVE, placement=placement, dtype=w13.dtype, device="meta", **parts)
     layer.gate_weight = block.gate.weight
     layer.gate_up_proj = w13 if isinstance(w13, nn.Parameter) else nn.Parameter(w13, w13.requires_grad)
     layer.down_proj = w2 if isinstance(w2, nn.Parameter) else nn.Parameter(w2, w2.requires_grad)
