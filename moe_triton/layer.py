@@ -86,7 +86,8 @@ class FusedMoE(nn.Module):
         checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                              intermediate_size=intermediate_size)
         checks.instances("FusedMoE", routing=(routing, (RoutingSpec, type(None))), activation=(activation, Activation),
-                         weight_format=(weight_format, (WeightFormat, type(None))), placement=(placement, Placement))
+                         weight_format=(weight_format, (WeightFormat, type(None))),
+                         placement=(placement, Placement))
         dtype = checks.float_dtype("FusedMoE", "dtype (None: torch's default)", dtype or torch.get_default_dtype())
         device = platforms.check_device(device)
         weight_format = held_format(placement.context) if weight_format is None else weight_format
