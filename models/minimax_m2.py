@@ -9,13 +9,13 @@ from __future__ import annotations
 from torch import nn
 
 from moe_triton.activation import Activation
-from moe_triton.layer import FusedMoE
+from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring
 
 from .causal_lm import CausalLM
 from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
-from .registry import register_model
+from .registry import register_block, register_model
 
 
 class MiniMaxM2Attention(nn.Module):
@@ -38,18 +38,18 @@ class MiniMaxM2Attention(nn.Module):
         return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, rotary=rotary))
 
 
-def minimax_m2_block(config, placement: Placement) -> FusedMoE:
+@register_block("MiniMaxM2SparseMoeBlock", correction_bias="e_score_correction_bias")
+def minimax_m2_moe_spec(config) -> MoESpec:
     routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True, correction_bias=True)
-    return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act),
-                    weight_format=placement.context.experts_format(), placement=placement)
+    return MoESpec(config.num_local_experts, config.hidden_size, config.intermediate_size, routing,
+                   Activation.from_hidden_act(config.hidden_act))
 
 
 class MiniMaxM2DecoderLayer(nn.Module):
     def __init__(self, config, layer: int, placement: Placement):
         super().__init__()
         self.self_attn = MiniMaxM2Attention(config, layer)
-        self.mlp = minimax_m2_block(config, placement)
+        self.mlp = FusedMoE.from_spec(minimax_m2_moe_spec(config), placement)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -85,9 +85,6 @@ class MiniMaxM2ForCausalLM(CausalLM):
         (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),  # .weight, and FP8: .weight_scale_inv
         (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
-        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),
-        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
     ]
 
     def __init__(self, config, placement: Placement = Placement()):

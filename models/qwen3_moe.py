@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import Activation
-from moe_triton.layer import FusedMoE
+from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec
 
 from .causal_lm import CausalLM
 from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
-from .registry import register_model
+from .registry import register_block, register_model
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -52,11 +52,11 @@ class Qwen3MoeMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def qwen3_moe_block(config, placement: Placement) -> FusedMoE:
-    return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
-                    routing=RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
-                    activation=Activation.from_hidden_act(config.hidden_act),
-                    weight_format=placement.context.experts_format(), placement=placement)
+@register_block("Qwen3MoeSparseMoeBlock")
+def qwen3_moe_spec(config) -> MoESpec:
+    routing = RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+    return MoESpec(config.num_experts, config.hidden_size, config.moe_intermediate_size, routing,
+                   Activation.from_hidden_act(config.hidden_act))
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -64,7 +64,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Qwen3MoeAttention(config, layer)
         sparse = layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
-        self.mlp = qwen3_moe_block(config, placement) if sparse else Qwen3MoeMLP(config)
+        self.mlp = (FusedMoE.from_spec(qwen3_moe_spec(config), placement) if sparse
+                    else Qwen3MoeMLP(config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,12 +96,6 @@ class Qwen3MoeModel(nn.Module):
 
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(CausalLM):
-    renames = [
-        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),  # FP8: + scales
-        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
-    ]
-
     def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
         self.model = Qwen3MoeModel(config, placement)

@@ -27,8 +27,9 @@ from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_lay
 from .expert_gemm import expert_gemm
 from .finalize import finalize, finalize_torch
 from .fused_moe import fused_experts, run_experts
-from .integrations.transformers import from_transformers, register_experts_implementation
+from .integrations.transformers import register_experts_implementation
 from .layer import FusedMoE, MoESpec, SharedCombination
+from .models import from_transformers
 from .placement import Placement
 from .platform import Platform, detect_platform
 from .quantize import quantize_fp8
