@@ -1,4 +1,5 @@
-"""MiniMax-M2 (`MiniMaxM2ForCausalLM`), top to bottom: attention -> MoE -> decoder layer -> model -> LM.
+"""MiniMax-M2 (`MiniMaxM2ForCausalLM`), top to bottom: attention -> MoE -> LM (the
+decoder layer and model: layers.py, shared with Qwen3-MoE).
 
 Differs from Qwen3-MoE in: q/k RMSNorm over the whole projection (all heads at once), partial
 rotary (`partial_rotary_factor`), and sigmoid routing whose `e_score_correction_bias` steers
@@ -14,7 +15,16 @@ from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring
 
 from .causal_lm import CausalLM
-from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
+from .layers import (
+    Batch,
+    DecoderLayer,
+    DecoderModel,
+    QKVProjection,
+    RMSNorm,
+    StaticKVCache,
+    attention,
+    head_dim_of,
+)
 from .registry import register_block, register_model
 
 
@@ -40,42 +50,10 @@ class MiniMaxM2Attention(nn.Module):
 
 @register_block("MiniMaxM2SparseMoeBlock", correction_bias="e_score_correction_bias")
 def minimax_m2_moe_spec(config) -> MoESpec:
-    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True, correction_bias=True)
+    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True,
+                          correction_bias=True)
     return MoESpec(config.num_local_experts, config.hidden_size, config.intermediate_size, routing,
                    Activation.from_hidden_act(config.hidden_act))
-
-
-class MiniMaxM2DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, placement: Placement):
-        super().__init__()
-        self.self_attn = MiniMaxM2Attention(config, layer)
-        self.mlp = FusedMoE.from_spec(minimax_m2_moe_spec(config), placement)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
-        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
-        and None at the first layer). Returns this layer's MLP output and the residual stream."""
-        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = norm(residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rotary, batch, cache), residual)
-        return self.mlp(h), residual
-
-
-class MiniMaxM2Model(nn.Module):
-    def __init__(self, config, placement: Placement):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
-
-    def forward(self, input_ids, batch: Batch, cache: StaticKVCache):
-        x = self.embed_tokens(input_ids)  # [B, L, H]
-        rotary = self.rotary_emb(batch.positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotary, batch, cache)
-        return self.norm.add_and_norm(x, residual)[0]
 
 
 @register_model("MiniMaxM2ForCausalLM")
@@ -89,5 +67,7 @@ class MiniMaxM2ForCausalLM(CausalLM):
 
     def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
-        self.model = MiniMaxM2Model(config, placement)
+        spec = minimax_m2_moe_spec(config)
+        self.model = DecoderModel(config, lambda i: DecoderLayer(
+            config, MiniMaxM2Attention(config, i), FusedMoE.from_spec(spec, placement)))
         self._output_head(config)
