@@ -178,3 +178,10 @@ def test_a_familys_routing_rule_is_written_once_in_its_spec():
               if p.parent.name in ("models", "integrations") and p not in FAMILY_FILES.values()]
     built = sorted(str(p.relative_to(ROOT)) for p in others if routing_specs_built(p))
     assert not built, f"{built} build a RoutingSpec outside a family's spec"
+
+
+def test_families_leave_fusedmoes_renames_and_format_to_it():
+    """FusedMoE.checkpoint_renames and its weight_format=None default are the one place of both."""
+    for path in FAMILY_FILES.values():
+        text = path.read_text()
+        assert "gate_weight" not in text and "weight_format" not in text, path.name
