@@ -1,6 +1,7 @@
 """MoE model families on the expert layer, installed as `moe_triton.models`.
 
-    registry.py     architecture name -> family class; load_model(path) for a checkpoint directory
+    registry.py     architecture name -> family class, transformers block class -> family spec;
+                    load_model(path) for a checkpoint directory, from_transformers(block)
     checkpoint.py   safetensors reading, per-expert -> fused expert tensors, q/k/v -> one qkv_proj,
                     strict name/shape checks
     fp8.py          FP8 checkpoints: expert scales into FusedMoE's layout, other FP8 linears dequantized
@@ -17,7 +18,15 @@
     minimax_m3.py   MiniMax-M3's MoE block (shared || routed, clamped swiglu), standalone
     nemotron_h.py   NemotronH's MoE block (relu^2, grouped top-k, latent projections), standalone
 """
-from . import cohere2_moe, minimax_m2, qwen3_moe  # noqa: F401  (registering their architectures)
-from .registry import MODELS, default_dtype, load_model, model_class, register_model
+from . import cohere2_moe, minimax_m2, minimax_m3, nemotron_h, qwen3_moe  # noqa: F401  (registers)
+from .registry import (
+    MODELS,
+    default_dtype,
+    from_transformers,
+    load_model,
+    model_class,
+    register_model,
+)
 
-__all__ = ["MODELS", "default_dtype", "load_model", "model_class", "register_model"]
+__all__ = ["MODELS", "default_dtype", "from_transformers", "load_model", "model_class",
+           "register_model"]

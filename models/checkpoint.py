@@ -1,14 +1,16 @@
 """Checkpoint loading: safetensors (single file or sharded with an index) into a model whose
-parameter names mirror transformers'. Each family declares its renames as a table of regexes;
-the per-expert Hub layout (`experts.N.gate_proj.weight`, ...) is fused here into the
-transformers-5 layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), FP8
-scales with their weights (fp8.py: FusedMoE's scale layout; FP8 linears dequantized).
+parameter names mirror transformers'. Renames are tables of regexes: a family's own, then each
+FusedMoE's `checkpoint_renames` under that layer's name. The per-expert Hub layout
+(`experts.N.gate_proj.weight`, ...) is fused here into the transformers-5 layout
+(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), FP8 scales with their weights
+(fp8.py: FusedMoE's scale layout; FP8 linears dequantized).
 """
 from __future__ import annotations
 
 import json
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -137,32 +139,55 @@ _FUSED_INTO = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_p
                "down_proj": ("down_proj",)}
 
 
-def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
+def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: Renames,
                              origins: dict[str, str]) -> None:
     """Refuse experts stored in both layouts, fused (experts.gate_up_proj) and per expert
     (experts.N.gate_proj.weight): fusing would keep one copy and drop the other."""
-    fused = {renamed(name, renames): name for name in tensors if _PER_EXPERT.match(name) is None}
+    fused = {renames(name): name for name in tensors if _PER_EXPERT.match(name) is None}
     for name in tensors:
         match = _PER_EXPERT.match(name)
         if match is None or match["kind"] != "weight":
             continue
         for leaf in _FUSED_INTO[match["proj"]]:
-            target = renamed(f"{match['prefix']}.{leaf}", renames)
+            target = renames(f"{match['prefix']}.{leaf}")
             if target in fused:
                 both = origins.get(target, fused[target]), origins.get(name, name)
                 raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} and "
                                  f"per expert as {both[1]}: keep one layout")
 
 
-def rename(tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Apply every (pattern, replacement) regex rule, in order, to every tensor name."""
-    return {renamed(name, renames): tensor for name, tensor in tensors.items()}
+@dataclass(frozen=True)
+class Renames:
+    """Checkpoint name -> parameter name: the model's (pattern, replacement) rules, in order, over
+    the whole name; then, under a FusedMoE's name, that layer's `checkpoint_renames` on the rest."""
+
+    model: tuple[tuple[str, str], ...]
+    layers: dict[str, tuple[tuple[str, str], ...]]  # FusedMoE's name + "." ("": the root) -> rules
+
+    @classmethod
+    def of(cls, model: nn.Module, renames) -> Renames:
+        layers = {f"{name}." if name else "": module.checkpoint_renames
+                  for name, module in model.named_modules() if isinstance(module, FusedMoE)}
+        return cls(tuple(renames), layers)
+
+    def __call__(self, name: str) -> str:
+        name = _substituted(name, self.model)
+        head = name
+        while "." in head:  # the innermost FusedMoE holding `name`
+            head = head.rpartition(".")[0]
+            if f"{head}." in self.layers:
+                return f"{head}." + _substituted(name[len(head) + 1:], self.layers[f"{head}."])
+        return _substituted(name, self.layers[""]) if "" in self.layers else name
 
 
-def renamed(name: str, renames: list[tuple[str, str]]) -> str:
-    for pattern, replacement in renames:
+def _substituted(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    for pattern, replacement in rules:
         name = re.sub(pattern, replacement, name)
     return name
+
+
+def rename(tensors: dict[str, torch.Tensor], renames: Renames) -> dict[str, torch.Tensor]:
+    return {renames(name): tensor for name, tensor in tensors.items()}
 
 
 def fuse_qkv(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
@@ -194,11 +219,13 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
               dtype: torch.dtype = torch.float32) -> None:
     """Copy the checkpoint into `model`'s parameters and persistent buffers; every mismatch is an
     error naming the tensor (missing, unexpected, of the wrong shape, FP8 where the model is not).
-    `checkpoint` says how the checkpoint stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
+    `renames`: the model's own, beyond its FusedMoE layers'. `checkpoint` says how the checkpoint
+    stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
     # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
     # transformers-5 names -> this model's names); rules that do not apply are no-ops.
     fp8.check_float8_dtypes(tensors)
-    origins = {renamed(renamed(name, renames), renames): name for name in tensors}  # for errors: the checkpoint's names
+    renames = Renames.of(model, renames)
+    origins = {renames(renames(name)): name for name in tensors}  # for errors: the checkpoint's
     tensors = rename(tensors, renames)
     _check_one_expert_layout(tensors, renames, origins)
     tensors = rename(fuse_per_expert(tensors, checkpoint, origins), renames)

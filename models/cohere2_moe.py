@@ -18,13 +18,13 @@ from torch import nn
 
 from moe_triton.activation import Activation
 from moe_triton.graphs import run_branches
-from moe_triton.layer import FusedMoE, SharedCombination
+from moe_triton.layer import FusedMoE, MoESpec, SharedCombination
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring, SelectOn
 
 from .causal_lm import CausalLM
 from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
-from .registry import register_model
+from .registry import register_block, register_model
 
 
 class Cohere2MoeLayerNorm(nn.Module):
@@ -80,20 +80,26 @@ class Cohere2MoeMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def cohere2_moe_block(config, placement: Placement) -> FusedMoE:
-    """Router, routed experts and the shared experts (summed or averaged with them) as one FusedMoE."""
+@register_block("Cohere2MoeSparseMoeBlock", shared_experts="shared_experts")
+def cohere2_moe_spec(config) -> MoESpec:
     if config.shared_expert_combination_strategy not in ("sum", "average"):
         raise ValueError("shared_expert_combination_strategy must be 'sum' or 'average', "
                          f"got {config.shared_expert_combination_strategy!r}")
     scoring = Scoring.SOFTMAX if config.expert_selection_fn == "softmax" else Scoring.SIGMOID
     routing = RoutingSpec(config.num_experts_per_tok, scoring, SelectOn.LOGITS,
                           renormalize=scoring is Scoring.SIGMOID and config.norm_topk_prob)
-    shared = (Cohere2MoeMLP(config, config.intermediate_size * config.num_shared_experts)
-              if config.num_shared_experts > 0 else None)
-    return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act), shared_experts=shared,
-                    shared_combination=SharedCombination(config.shared_expert_combination_strategy),
-                    weight_format=placement.context.experts_format(), placement=placement)
+    return MoESpec(config.num_experts, config.hidden_size, config.intermediate_size, routing,
+                   Activation.from_hidden_act(config.hidden_act),
+                   shared_intermediate_size=config.intermediate_size * config.num_shared_experts,
+                   shared_combination=SharedCombination(config.shared_expert_combination_strategy))
+
+
+def cohere2_moe_block(config, placement: Placement) -> FusedMoE:
+    """Router, routed experts and shared experts (summed or averaged with them) as one FusedMoE."""
+    spec = cohere2_moe_spec(config)
+    size = spec.shared_intermediate_size
+    shared = Cohere2MoeMLP(config, size) if size else None
+    return FusedMoE.from_spec(spec, placement, shared_experts=shared)
 
 
 class Cohere2MoeDecoderLayer(nn.Module):
@@ -133,12 +139,6 @@ class Cohere2MoeModel(nn.Module):
 
 @register_model("Cohere2MoeForCausalLM")
 class Cohere2MoeForCausalLM(CausalLM):
-    renames = [
-        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),  # FP8: + scales
-        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
-    ]
-
     def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
         self.model = Cohere2MoeModel(config, placement)

@@ -1,4 +1,5 @@
-"""Pieces every model family shares: RMSNorm, rotary embeddings, the static KV cache, attention.
+"""Pieces the model families share: RMSNorm, rotary embeddings, the static KV cache, attention, the
+sequential decoder layer and model.
 
 Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim.
 Prefill attention is torch SDPA (its flash path) over the prompt, whose K/V the cache records; a
@@ -8,6 +9,7 @@ be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,3 +149,41 @@ def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, win
     if window is not None:
         allowed &= key_positions[None, :] > query_positions[:, None] - window
     return allowed
+
+
+class DecoderLayer(nn.Module):
+    """Attention then the MLP, each output added to the residual stream in the norm after it
+    (Qwen3-MoE, MiniMax-M2: they differ only in `self_attn` and `mlp`)."""
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
+        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
+        and None at the first layer). Returns this layer's MLP output and the residual stream."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = its norm
+        attn = self.self_attn(h, rotary, batch, cache)
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, `DecoderLayer`s (`layer(i)` builds the i-th), the final norm."""
+
+    def __init__(self, config, layer: Callable[[int], DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: StaticKVCache) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [B, L, H]
+        rotary = self.rotary_emb(batch.positions, x.dtype)  # cos, sin [B, L, D_rot]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rotary, batch, cache)
+        return self.norm.add_and_norm(x, residual)[0]

@@ -1,4 +1,5 @@
-"""MiniMax-M2 (`MiniMaxM2ForCausalLM`), top to bottom: attention -> MoE -> decoder layer -> model -> LM.
+"""MiniMax-M2 (`MiniMaxM2ForCausalLM`), top to bottom: attention -> MoE -> LM (the
+decoder layer and model: layers.py, shared with Qwen3-MoE).
 
 Differs from Qwen3-MoE in: q/k RMSNorm over the whole projection (all heads at once), partial
 rotary (`partial_rotary_factor`), and sigmoid routing whose `e_score_correction_bias` steers
@@ -9,13 +10,22 @@ from __future__ import annotations
 from torch import nn
 
 from moe_triton.activation import Activation
-from moe_triton.layer import FusedMoE
+from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring
 
 from .causal_lm import CausalLM
-from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
-from .registry import register_model
+from .layers import (
+    Batch,
+    DecoderLayer,
+    DecoderModel,
+    QKVProjection,
+    RMSNorm,
+    StaticKVCache,
+    attention,
+    head_dim_of,
+)
+from .registry import register_block, register_model
 
 
 class MiniMaxM2Attention(nn.Module):
@@ -38,44 +48,12 @@ class MiniMaxM2Attention(nn.Module):
         return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, rotary=rotary))
 
 
-def minimax_m2_block(config, placement: Placement) -> FusedMoE:
-    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True, correction_bias=True)
-    return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size, config.intermediate_size,
-                    routing=routing, activation=Activation.from_hidden_act(config.hidden_act),
-                    weight_format=placement.context.experts_format(), placement=placement)
-
-
-class MiniMaxM2DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, placement: Placement):
-        super().__init__()
-        self.self_attn = MiniMaxM2Attention(config, layer)
-        self.mlp = minimax_m2_block(config, placement)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
-        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
-        and None at the first layer). Returns this layer's MLP output and the residual stream."""
-        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = norm(residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rotary, batch, cache), residual)
-        return self.mlp(h), residual
-
-
-class MiniMaxM2Model(nn.Module):
-    def __init__(self, config, placement: Placement):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMaxM2DecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
-
-    def forward(self, input_ids, batch: Batch, cache: StaticKVCache):
-        x = self.embed_tokens(input_ids)  # [B, L, H]
-        rotary = self.rotary_emb(batch.positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotary, batch, cache)
-        return self.norm.add_and_norm(x, residual)[0]
+@register_block("MiniMaxM2SparseMoeBlock", correction_bias="e_score_correction_bias")
+def minimax_m2_moe_spec(config) -> MoESpec:
+    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True,
+                          correction_bias=True)
+    return MoESpec(config.num_local_experts, config.hidden_size, config.intermediate_size, routing,
+                   Activation.from_hidden_act(config.hidden_act))
 
 
 @register_model("MiniMaxM2ForCausalLM")
@@ -85,12 +63,11 @@ class MiniMaxM2ForCausalLM(CausalLM):
         (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),  # .weight, and FP8: .weight_scale_inv
         (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
-        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),
-        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
     ]
 
     def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
-        self.model = MiniMaxM2Model(config, placement)
+        spec = minimax_m2_moe_spec(config)
+        self.model = DecoderModel(config, lambda i: DecoderLayer(
+            config, MiniMaxM2Attention(config, i), FusedMoE.from_spec(spec, placement)))
         self._output_head(config)

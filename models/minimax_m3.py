@@ -13,9 +13,11 @@ from __future__ import annotations
 from torch import nn
 
 from moe_triton.activation import Activation, ActivationKind, activation_torch
-from moe_triton.layer import FusedMoE
+from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring
+
+from .registry import register_block
 
 
 def clamped_swiglu(config) -> Activation:
@@ -33,22 +35,23 @@ class MiniMaxM3SharedMLP(nn.Module):
         return self.down_proj(activation_torch(self.gate_up_proj(x), self.activation).to(x.dtype))
 
 
-class MiniMaxM3MoeBlock(FusedMoE):
-    """MiniMax-M3's MoE block: one FusedMoE with the shared MLP, loaded from transformers' names.
-    transformers scales the routed output by routed_scaling_factor; the routing weights carry it
-    here (the same weighted sum)."""
+@register_block("MiniMaxM3VLSparseMoeBlock", correction_bias="gate.e_score_correction_bias",
+                shared_experts="shared_experts")
+def minimax_m3_moe_spec(config) -> MoESpec:
+    # transformers scales the routed output; the same factor on the routing weights is the same sum
+    scaling = float(config.routed_scaling_factor)
+    routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True,
+                          correction_bias=True, routed_scaling_factor=scaling)
+    return MoESpec(config.num_local_experts, config.hidden_size, config.intermediate_size, routing,
+                   clamped_swiglu(config), shared_intermediate_size=config.shared_intermediate_size)
 
-    renames = [
-        (r"^gate\.weight$", "gate_weight"),
-        (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
-        (r"^experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r"\1\2"),
-        (r"^experts\.input_scale$", "input_scale"),
-    ]
+
+class MiniMaxM3MoeBlock(FusedMoE):
+    """MiniMax-M3's MoE block: one FusedMoE with the shared MLP, loaded from transformers' names."""
+
+    renames = ()  # loaded as a model of its own: FusedMoE's checkpoint_renames are all it needs
 
     def __init__(self, config, placement: Placement = Placement()):
-        routing = RoutingSpec(config.num_experts_per_tok, Scoring.SIGMOID, renormalize=True, correction_bias=True,
-                              routed_scaling_factor=float(config.routed_scaling_factor))
-        super().__init__(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                         config.intermediate_size, routing=routing, activation=clamped_swiglu(config),
-                         shared_experts=MiniMaxM3SharedMLP(config), weight_format=placement.context.experts_format(),
+        spec = minimax_m3_moe_spec(config)
+        super().__init__(**spec.layer_args(), shared_experts=MiniMaxM3SharedMLP(config),
                          placement=placement)

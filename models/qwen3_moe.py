@@ -1,4 +1,5 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`), top to bottom: attention -> MoE -> decoder layer -> model -> LM.
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`), top to bottom: attention -> MoE -> LM (the
+decoder layer and model: layers.py).
 
 Legend: B sequences, L tokens each, H hidden, Hq/Hkv heads, D head dim, V vocabulary.
 """
@@ -9,13 +10,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import Activation
-from moe_triton.layer import FusedMoE
+from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec
 
 from .causal_lm import CausalLM
-from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
-from .registry import register_model
+from .layers import (
+    Batch,
+    DecoderLayer,
+    DecoderModel,
+    QKVProjection,
+    RMSNorm,
+    StaticKVCache,
+    attention,
+    head_dim_of,
+)
+from .registry import register_block, register_model
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -52,56 +62,24 @@ class Qwen3MoeMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def qwen3_moe_block(config, placement: Placement) -> FusedMoE:
-    return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size, config.moe_intermediate_size,
-                    routing=RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob),
-                    activation=Activation.from_hidden_act(config.hidden_act),
-                    weight_format=placement.context.experts_format(), placement=placement)
+@register_block("Qwen3MoeSparseMoeBlock")
+def qwen3_moe_spec(config) -> MoESpec:
+    routing = RoutingSpec(config.num_experts_per_tok, renormalize=config.norm_topk_prob)
+    return MoESpec(config.num_experts, config.hidden_size, config.moe_intermediate_size, routing,
+                   Activation.from_hidden_act(config.hidden_act))
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config, layer: int, placement: Placement):
-        super().__init__()
-        self.self_attn = Qwen3MoeAttention(config, layer)
-        sparse = layer not in config.mlp_only_layers and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0
-        self.mlp = qwen3_moe_block(config, placement) if sparse else Qwen3MoeMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
-        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
-        and None at the first layer). Returns this layer's MLP output and the residual stream."""
-        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = norm(residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rotary, batch, cache), residual)
-        return self.mlp(h), residual
-
-
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, config, placement: Placement):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
-
-    def forward(self, input_ids: torch.Tensor, batch: Batch, cache: StaticKVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [B, L, H]
-        rotary = self.rotary_emb(batch.positions, x.dtype)  # cos, sin [B, L, D]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rotary, batch, cache)
-        return self.norm.add_and_norm(x, residual)[0]
+def qwen3_moe_mlp(config, layer: int, placement: Placement) -> nn.Module:
+    """The layer's MoE block, or the dense MLP of `mlp_only_layers` / non-sparse steps."""
+    sparse = (layer not in config.mlp_only_layers and config.num_experts > 0
+              and (layer + 1) % config.decoder_sparse_step == 0)
+    return FusedMoE.from_spec(qwen3_moe_spec(config), placement) if sparse else Qwen3MoeMLP(config)
 
 
 @register_model("Qwen3MoeForCausalLM")
 class Qwen3MoeForCausalLM(CausalLM):
-    renames = [
-        (r"\.mlp\.gate\.weight$", ".mlp.gate_weight"),
-        (r"\.mlp\.experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r".mlp.\1\2"),  # FP8: + scales
-        (r"\.mlp\.experts\.input_scale$", ".mlp.input_scale"),
-    ]
-
     def __init__(self, config, placement: Placement = Placement()):
         super().__init__(config)
-        self.model = Qwen3MoeModel(config, placement)
+        self.model = DecoderModel(config, lambda i: DecoderLayer(
+            config, Qwen3MoeAttention(config, i), qwen3_moe_mlp(config, i, placement)))
         self._output_head(config)

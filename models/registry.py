@@ -1,26 +1,34 @@
-"""Model families by architecture name, and the generic loader.
+"""Model families by architecture name and transformers MoE blocks by class name; the generic
+loader and `from_transformers`.
 
-A new family is one file in models/ with a class decorated `@register_model("ArchName", ...)`
-that declares `renames` (checkpoint name -> parameter name regexes); nothing else changes.
+A new family is one file in models/: its `<family>_moe_spec(config)`, decorated
+`@register_block("TransformersBlockClass", ...)` (where that block keeps its parts), and a class
+decorated `@register_model("ArchName", ...)` that builds its MoE layers with the spec and declares
+`renames` beyond FusedMoE's (checkpoint name -> parameter name regexes); nothing else changes.
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from moe_triton import checks
 from moe_triton import platform as platforms
 from moe_triton.context import ModelContext
-from moe_triton.layer import FusedMoE
+from moe_triton.integrations.transformers import experts_activation, experts_tensors
+from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.platform import Platform
 from moe_triton.quant_config import CheckpointFormat
 from moe_triton.runners.resolver import Resolution
+from moe_triton.weights import NATIVE
 
 from .causal_lm import StopTokens
 from .checkpoint import load_into, read_safetensors
@@ -47,6 +55,31 @@ def register_model(*architectures: str):
         for name in architectures:
             MODELS[name] = cls
         return cls
+    return register
+
+
+@dataclass(frozen=True)
+class TransformersBlock:
+    """A transformers sparse-MoE block: its family's spec, and the attributes (dotted paths on the
+    block) holding the parts FusedMoE takes beside the experts, where the spec has them."""
+
+    spec: Callable[..., MoESpec]  # the family's <family>_moe_spec(config)
+    router: str = "gate.weight"
+    correction_bias: str | None = None  # where routing.correction_bias
+    shared_experts: str | None = None  # where spec.shared_intermediate_size
+    expert_input_proj: str | None = None  # where spec.latent_size
+    expert_output_proj: str | None = None
+
+
+BLOCKS: dict[str, TransformersBlock] = {}
+
+
+def register_block(*class_names: str, **parts: str):
+    """Decorates a family's spec function: from_transformers builds these blocks' layer from it."""
+    def register(spec):
+        for name in class_names:
+            BLOCKS[name] = TransformersBlock(spec, **parts)
+        return spec
     return register
 
 
@@ -160,3 +193,47 @@ def _stop_tokens(path: Path) -> StopTokens:
         message = " ".join(str(error).split())
         raise ValueError(f"{path / name} cannot be read by transformers: {message}") from None
     return StopTokens.from_generation_config(generation, f"{name}'s ")
+
+
+def from_transformers(block: nn.Module, backend: str = "auto",
+                      context: ModelContext | None = None) -> FusedMoE:
+    """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies unless the
+    resolved backend pads or prepares them). `context` tells backend choice the model's
+    architecture, quantization config, all-to-all and LoRA (see runners/resolver.py)."""
+    name = type(block).__name__
+    if name not in BLOCKS:
+        raise ValueError(f"from_transformers does not know {name}; supported blocks: "
+                         f"{sorted(BLOCKS)}")
+    entry = BLOCKS[name]
+    spec = entry.spec(block.experts.config)
+    if experts_activation(block.experts) != spec.activation:
+        raise ValueError(f"{name}: its experts apply {experts_activation(block.experts)} but its "
+                         f"config gives {spec.activation}: build the block from its config")
+    w13, w2 = experts_tensors(block.experts)
+    present = {"shared_experts": spec.shared_intermediate_size > 0,
+               "expert_input_proj": spec.latent_size is not None,
+               "expert_output_proj": spec.latent_size is not None}
+    modules = {slot: _attribute(block, getattr(entry, slot)) for slot, on in present.items() if on}
+    # Built on the meta device (nothing allocated), resolved for the block's own device, then given
+    # its tensors.
+    platform = platforms.detect_platform(w13.device)
+    placement = Placement(backend, context or ModelContext(), platform=platform)
+    layer = FusedMoE.from_spec(spec, placement, weight_format=NATIVE, dtype=w13.dtype,
+                               device="meta", **modules)
+    tensors = {"gate_weight": _attribute(block, entry.router), "gate_up_proj": w13, "down_proj": w2}
+    if spec.routing.correction_bias:
+        tensors["e_score_correction_bias"] = _attribute(block, entry.correction_bias)
+    for slot, tensor in tensors.items():
+        held = getattr(layer, slot)
+        if tensor.shape != held.shape:
+            raise ValueError(f"{name}: {slot} has shape {tuple(tensor.shape)} but its config gives "
+                             f"{tuple(held.shape)}")
+        if isinstance(held, nn.Parameter) and not isinstance(tensor, nn.Parameter):
+            tensor = nn.Parameter(tensor, tensor.requires_grad)  # a transposed view of the block's
+        setattr(layer, slot, tensor)
+    layer.prepare_weights()
+    return layer
+
+
+def _attribute(block: nn.Module, path: str):
+    return operator.attrgetter(path)(block)

@@ -27,8 +27,9 @@ from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_lay
 from .expert_gemm import expert_gemm
 from .finalize import finalize, finalize_torch
 from .fused_moe import fused_experts, run_experts
-from .integrations.transformers import from_transformers, register_experts_implementation
-from .layer import FusedMoE, SharedCombination
+from .integrations.transformers import register_experts_implementation
+from .layer import FusedMoE, MoESpec, SharedCombination
+from .models import from_transformers
 from .placement import Placement
 from .platform import Platform, detect_platform
 from .quantize import quantize_fp8
@@ -57,7 +58,7 @@ __all__ = [
     "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
     "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights", "WeightFormat",
     "Fp8Scaling", "quantize_fp8",
-    "ExpertBackend", "FusedMoE", "SharedCombination", "ModelContext", "Placement", "Resolution", "resolve",
+    "ExpertBackend", "FusedMoE", "MoESpec", "SharedCombination", "ModelContext", "Placement", "Resolution", "resolve",
     "pad_experts", "Platform", "detect_platform",
     "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch", "router_logits",
     "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk",

@@ -11,6 +11,7 @@ Weights are held in transformers' layout, so a transformers block's tensors are 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +19,7 @@ from torch import nn
 from . import checks
 from . import platform as platforms
 from .activation import SILU_AND_MUL, Activation
+from .context import ModelContext
 from .graphs import run_branches
 from .placement import Placement
 from .routing import RoutingSpec, router_logits
@@ -35,23 +37,60 @@ class SharedCombination(enum.Enum):
     AVERAGE = "average"  # Cohere2-MoE's "average" strategy: (routed + shared) / 2
 
 
+@dataclass(frozen=True)
+class MoESpec:
+    """A sparse MoE block as its config describes it: each family writes it once, in
+    `<family>_moe_spec(config)` (models/), for load_model and from_transformers alike."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    routing: RoutingSpec  # top_k is routing.top_k
+    activation: Activation = SILU_AND_MUL
+    shared_intermediate_size: int = 0  # the shared experts' I; 0: none
+    shared_combination: SharedCombination = SharedCombination.SUM
+    latent_size: int | None = None  # NemotronH: the experts run at this width, between projections
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
+    def layer_args(self) -> dict:
+        """FusedMoE's arguments this spec decides."""
+        return dict(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
+                    intermediate_size=self.intermediate_size, routing=self.routing,
+                    activation=self.activation, shared_combination=self.shared_combination)
+
+
 class FusedMoE(nn.Module):
     """Call `prepare_weights()` once after loading weights (the runner pads, or builds its own view).
-    A quantized `weight_format` keeps its scales beside the weights (`gate_up_proj_scale`, ...)."""
+    A quantized `weight_format` keeps its scales beside the weights (`gate_up_proj_scale`, ...);
+    None: the format the model's quantization config gives the experts (`held_format`)."""
+
+    # A transformers / Hub MoE block's tensor names, relative to the block -> this layer's; the
+    # loader applies them under each FusedMoE's prefix (models/checkpoint.py). Quantized: + scales.
+    checkpoint_renames: tuple[tuple[str, str], ...] = (
+        (r"^gate\.weight$", "gate_weight"),
+        (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
+        (r"^experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r"\1\2"),
+        (r"^experts\.input_scale$", "input_scale"),
+    )
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  routing: RoutingSpec | None = None, activation: Activation = SILU_AND_MUL,
                  shared_experts: nn.Module | None = None, shared_combination: SharedCombination = SharedCombination.SUM,
                  expert_input_proj: nn.Module | None = None, expert_output_proj: nn.Module | None = None,
-                 weight_format: WeightFormat = NATIVE, placement: Placement = Placement(),
+                 weight_format: WeightFormat | None = None, placement: Placement = Placement(),
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
         checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                              intermediate_size=intermediate_size)
         checks.instances("FusedMoE", routing=(routing, (RoutingSpec, type(None))), activation=(activation, Activation),
-                         weight_format=(weight_format, WeightFormat), placement=(placement, Placement))
+                         weight_format=(weight_format, (WeightFormat, type(None))),
+                         placement=(placement, Placement))
         dtype = checks.float_dtype("FusedMoE", "dtype (None: torch's default)", dtype or torch.get_default_dtype())
         device = platforms.check_device(device)
+        weight_format = held_format(placement.context) if weight_format is None else weight_format
         self.routing = routing or RoutingSpec(top_k)
         if self.routing.top_k != top_k or not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} (routing.top_k={self.routing.top_k}) must match and lie in [1, {num_experts}]")
@@ -75,6 +114,12 @@ class FusedMoE(nn.Module):
         self.runner = build_runner(self.resolution, traits, placement)
         self._prepared: ExpertWeights | None = None  # set by prepare_weights
         self._register_load_state_dict_pre_hook(self.take_shard)
+
+    @classmethod
+    def from_spec(cls, spec: MoESpec, placement: Placement = Placement(), **kwargs) -> FusedMoE:
+        """The layer `spec` describes; `kwargs`: FusedMoE's others (shared_experts, the projections,
+        weight_format, dtype, device)."""
+        return cls(**spec.layer_args(), placement=placement, **kwargs)
 
     @property
     def backend(self) -> str:
@@ -130,3 +175,11 @@ class FusedMoE(nn.Module):
                              "map (T, H) to (T, H): check its output size (hidden_size)")
         out = routed + shared
         return (out / 2 if self.shared_combination is SharedCombination.AVERAGE else out).view_as(hidden_states)
+
+
+def held_format(context: ModelContext) -> WeightFormat:
+    """The experts' format under the model's quantization config: the checkpoint's where the loader
+    reads one, else native (unquantized; NVFP4, which FlashInfer quantizes from bf16; a config
+    load_model refuses before any layer is built)."""
+    checkpoint = context.quantization.checkpoint
+    return checkpoint.experts if checkpoint is not None else NATIVE

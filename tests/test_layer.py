@@ -4,12 +4,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import assert_close, relative_error
+from helpers import DEEPSEEK_FP8, assert_close, relative_error
 
 from moe_triton import (
     SILU_AND_MUL,
+    Activation,
+    ActivationKind,
     ExpertWeights,
     FusedMoE,
+    ModelContext,
+    MoESpec,
     Placement,
     RoutingSpec,
     Scoring,
@@ -21,6 +25,7 @@ from moe_triton import (
 )
 from moe_triton.platform import Platform
 from moe_triton.runners import SPECS, ExpertBackend, ExpertsRunner, register_backend
+from moe_triton.weights import FP8_DTYPE, NATIVE
 
 E, K, H, I = 8, 2, 32, 24
 
@@ -162,6 +167,34 @@ def test_shared_experts_of_the_wrong_width_are_named():
 def test_the_runner_holds_the_layers_activation_and_routing():
     layer = make_layer()
     assert layer.runner.activation is SILU_AND_MUL and layer.runner.routing is layer.routing
+
+
+def test_from_spec_builds_the_layer_its_spec_describes():
+    routing = RoutingSpec(K, Scoring.SIGMOID, renormalize=True, correction_bias=True)
+    spec = MoESpec(E, H, I, routing, Activation(ActivationKind.RELU2),
+                   shared_combination=SharedCombination.AVERAGE)
+    layer = FusedMoE.from_spec(spec, Placement("torch"), shared_experts=torch.nn.Linear(H, H))
+    assert (layer.routing, layer.activation) == (routing, spec.activation)
+    assert layer.shared_combination is SharedCombination.AVERAGE
+    assert layer.gate_weight.shape == (E, H) and layer.gate_up_proj.shape == (E, I, H)  # relu^2: up
+    assert layer.e_score_correction_bias.shape == (E,)
+    assert isinstance(layer.shared_experts, torch.nn.Linear)
+
+
+@pytest.mark.parametrize("quant_config,expected", [
+    (None, NATIVE),
+    (DEEPSEEK_FP8, WeightFormat.fp8_block(128, 128)),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, WeightFormat.fp8_tensor(static_input=True)),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, NATIVE),  # FlashInfer quantizes bf16 ones
+], ids=["unquantized", "fp8-block", "modelopt-fp8", "nvfp4"])
+def test_the_experts_format_is_the_models_unless_given(quant_config, expected):
+    placement = Placement("torch", ModelContext(quant_config=quant_config))
+    layer = FusedMoE(E, K, 128, 128, placement=placement, dtype=torch.bfloat16, device="meta")
+    assert layer.weight_format == expected
+    assert (layer.gate_up_proj.dtype == FP8_DTYPE) == (expected.fp8 is not None)
+    given = FusedMoE(E, K, 128, 128, weight_format=NATIVE, placement=placement, dtype=torch.bfloat16,
+                     device="meta")
+    assert given.weight_format == NATIVE and given.gate_up_proj.dtype == torch.bfloat16
 
 
 # ---- gradients: every backend differentiable, and in agreement ------------------------------------

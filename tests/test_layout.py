@@ -147,3 +147,41 @@ def test_the_imports_hold_no_cycle():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+# ---- one family, one file ----------------------------------------------------------------------
+
+FAMILY_FILES = {name: ROOT / "models" / f"{name}.py"
+                for name in ("qwen3_moe", "cohere2_moe", "minimax_m2", "minimax_m3", "nemotron_h")}
+
+
+def routing_specs_built(path: Path) -> list[str]:
+    """The function around each `RoutingSpec(...)` call in `path` ("" at module level)."""
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, ast.FunctionDef) else function
+            if isinstance(child, ast.Call) and getattr(child.func, "id", None) == "RoutingSpec":
+                found.append(function)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_a_familys_routing_rule_is_written_once_in_its_spec():
+    """In its <family>_moe_spec(config), which load_model and from_transformers both call."""
+    for name, path in FAMILY_FILES.items():
+        assert routing_specs_built(path) == [f"{name.removesuffix('_moe')}_moe_spec"], path.name
+    others = [p for p in LIBRARY
+              if p.parent.name in ("models", "integrations") and p not in FAMILY_FILES.values()]
+    built = sorted(str(p.relative_to(ROOT)) for p in others if routing_specs_built(p))
+    assert not built, f"{built} build a RoutingSpec outside a family's spec"
+
+
+def test_families_leave_fusedmoes_renames_and_format_to_it():
+    """FusedMoE.checkpoint_renames and its weight_format=None default are the one place of both."""
+    for path in FAMILY_FILES.values():
+        text = path.read_text()
+        assert "gate_weight" not in text and "weight_format" not in text, path.name

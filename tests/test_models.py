@@ -8,10 +8,19 @@ import re
 
 import pytest
 import torch
-from helpers import FAMILIES, assert_close, eos_for_early_stops, prompt, randomize_, relative_error
+from helpers import (
+    FAMILIES,
+    assert_close,
+    eos_for_early_stops,
+    prompt,
+    randomize_,
+    randomize_all_,
+    relative_error,
+)
 from safetensors.torch import save_file
 
-from moe_triton import FusedMoE, fused_experts
+import moe_triton
+from moe_triton import FusedMoE, Placement, fused_experts
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
 from moe_triton.models.causal_lm import FINISHED_CHECK_EVERY
@@ -265,6 +274,154 @@ def test_moe_block_matches_transformers(name, layout):
     randomize_(reference.eval(), seed=7)
     state = reference.state_dict()
     load_into(ours, per_expert_layout(state) if layout == "per_expert" else state, ours.renames)
+    x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert_close(ours(x), reference(x), torch.float32, scale=5)
+
+
+# ---- from_transformers: a transformers block as a FusedMoE, from its family's spec ---------------
+
+def qwen3_moe(norm):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=40, num_experts=8,
+                                                 num_experts_per_tok=2, norm_topk_prob=norm))
+
+
+def cohere2_moe(fn, strategy):
+    from transformers import Cohere2MoeConfig
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeSparseMoeBlock
+
+    return Cohere2MoeSparseMoeBlock(Cohere2MoeConfig(hidden_size=48, intermediate_size=40, num_experts=8,
+                                                     num_experts_per_tok=2, expert_selection_fn=fn,
+                                                     num_shared_experts=1, norm_topk_prob=True,
+                                                     shared_expert_combination_strategy=strategy))
+
+
+def minimax_m2():
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
+
+    return MiniMaxM2SparseMoeBlock(MiniMaxM2Config(hidden_size=48, intermediate_size=40, num_local_experts=8,
+                                                   num_experts_per_tok=2))
+
+
+def minimax_m3():
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLSparseMoeBlock
+
+    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40, shared_intermediate_size=24,
+                                   num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.5,
+                                   swiglu_limit=0.7, swiglu_alpha=1.702)
+    return MiniMaxM3VLSparseMoeBlock(config)
+
+
+def nemotron_h(latent):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40, moe_shared_expert_intermediate_size=24,
+                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True, moe_latent_size=latent)
+    return NemotronHMoE(config)
+
+
+TRANSFORMERS_BLOCKS = {
+    "qwen3_moe-norm": lambda: qwen3_moe(True),
+    "qwen3_moe": lambda: qwen3_moe(False),
+    "cohere2_moe-softmax-sum": lambda: cohere2_moe("softmax", "sum"),
+    "cohere2_moe-sigmoid-average": lambda: cohere2_moe("sigmoid", "average"),
+    "minimax_m2": minimax_m2,
+    "minimax_m3": minimax_m3,
+    "nemotron_h": lambda: nemotron_h(None),
+    "nemotron_h-latent": lambda: nemotron_h(32),
+}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("name", list(TRANSFORMERS_BLOCKS))
+def test_from_transformers(name, backend):
+    block = randomize_all_(TRANSFORMERS_BLOCKS[name]().eval(), seed=len(name))
+    layer = moe_triton.from_transformers(block, backend=backend)
+    assert layer.gate_up_proj.data_ptr() == (block.experts.gate_up_proj if hasattr(block.experts, "gate_up_proj")
+                                             else block.experts.up_proj).data_ptr()  # shared, not copied
+    x = torch.randn(2, 9, 48)
+    with torch.no_grad():
+        expected, actual = block(x), layer(x)
+    assert_close(actual, expected, torch.float32, scale=5)
+
+
+def test_from_transformers_rejects_unknown_block():
+    with pytest.raises(ValueError, match="from_transformers does not know"):
+        moe_triton.from_transformers(torch.nn.Linear(2, 2))
+
+
+def layer_traits(layer: FusedMoE) -> tuple:
+    """What a family's spec decides of its layer."""
+    return (layer.routing, layer.activation, layer.shared_combination, layer.shared_experts is None,
+            layer.expert_input_proj is None, layer.e_score_correction_bias is None,
+            *(tuple(t.shape) for t in (layer.gate_weight, layer.gate_up_proj, layer.down_proj)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "cohere2_moe", "minimax_m2", "minimax_m3",
+                                    "nemotron_h-latent"])
+def test_from_transformers_and_the_loader_build_the_same_layer(family):
+    """One spec per family: the layer from_transformers makes of transformers' block is the one our
+    model (load_model's) or block builds from the same config."""
+    from moe_triton.models import MODELS
+
+    if family in FAMILIES:
+        theirs = FAMILIES[family][0]()
+        with torch.device("meta"):
+            ours = MODELS[type(theirs).__name__](theirs.config, Placement("torch"))
+        pairs = [(t.mlp, o.mlp) for t, o in zip(theirs.model.layers, ours.model.layers)
+                 if isinstance(o.mlp, FusedMoE)]
+    else:
+        pairs = [BLOCKS[family]()]
+    assert pairs
+    for block, layer in pairs:
+        converted = moe_triton.from_transformers(block, backend="torch")
+        assert layer_traits(converted) == layer_traits(layer)
+
+
+def test_from_transformers_refuses_a_block_that_departs_from_its_config():
+    from transformers.activations import GELUActivation
+
+    block = qwen3_moe(True)
+    block.experts.act_fn = GELUActivation()
+    with pytest.raises(ValueError, match=r"Qwen3MoeSparseMoeBlock: its experts apply "
+                                         r".*GELU_AND_MUL.* but its config gives .*SILU_AND_MUL"):
+        moe_triton.from_transformers(block)
+    block = qwen3_moe(True)
+    block.gate.weight = torch.nn.Parameter(torch.zeros(6, 48))
+    with pytest.raises(ValueError, match=r"gate_weight has shape \(6, 48\) but its config gives "
+                                         r"\(8, 48\)"):
+        moe_triton.from_transformers(block)
+
+
+def spec_layer(make):
+    """transformers' block, and a plain FusedMoE from its family's spec."""
+    from moe_triton.models.registry import BLOCKS as REGISTERED
+
+    block = make()
+    return block, FusedMoE.from_spec(REGISTERED[type(block).__name__].spec(block.experts.config))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-norm", "nemotron_h-latent"])
+def test_the_loader_renames_a_blocks_tensors_under_the_layers_name(name):
+    """FusedMoE's own checkpoint renames (NemotronH's block: + up-only experts, latent projections)
+    apply under wherever the layer sits in the model; the model declares none of its own."""
+    from moe_triton.models.checkpoint import load_into
+
+    if name.startswith("nemotron_h"):
+        reference, ours = nemotron_block(32)
+    else:
+        reference, ours = spec_layer(TRANSFORMERS_BLOCKS[name])
+    randomize_(reference.eval(), seed=7)
+    layer = torch.nn.ModuleDict({"mlp": ours})
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([layer])})  # ours: layers.0.mlp
+    load_into(model, {f"layers.0.mlp.{k}": v for k, v in reference.state_dict().items()}, ())
     x = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         assert_close(ours(x), reference(x), torch.float32, scale=5)

@@ -1,4 +1,4 @@
-"""transformers integration: the `"moe_triton"` experts implementation and `from_transformers`.
+"""transformers integration: the `"moe_triton"` experts implementation.
 
 Importing `moe_triton` registers `"moe_triton"` in transformers' `ExpertsInterface`, and in its
 `FP8ExpertsInterface` (integrations/finegrained_fp8.py) for FP8 checkpoints, so
@@ -11,26 +11,18 @@ its experts as they are, or its `FP8Experts` (gate_up_proj / down_proj in e4m3 b
 gate_up_proj_scale_inv / down_proj_scale_inv, `block_size`, `activation_scheme`) on our FP8 kernels.
 transformers builds FP8Experts only on an FP8-capable GPU; elsewhere it dequantizes on load and the
 plain implementation runs.
-
-`from_transformers(block)` builds a `FusedMoE` sharing a transformers sparse-MoE block's tensors;
-each supported block has one small adapter below, registered by its class name.
 """
 from __future__ import annotations
 
 import operator
 import weakref
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .. import platform as platforms
 from ..activation import Activation, ActivationKind
-from ..context import ModelContext
 from ..fused_moe import run_experts
-from ..layer import FusedMoE, SharedCombination
-from ..placement import Placement
-from ..routing import RoutingSpec, Scoring, SelectOn
 from ..weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 # transformers activation classes (ACT2FN values) -> our activation kinds
@@ -63,7 +55,7 @@ def experts_activation(experts: nn.Module) -> Activation:
     return Activation(kind)
 
 
-def _expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def experts_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """(w13, w2) in (E, N, K_in) form; transposed storage becomes a strided view, never a copy."""
     if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
         raise ValueError(f"{type(experts).__name__} has expert biases or a post-expert norm, "
@@ -120,7 +112,7 @@ def _built(experts: nn.Module, build) -> tuple[Activation, ExpertWeights]:
 
 def _native_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
     activation = experts_activation(experts)
-    return activation, ExpertWeights(*_expert_weights(experts), gated=activation.gated)
+    return activation, ExpertWeights(*experts_tensors(experts), gated=activation.gated)
 
 
 def _fp8_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
@@ -162,82 +154,3 @@ def register_experts_implementation(name: str = "moe_triton") -> None:
     except ImportError:  # a transformers without FP8 experts
         return
     FP8ExpertsInterface.register(name, moe_triton_fp8_experts_forward)
-
-
-# ---- from_transformers: one adapter per sparse-MoE block class -------------------------------
-
-_ADAPTERS: dict[str, Callable[[nn.Module], dict]] = {}
-
-
-def _adapter(*class_names: str):
-    def register(fn):
-        for name in class_names:
-            _ADAPTERS[name] = fn
-        return fn
-    return register
-
-
-@_adapter("Qwen3MoeSparseMoeBlock")
-def _qwen3_moe(block) -> dict:
-    gate = block.gate
-    return dict(routing=RoutingSpec(gate.top_k, renormalize=bool(gate.norm_topk_prob)))
-
-
-@_adapter("Cohere2MoeSparseMoeBlock")
-def _cohere2_moe(block) -> dict:
-    gate = block.gate
-    scoring = Scoring.SOFTMAX if gate.expert_selection_fn == "softmax" else Scoring.SIGMOID
-    routing = RoutingSpec(gate.top_k, scoring, SelectOn.LOGITS,
-                          renormalize=scoring is Scoring.SIGMOID and bool(gate.norm_topk_prob))
-    shared = block.shared_experts if block.num_shared_experts > 0 else None
-    return dict(routing=routing, shared_experts=shared,
-                shared_combination=SharedCombination(block.shared_expert_combination_strategy))
-
-
-@_adapter("MiniMaxM2SparseMoeBlock")
-def _minimax_m2(block) -> dict:
-    return dict(routing=RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True, correction_bias=True),
-                correction_bias=block.e_score_correction_bias)
-
-
-@_adapter("MiniMaxM3VLSparseMoeBlock")
-def _minimax_m3(block) -> dict:
-    # transformers scales the routed output; the same factor on the routing weights is the same sum
-    routing = RoutingSpec(block.gate.top_k, Scoring.SIGMOID, renormalize=True, correction_bias=True,
-                          routed_scaling_factor=float(block.routed_scaling_factor))
-    return dict(routing=routing, correction_bias=block.gate.e_score_correction_bias, shared_experts=block.shared_experts)
-
-
-@_adapter("NemotronHMoE")
-def _nemotron_h(block) -> dict:
-    gate = block.gate
-    routing = RoutingSpec(gate.top_k, Scoring.SIGMOID, renormalize=bool(gate.norm_topk_prob),
-                          n_group=gate.num_group, topk_group=gate.topk_group,
-                          routed_scaling_factor=float(gate.routed_scaling_factor), correction_bias=True,
-                          router_in_float32=True)
-    return dict(routing=routing, correction_bias=gate.e_score_correction_bias, shared_experts=block.shared_experts,
-                expert_input_proj=block.fc1_latent_proj, expert_output_proj=block.fc2_latent_proj)
-
-
-def from_transformers(block: nn.Module, backend: str = "auto", context: ModelContext | None = None) -> FusedMoE:
-    """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies unless the
-    resolved backend pads or prepares them). `context` tells backend choice the model's
-    architecture, quantization config, all-to-all and LoRA (see runners/resolver.py)."""
-    name = type(block).__name__
-    if name not in _ADAPTERS:
-        raise ValueError(f"from_transformers does not know {name}; supported blocks: {sorted(_ADAPTERS)}")
-    parts = _ADAPTERS[name](block)
-    bias = parts.pop("correction_bias", None)
-    w13, w2 = _expert_weights(block.experts)
-    E, I, H = w2.shape[0], w2.shape[2], block.gate.weight.shape[1]
-    # Built on the meta device (nothing allocated), resolved for the block's own device, then given its tensors.
-    placement = Placement(backend, context or ModelContext(), platform=platforms.detect_platform(w13.device))
-    layer = FusedMoE(E, parts["routing"].top_k, H, I, activation=experts_activation(block.experts),
-                     placement=placement, dtype=w13.dtype, device="meta", **parts)
-    layer.gate_weight = block.gate.weight
-    layer.gate_up_proj = w13 if isinstance(w13, nn.Parameter) else nn.Parameter(w13, w13.requires_grad)
-    layer.down_proj = w2 if isinstance(w2, nn.Parameter) else nn.Parameter(w2, w2.requires_grad)
-    if bias is not None:
-        layer.e_score_correction_bias = bias
-    layer.prepare_weights()
-    return layer
