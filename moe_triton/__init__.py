@@ -13,7 +13,7 @@
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, slot) pairs,
 R rows after expand; a GEMM computes N output columns over a contraction width C.
 
-`fused_moe.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
+`pipeline.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
 and launched through `launch.py`'s `BoundLaunch` (no JIT dispatch per call); `reference.py` is its float32
 torch reference; `layer.py` holds `FusedMoE`, which calls a backend runner (runners/runner.py)
 chosen once per layer by the resolver (runners/resolver.py, kept as `layer.resolution`);
@@ -26,9 +26,9 @@ from .config import GemmConfig, MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_layout
 from .expert_gemm import expert_gemm
 from .finalize import finalize, finalize_torch
-from .fused_moe import fused_experts, run_experts
 from .integrations.transformers import from_transformers, register_experts_implementation
 from .layer import FusedMoE, SharedCombination
+from .pipeline import fused_experts, run_experts
 from .placement import Placement
 from .platform import Platform, detect_platform
 from .quantize import quantize_fp8

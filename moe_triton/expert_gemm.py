@@ -428,7 +428,7 @@ def expert_gemm(
     """Grouped GEMM in the row space of `layout`: shape (R, N), or (R, N / 2) with a gated activation.
 
     `a` is hidden_states, shape (T, C), when `gather`, else rows in layout order, shape (R, C).
-    `w` has shape (E, N, C). Shapes are validated by the caller (fused_moe.run_experts). FP8
+    `w` has shape (E, N, C). Shapes are validated by the caller (pipeline.run_experts). FP8
     operands come with their `scales`; `out_dtype` (default: a's dtype, or bf16 for FP8 operands)
     set to float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)). `out`, when given, must
     be contiguous with the output's shape and dtype.

@@ -30,8 +30,8 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 import moe_triton.config as configs  # noqa: E402
 from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
 from moe_triton.activation import SILU_AND_MUL  # noqa: E402
-from moe_triton.fused_moe import LayerPlan  # noqa: E402
 from moe_triton.launch import BoundLaunch  # noqa: E402
+from moe_triton.pipeline import LayerPlan  # noqa: E402
 from moe_triton.weights import NATIVE  # noqa: E402
 
 H200 = (132, 232448)  # SM count, shared memory per block (opt-in)

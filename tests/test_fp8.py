@@ -36,7 +36,7 @@ from moe_triton import (
     run_experts,
 )
 from moe_triton.activation import SILU_AND_MUL, Activation, ActivationKind, activation_torch
-from moe_triton.fused_moe import _check_fp8_config
+from moe_triton.pipeline import _check_fp8_config
 from moe_triton.platform import Platform
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8_torch
 

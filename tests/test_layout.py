@@ -56,7 +56,7 @@ LAYERS = [
     ("stages", ["moe_triton.activation", "moe_triton.routing", "moe_triton.expand", "moe_triton._expand_kernels",
                 "moe_triton.config", "moe_triton.quantize", "moe_triton.expert_gemm", "moe_triton.finalize",
                 "moe_triton.reference"]),
-    ("pipeline", ["moe_triton.fused_moe"]),
+    ("pipeline", ["moe_triton.pipeline"]),
     ("parallel", ["moe_triton.parallel"]),
     ("placement", ["moe_triton.placement"]),
     ("runners", ["moe_triton.runners"]),

@@ -25,8 +25,8 @@ from torch import nn
 from .. import platform as platforms
 from ..activation import Activation, ActivationKind
 from ..context import ModelContext
-from ..fused_moe import run_experts
 from ..layer import FusedMoE, SharedCombination
+from ..pipeline import run_experts
 from ..placement import Placement
 from ..routing import RoutingSpec, Scoring, SelectOn
 from ..weights import ExpertWeights, WeightFormat, per_tensor_rows

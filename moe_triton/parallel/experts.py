@@ -19,8 +19,8 @@ from torch import nn
 
 from .. import checks
 from ..activation import SILU_AND_MUL, Activation
-from ..fused_moe import run_experts
 from ..graphs.capture import is_capture_mode
+from ..pipeline import run_experts
 from ..reference import fused_experts_torch
 from ..weights import ExpertWeights
 from .all_to_all import combine, combine_gathered, dispatch, dispatch_gathered

@@ -14,8 +14,8 @@ import torch
 
 from ..activation import Activation
 from ..context import ModelContext
-from ..fused_moe import run_experts
 from ..parallel import ParallelGroups, parallel_experts
+from ..pipeline import run_experts
 from ..reference import fused_experts_torch
 from ..routing import RoutingSpec, route, route_torch
 from ..weights import ExpertWeights
@@ -80,7 +80,7 @@ class ExpertsRunner:
 
 
 class TritonRunner(ExpertsRunner):
-    """Our pipeline, stage by stage (fused_moe.run_experts; its registered op under torch.compile)."""
+    """Our pipeline, stage by stage (pipeline.run_experts; its registered op under torch.compile)."""
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=self.activation)

@@ -131,11 +131,11 @@ def test_non_contiguous_inputs(poisoned_empty):
 
 
 def plan_of(x, w13, w2, ids, weights):
-    import moe_triton.fused_moe as fused_moe
+    import moe_triton.pipeline as pipeline
     from moe_triton import ExpertWeights
 
-    signature = fused_moe._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, True, None)
-    return fused_moe._PLANS.get(signature)
+    signature = pipeline._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, True, None)
+    return pipeline._PLANS.get(signature)
 
 
 def test_one_plan_serves_every_call_of_a_signature(poisoned_empty):
@@ -286,10 +286,10 @@ def test_gradients_of_an_empty_batch():
 
 
 def test_only_the_gradients_needed_are_computed(monkeypatch):
-    import moe_triton.fused_moe as fused_moe
+    import moe_triton.pipeline as pipeline
 
-    asked, real = [], fused_moe.fused_experts_backward_torch
-    monkeypatch.setattr(fused_moe, "fused_experts_backward_torch",
+    asked, real = [], pipeline.fused_experts_backward_torch
+    monkeypatch.setattr(pipeline, "fused_experts_backward_torch",
                         lambda *a, **k: asked.append(k["needs"]) or real(*a, **k))
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=2)
     x.requires_grad_()  # frozen experts, fixed routing weights
