@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .activation import SILU_AND_MUL, Activation, ActivationKind, activate
+from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
 from .expert_gemm import Fp8Scales, plan_expert_gemm
@@ -99,7 +99,6 @@ def run_experts(
     *,
     activation: Activation = SILU_AND_MUL,
     config: MoEConfig | None = None,
-    fuse_activation: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert layer on Triton kernels: a fresh output of shape (T, H) in hidden_states' dtype.
@@ -107,8 +106,7 @@ def run_experts(
     hidden_states (T, H); topk_ids (T, K) int32/int64, where an id outside [0, E) is *filtered*:
     that (token, slot) pair contributes nothing (transformers' expert-parallel sentinel is E,
     other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
-    under top-8); topk_weights (T, K). `config` overrides the launch
-    configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
+    under top-8); topk_weights (T, K). `config` overrides the launch configuration.
     Under torch.compile or torch.export, and in grad mode with an input or weight requiring grad,
     this is the registered op `torch.ops.moe_triton.experts` (its backward: reference.py).
 
@@ -117,43 +115,41 @@ def run_experts(
     with the same one, whatever their values: an eager call's host time is mostly launches.
     """
     if torch.compiler.is_compiling():
-        _refuse_eager_tools(config, fuse_activation, out)
+        _refuse_eager_tools(config, out)
         return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
                                             *_activation_fields(activation))
     if checks.grad_needed(hidden_states, topk_weights, getattr(weights, "w13", None), getattr(weights, "w2", None)):
-        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config,
-                                  fuse_activation, out)
-    plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out)
+        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
+    plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
     return plan(hidden_states, weights, topk_ids, topk_weights, out)
 
 
-def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out) -> "LayerPlan":
+def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> "LayerPlan":
     """The call signature's plan: made (every check) by its first call, then looked up."""
-    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation,
-                                out)
+    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
     plan = _PLANS.get(signature) if signature is not None else None
     if plan is None:
         plan = plan_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
-                            fuse_activation=fuse_activation, out=out)
+                            out=out)
         if signature is not None:
             _remember_plan(signature, plan)
     return plan
 
 
-def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out):
+def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
     """Gradients needed: the checks, then the registered op, whose backward is registered below."""
-    if config is not None or not fuse_activation or out is not None:
-        raise ValueError("config=, fuse_activation=False and out= have no backward; with gradients needed (grad "
+    if config is not None or out is not None:
+        raise ValueError("config= and out= have no backward; with gradients needed (grad "
                          "mode on, an input or weight requiring grad) call the experts without them, or under "
                          "torch.no_grad()")
     checks.not_capturing("run_experts")
-    _plan(hidden_states, weights, topk_ids, topk_weights, activation, None, True, None)
+    _plan(hidden_states, weights, topk_ids, topk_weights, activation, None, None)
     return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
                                         *_activation_fields(activation))
 
 
 def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *, activation: Activation,
-                 config: MoEConfig | None, fuse_activation: bool, out) -> "LayerPlan":
+                 config: MoEConfig | None, out) -> "LayerPlan":
     """Check a call of run_experts and choose its configuration: the `LayerPlan` of its signature."""
     check_specs(activation, config)
     if weights.gated != activation.gated:
@@ -166,8 +162,8 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
     config = config or choose_config(max(T, 1), K, E, H, I, hidden_states.device, weights.dtype,
                                      fp8_group=block[1] if block is not None else 128)
     if weights.format.fp8 is not None:
-        _check_fp8_config(config, hidden_states.device, fuse_activation)
-    return LayerPlan(T, config, activation, fuse_activation)
+        _check_fp8_config(config, hidden_states.device)
+    return LayerPlan(T, config, activation)
 
 
 class LayerPlan:
@@ -175,11 +171,10 @@ class LayerPlan:
     (expand.py, quantize.py, expert_gemm.py, finalize.py), each made by the first call that
     reaches it from that call's tensors and valid for every later call of the signature."""
 
-    def __init__(self, num_tokens: int, config: MoEConfig, activation: Activation, fuse_activation: bool):
+    def __init__(self, num_tokens: int, config: MoEConfig, activation: Activation):
         self.num_tokens = num_tokens
         self.config = config
         self.activation = activation
-        self.fuse_activation = fuse_activation
         self.stages: dict[str, object] = {}  # stage name -> its plan
 
     def stage(self, name: str, make):
@@ -206,12 +201,9 @@ class LayerPlan:
 
     def gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
         config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
-        epilogue = activation if self.fuse_activation else None  # unfused: the standalone kernel after it
         up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True,
-                                                       activation=epilogue))
-        h = up(hidden_states, w13, layout)  # [R, I], or [R, 2I] / [R, I] before the activation
-        if epilogue is None:
-            h = activate(h, activation)  # [R, I]
+                                                       activation=activation))
+        h = up(hidden_states, w13, layout)  # [R, I]
         down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False))
         return down(h, w2, layout)  # [R, H], or [S, R, H] float32 partials
 
@@ -235,13 +227,12 @@ class LayerPlan:
         return down(h, w2, layout, down_scales)  # [R, H], or [S, R, H] float32 partials
 
 
-def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out):
+def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
     """Everything run_experts' checks and launch arguments depend on; None where an argument is not
     even of the right kind (the checks then name it)."""
     try:
         signature = (tensor_signature(hidden_states), weights.signature, tensor_signature(topk_ids),
-                     tensor_signature(topk_weights), activation, config, fuse_activation,
-                     None if out is None else tensor_signature(out))
+                     tensor_signature(topk_weights), activation, config, None if out is None else tensor_signature(out))
         hash(signature)
     except (AttributeError, TypeError):
         return None
@@ -274,9 +265,9 @@ def _format_fields(fmt: WeightFormat) -> tuple:
     return _FP8.index(fmt.fp8), block_n, block_c, fmt.static_input
 
 
-def _refuse_eager_tools(config, fuse_activation: bool, out) -> None:
-    if config is not None or not fuse_activation or out is not None:
-        raise ValueError("config=, fuse_activation= and out= are eager tools; under torch.compile or torch.export "
+def _refuse_eager_tools(config, out) -> None:
+    if config is not None or out is not None:
+        raise ValueError("config= and out= are eager tools; under torch.compile or torch.export "
                          "call the experts without them (the output is fresh)")
 
 
@@ -344,10 +335,7 @@ def _(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weig
                  for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
 
 
-def _check_fp8_config(config: MoEConfig, device: torch.device, fuse_activation: bool) -> None:
-    if not fuse_activation:
-        raise ValueError("fuse_activation=False is for unquantized experts: FP8 quantizes the intermediate in the "
-                         "first GEMM's activation epilogue")
+def _check_fp8_config(config: MoEConfig, device: torch.device) -> None:
     if device.type == "cuda":  # scale groups narrower than a step are fine (expert_gemm.py)
         for name, gemm in (("up", config.up), ("down", config.down)):
             if gemm.block_c < FP8_MIN_STEP:
@@ -364,20 +352,18 @@ def fused_experts(
     *,
     activation: Activation = SILU_AND_MUL,
     config: MoEConfig | None = None,
-    fuse_activation: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`run_experts` on plain weight tensors: w13 (E, 2I, H) [gate; up], or (E, I, H) for a
     non-gated activation; w2 (E, H, I). A fresh (T, H) in hidden_states' dtype."""
     if torch.compiler.is_compiling():  # the op takes plain data: no ExpertWeights is built inside the graph
-        _refuse_eager_tools(config, fuse_activation, out)
+        _refuse_eager_tools(config, out)
         return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None, activation.gated,
                                             *_format_fields(NATIVE), topk_ids, topk_weights,
                                             *_activation_fields(activation))
     check_specs(activation, config)
     weights = ExpertWeights(w13, w2, gated=activation.gated)
-    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
-                       fuse_activation=fuse_activation, out=out)
+    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config, out=out)
 
 
 def _describe(t) -> str:

@@ -79,7 +79,7 @@ def compile_case(case: dict) -> str:
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = (torch.arange(T * K) % E).reshape(T, K).int()
     before = len(compiled)
-    LayerPlan(T, config, SILU_AND_MUL, True)(x, weights, ids, torch.rand(T, K), None)
+    LayerPlan(T, config, SILU_AND_MUL)(x, weights, ids, torch.rand(T, K), None)
     return f"{fmt} T={T}: {config.describe()}: {len(compiled) - before} new kernels compiled"
 
 

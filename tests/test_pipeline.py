@@ -63,15 +63,14 @@ def test_fused_experts_awkward_widths(T, E, K, H, I, poisoned_empty):
                  torch.float16, scale=2)
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused-epilogue", "standalone-activation"])
 @pytest.mark.parametrize("activation", [
     Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.GELU_AND_MUL),
     Activation(ActivationKind.GELU_TANH_AND_MUL), Activation(ActivationKind.RELU2),
     Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.702),
 ], ids=lambda a: a.kind.name)
-def test_fused_experts_activations(activation, fuse, poisoned_empty):
+def test_fused_experts_activations(activation, poisoned_empty):
     x, w13, w2, ids, weights = make_layer(17, 8, 2, 40, 33, torch.float32, seed=3, activation=activation)
-    out = fused_experts(x, w13, w2, ids, weights, activation=activation, fuse_activation=fuse)
+    out = fused_experts(x, w13, w2, ids, weights, activation=activation)
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32)
 
 
@@ -134,7 +133,7 @@ def plan_of(x, w13, w2, ids, weights):
     import moe_triton.pipeline as pipeline
     from moe_triton import ExpertWeights
 
-    signature = pipeline._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, True, None)
+    signature = pipeline._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, None)
     return pipeline._PLANS.get(signature)
 
 
@@ -323,11 +322,10 @@ def test_inference_takes_the_planned_path_not_the_op():
     assert "moe_triton.experts.default" in ops.seen
 
 
-@pytest.mark.parametrize("tool", ["out", "config", "fuse_activation"])
+@pytest.mark.parametrize("tool", ["out", "config"])
 def test_eager_tools_refuse_when_gradients_are_needed(tool, no_launch):
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=4)
-    kwargs = {"out": dict(out=torch.empty(9, 40)), "config": dict(config=config_for(LayoutKind.SORTED)),
-              "fuse_activation": dict(fuse_activation=False)}[tool]
+    kwargs = {"out": dict(out=torch.empty(9, 40)), "config": dict(config=config_for(LayoutKind.SORTED))}[tool]
     with pytest.raises(ValueError, match="have no backward") as refusal:
         fused_experts(x, w13.requires_grad_(), w2, ids, weights, **kwargs)
     assert "\n" not in str(refusal.value)
