@@ -114,7 +114,7 @@ def main():
         "expert GEMM down (1 allocation, 1 launch, TMA)": lambda: plan.stages["down"](h, w2, layout),
         "finalize (1 allocation, 1 launch)": lambda: plan.stages["finalize"](y, weights, layout, None),
         "the whole call, fused_experts": lambda: fused_experts(x, w13, w2, ids, weights),
-        "the same finalize through the JIT (finalize())": lambda: moe_triton.finalize(y, weights, layout),
+        "the same finalize through the JIT (finalize())": lambda: moe_triton.finalize.finalize(y, weights, layout),
     }
     for name, fn in parts.items():
         lines.append(f"- {name}: {host_us(fn):.1f} µs")

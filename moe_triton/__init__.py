@@ -23,9 +23,8 @@ helpers live in tools/, which nothing here imports.
 """
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
 from .config import GemmConfig, MoEConfig, choose_config
-from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_layout
-from .expert_gemm import expert_gemm
-from .finalize import finalize, finalize_torch
+from .expand import ExpertLayout, LayoutKind, expand_torch, per_pair_layout
+from .finalize import finalize_torch
 from .integrations.transformers import from_transformers, register_experts_implementation
 from .layer import FusedMoE, SharedCombination
 from .pipeline import fused_experts, run_experts
@@ -54,7 +53,7 @@ register_experts_implementation()
 __all__ = [
     "SILU_AND_MUL", "Activation", "ActivationKind", "activate", "activation_torch",
     "GemmConfig", "MoEConfig", "choose_config",
-    "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
+    "ExpertLayout", "LayoutKind", "expand_torch", "per_pair_layout", "finalize_torch",
     "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights", "WeightFormat",
     "Fp8Scaling", "quantize_fp8",
     "ExpertBackend", "FusedMoE", "SharedCombination", "ModelContext", "Placement", "Resolution", "resolve",

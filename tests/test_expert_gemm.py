@@ -14,7 +14,7 @@ from moe_triton.expand import expand
 from moe_triton.expert_gemm import Fp8Scales, ScaleAlongC, expert_gemm, expert_gemm_torch
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8
 
-expert_gemm_module = importlib.import_module("moe_triton.expert_gemm")  # `moe_triton.expert_gemm` is the function
+expert_gemm_module = importlib.import_module("moe_triton.expert_gemm")
 
 
 def rows_in_use(layout):

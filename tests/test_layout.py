@@ -1,6 +1,7 @@
 """The architecture the file tree promises: the library never imports its tools room, and the layer
 holds no backend- or format-specific code (that lives in the runners)."""
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,13 @@ def test_the_imports_hold_no_cycle():
         if module not in state:
             visit(module, [module])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_package_shadows_none_of_its_modules():
+    import pkgutil
+
+    import moe_triton
+
+    shadowed = [info.name for info in pkgutil.iter_modules(moe_triton.__path__)
+                if hasattr(moe_triton, info.name) and not inspect.ismodule(getattr(moe_triton, info.name))]
+    assert not shadowed, f"moe_triton.<name> is not the module of that name for {shadowed}: import it from its module"

@@ -17,14 +17,14 @@ from moe_triton import (
     activate,
     activation_torch,
     choose_config,
-    expand,
     expand_torch,
-    finalize,
     finalize_torch,
     fused_experts,
     fused_experts_torch,
     run_experts,
 )
+from moe_triton.expand import expand
+from moe_triton.finalize import finalize
 from moe_triton.routing import RoutingSpec, route, route_torch
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
