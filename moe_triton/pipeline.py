@@ -23,6 +23,7 @@ from .config import FP8_MIN_STEP, MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
 from .expert_gemm import Fp8Scales, plan_expert_gemm
 from .finalize import plan_finalize
+from .launch import PlanCache, register_op
 from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, interpreter_hint, triton_can_run_on
 from .quantize import plan_quantize
 from .reference import fused_experts_backward_torch
@@ -124,15 +125,13 @@ def run_experts(
     return plan(hidden_states, weights, topk_ids, topk_weights, out)
 
 
-def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> "LayerPlan":
+def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> LayerPlan:
     """The call signature's plan: made (every check) by its first call, then looked up."""
     signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
-    plan = _PLANS.get(signature) if signature is not None else None
+    plan = _PLANS.get(signature)
     if plan is None:
-        plan = plan_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
-                            out=out)
-        if signature is not None:
-            _remember_plan(signature, plan)
+        plan = _PLANS.add(signature, plan_experts(hidden_states, weights, topk_ids, topk_weights,
+                                                  activation=activation, config=config, out=out))
     return plan
 
 
@@ -239,14 +238,7 @@ def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, 
     return signature
 
 
-_PLANS: dict[tuple, LayerPlan] = {}
-_MAX_PLANS = 1024  # prefill sees a new token count per prompt length: keep the newest
-
-
-def _remember_plan(signature: tuple, plan: LayerPlan) -> None:
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[signature] = plan
+_PLANS = PlanCache()
 
 
 # ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
@@ -275,19 +267,7 @@ def _activation_fields(activation: Activation) -> tuple:
     return activation.kind.value, float(activation.swiglu_limit), float(activation.swiglu_alpha)
 
 
-@torch.library.custom_op("moe_triton::experts", mutates_args=())
-def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                w2_scale: torch.Tensor | None, input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
-                block_c: int, static_input: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                activation: int, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
-    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
-    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
-    act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
-    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
-
-
-@_experts_op.register_fake
-def _(hidden_states, *args):
+def _experts_fake(hidden_states, *args):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
@@ -310,10 +290,24 @@ def _experts_backward(ctx, grad_out):
     return dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights, None, None, None
 
 
-_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+@register_op("experts", _experts_fake, backward=_experts_backward, setup_context=_experts_setup_context)
+def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                w2_scale: torch.Tensor | None, input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
+                block_c: int, static_input: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                activation: int, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
+    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
+    act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
+    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
 
 
-@torch.library.custom_op("moe_triton::experts_backward", mutates_args=())
+def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weights, *args):
+    wanted = args[-1]
+    return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
+                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
+
+
+@register_op("experts_backward", _experts_backward_fake)
 def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, gated: bool, fp8: int, block_n: int, block_c: int,
@@ -326,13 +320,6 @@ def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w1
     grads = fused_experts_backward_torch(grad_out, hidden_states, weights, topk_ids, topk_weights, activation=act,
                                          needs=tuple(wanted))
     return tuple(grad if grad is not None else grad_out.new_empty(0) for grad in grads)
-
-
-@_experts_backward_op.register_fake
-def _(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weights, *args):
-    wanted = args[-1]
-    return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
-                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
 
 
 def _check_fp8_config(config: MoEConfig, device: torch.device) -> None:

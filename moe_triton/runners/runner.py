@@ -14,6 +14,7 @@ import torch
 
 from ..activation import Activation
 from ..context import ModelContext
+from ..launch import register_op
 from ..parallel import ParallelGroups, parallel_experts
 from ..pipeline import run_experts
 from ..reference import fused_experts_torch
@@ -26,14 +27,14 @@ from .spec import BackendSpec, LayerTraits
 # "triton/backends" (Triton's own), which would break the graph at each runner method.
 
 
-@torch.library.custom_op("moe_triton::not_compile_safe", mutates_args=())
-def _not_compile_safe(x: torch.Tensor, reason: str) -> torch.Tensor:
+def _refuse(x: torch.Tensor, reason: str) -> torch.Tensor:
     raise RuntimeError(reason)
 
 
-@_not_compile_safe.register_fake
-def _(x, reason):
-    raise RuntimeError(reason)  # raised while torch.compile / torch.export trace: an error, never a silent graph break
+# The fake raises too: while torch.compile / torch.export trace, an error, never a silent graph break.
+@register_op("not_compile_safe", _refuse)
+def _not_compile_safe(x: torch.Tensor, reason: str) -> torch.Tensor:
+    raise RuntimeError(reason)
 
 
 def refuse_compile(x: torch.Tensor, what: str) -> torch.Tensor:
