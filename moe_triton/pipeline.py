@@ -15,17 +15,19 @@ stage's plan, and later calls of that signature only allocate and launch (launch
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, MoEConfig, choose_config
-from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
-from .expert_gemm import Fp8Scales, plan_expert_gemm
-from .finalize import plan_finalize
+from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, plan_expand
+from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
+from .finalize import FinalizePlan, plan_finalize
 from .launch import PlanCache, register_op
 from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, interpreter_hint, triton_can_run_on
-from .quantize import plan_quantize
+from .quantize import QuantizePlan, plan_quantize
 from .reference import fused_experts_backward_torch
 from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
 
@@ -148,7 +150,7 @@ def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activatio
 
 
 def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *, activation: Activation,
-                 config: MoEConfig | None, out) -> "LayerPlan":
+                 config: MoEConfig | None, out) -> LayerPlan:
     """Check a call of run_experts and choose its configuration: the `LayerPlan` of its signature."""
     check_specs(activation, config)
     if weights.gated != activation.gated:
@@ -162,68 +164,68 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
                                      fp8_group=block[1] if block is not None else 128)
     if weights.format.fp8 is not None:
         _check_fp8_config(config, hidden_states.device)
-    return LayerPlan(T, config, activation)
+    return LayerPlan.build(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
 
 
+@dataclass(frozen=True)
 class LayerPlan:
-    """run_experts for one call signature, checked: its configuration, and the stage plans
-    (expand.py, quantize.py, expert_gemm.py, finalize.py), each made by the first call that
-    reaches it from that call's tensors and valid for every later call of the signature."""
+    """run_experts for one call signature: every stage's plan, built from the signature's metadata
+    before anything launches; a call allocates and launches, stage after stage."""
 
-    def __init__(self, num_tokens: int, config: MoEConfig, activation: Activation):
-        self.num_tokens = num_tokens
-        self.config = config
-        self.activation = activation
-        self.stages: dict[str, object] = {}  # stage name -> its plan
+    num_tokens: int  # T; 0 launches nothing
+    hidden_size: int  # H
+    expand: ExpandPlan | PerPairPlan  # topk_ids -> ExpertLayout (decode: one pair per tile, no launch)
+    quantize: QuantizePlan | None  # FP8 only: hidden_states -> e4m3 [T, H] + scales
+    up: ExpertGemmPlan  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
+    down: ExpertGemmPlan  # w2 -> [R, H], or [S, R, H] float32 split-C partials
+    finalize: FinalizePlan  # weighted un-permute -> a fresh [T, H] (or `out`)
 
-    def stage(self, name: str, make):
-        plan = self.stages.get(name)
-        if plan is None:
-            plan = self.stages[name] = make()
-        return plan
-
-    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, out) -> torch.Tensor:
+    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, out=None) -> torch.Tensor:
         if self.num_tokens == 0:
-            H = weights.hidden_size
-            return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
-        config, E = self.config, weights.num_experts
-        if config.layout is LayoutKind.PER_PAIR:
-            layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
-        else:
-            layout = self.stage("expand", lambda: plan_expand(*topk_ids.shape, E, config.block_m))(topk_ids)
+            H, dtype, device = self.hidden_size, hidden_states.dtype, hidden_states.device
+            return torch.empty(0, H, dtype=dtype, device=device) if out is None else out
+        layout = self.expand(topk_ids)
+        x, x_scales = hidden_states, None
+        if self.quantize is not None:  # FP8
+            x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
+        h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)  # [R, I], [R, I / BLOCK_N]
+        y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale)  # [R, H] or [S, R, H]
+        return self.finalize(y, topk_weights, layout, out)  # [T, H]
+
+    @classmethod
+    def build(cls, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, activation: Activation,
+              config: MoEConfig, out) -> LayerPlan:
+        """The plan for checked arguments; each stage plans from the meta stand-ins of its inputs."""
+        T, K = topk_ids.shape
+        E, H, dtype, block_m = weights.num_experts, weights.hidden_size, hidden_states.dtype, config.block_m
+        layout = layout_like(config.layout, T, K, E, block_m)
+        sorted_layout = config.layout is LayoutKind.SORTED
+        expand = plan_expand(T, K, E, block_m) if sorted_layout else PerPairPlan(E, block_m)
+        x, quantize, up_scales = hidden_states, None, None
         if weights.format.fp8 is not None:
-            y = self.fp8_gemms(hidden_states, weights, layout)  # [R, H] or [S, R, H] float32
-        else:
-            y = self.gemms(hidden_states, weights, layout)
-        finalize = self.stage("finalize", lambda: plan_finalize(y, topk_weights, layout, hidden_states.dtype, out))
-        return finalize(y, topk_weights, layout, out)  # [T, H]
+            quantize, x, up_scales = _plan_quantize(hidden_states, weights)
+        up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
+                              scales=up_scales, out_dtype=FP8_DTYPE if quantize else dtype)
+        h, h_scales = up.outputs("meta")
+        down_scales = None
+        if quantize is not None:  # the intermediate: one scale per row and up.block_n columns
+            down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, weights.format.block)
+        down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False, scales=down_scales,
+                                out_dtype=dtype)
+        y, _ = down.outputs("meta")
+        finalize = plan_finalize(y, topk_weights, layout, dtype, out)
+        return cls(T, H, expand, quantize, up, down, finalize)
 
-    def gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
-        config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
-        up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True,
-                                                       activation=activation))
-        h = up(hidden_states, w13, layout)  # [R, I]
-        down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False))
-        return down(h, w2, layout)  # [R, H], or [S, R, H] float32 partials
 
-    def fp8_gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
-        """The two GEMMs on FP8 operands: the input quantized once per token (per block_c group for
-        block scales, per row otherwise, or with the static scale), the intermediate in the first
-        GEMM's epilogue, one scale per row and up.block_n columns."""
-        config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
-        block = weights.format.block
-        group = block[1] if block is not None else None
-        quantize = self.stage("quantize", lambda: plan_quantize(hidden_states, group, weights.input_scale is not None))
-        x, x_scales = quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
-        up_scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block,
-                              weights.w13_scale_up_offset)
-        up = self.stage("up", lambda: plan_expert_gemm(x, w13, layout, config.up, gather=True, activation=activation,
-                                                       scales=up_scales, out_dtype=FP8_DTYPE))
-        h, h_scales = up(x, w13, layout, up_scales)  # [R, I] e4m3, [R, I / up.block_n]
-        down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, block)
-        down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False,
-                                                           scales=down_scales, out_dtype=hidden_states.dtype))
-        return down(h, w2, layout, down_scales)  # [R, H], or [S, R, H] float32 partials
+def _plan_quantize(hidden_states, weights: ExpertWeights) -> tuple[QuantizePlan, torch.Tensor, Fp8Scales]:
+    """FP8: the input quantized once per token (per block_c group for block scales, per row
+    otherwise, or with the static scale); its plan, the stand-in of its output, the up GEMM's scales."""
+    block = weights.format.block
+    group = block[1] if block is not None else None
+    quantize = plan_quantize(hidden_states, group, weights.input_scale is not None)
+    x, x_scales = quantize.outputs("meta", weights.input_scale)  # [T, H] e4m3, [T, G]
+    scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block, weights.w13_scale_up_offset)
+    return quantize, x, scales
 
 
 def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out):

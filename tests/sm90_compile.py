@@ -79,7 +79,8 @@ def compile_case(case: dict) -> str:
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = (torch.arange(T * K) % E).reshape(T, K).int()
     before = len(compiled)
-    LayerPlan(T, config, SILU_AND_MUL)(x, weights, ids, torch.rand(T, K), None)
+    topk_weights = torch.rand(T, K)
+    LayerPlan.build(x, weights, ids, topk_weights, SILU_AND_MUL, config, None)(x, weights, ids, topk_weights)
     return f"{fmt} T={T}: {config.describe()}: {len(compiled) - before} new kernels compiled"
 
 

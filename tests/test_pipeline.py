@@ -171,6 +171,27 @@ def test_plans_do_not_keep_weights_alive():
     assert all(ref() is None for ref in alive)
 
 
+@pytest.mark.parametrize("fmt", [None, WeightFormat.fp8_block(16, 16)], ids=["bf16-like", "fp8-block"])
+@pytest.mark.parametrize("T", [1, 9], ids=["per-pair", "sorted"])
+def test_the_plan_is_built_from_the_signature_before_anything_launches(T, fmt, no_launch):
+    """plan_experts plans every stage itself, launching nothing: a frozen plan, one field per stage."""
+    import dataclasses
+
+    from moe_triton.expand import ExpandPlan, PerPairPlan
+    from moe_triton.pipeline import plan_experts
+
+    x, w13, w2, ids, weights = make_layer(T, 4, 2, 32, 16, torch.float16, seed=T)
+    experts = ExpertWeights(w13, w2) if fmt is None else ExpertWeights(w13.float(), w2.float()).to_format(fmt)
+    plan = plan_experts(x, experts, ids, weights, activation=SILU_AND_MUL, config=None, out=None)
+    assert [f.name for f in dataclasses.fields(plan)][-5:] == ["expand", "quantize", "up", "down", "finalize"]
+    assert isinstance(plan.expand, PerPairPlan if T == 1 else ExpandPlan)
+    assert (plan.quantize is not None) == (fmt is not None)
+    assert all(stage.launch is not None for stage in (plan.up, plan.down, plan.finalize))
+    assert plan.up.out_dtype == (torch.float8_e4m3fn if fmt else torch.float16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.up = plan.down
+
+
 def test_bad_input_is_refused_after_its_shape_was_planned():
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=15)
     fused_experts(x, w13, w2, ids, weights)
