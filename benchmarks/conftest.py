@@ -22,16 +22,16 @@ CEILINGS: list[Ceilings] = []
 
 def pytest_configure(config):
     if os.environ.get("MOE_TRITON_BENCH_SLOWDOWN"):  # read here, at the entry point, never in the library
-        import moe_triton.fused_moe as fused_moe
+        import moe_triton.pipeline as pipeline
 
-        choose = fused_moe.choose_config
+        choose = pipeline.choose_config
 
         def slowed(*args, **kwargs):
             tiles = choose(*args, **kwargs)
             slow = dict(block_n=32, block_c=32, num_stages=2, tma_weights=False)
             return replace(tiles, up=replace(tiles.up, **slow), down=replace(tiles.down, **slow))
 
-        fused_moe.choose_config = slowed
+        pipeline.choose_config = slowed
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

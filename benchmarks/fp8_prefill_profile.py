@@ -45,8 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     formats = {"bf16": None, "fp8-block": WeightFormat.fp8_block(128, 128), "fp8-channel": WeightFormat.fp8_channel()}
     if args.variant == "unpromoted":
-        # The module, not moe_triton.expert_gemm (the package re-exports the launcher under that name),
-        # before the first compile: the kernel resolves _step in its module's globals then.
+        # Before the first compile: the kernel resolves _step in its module's globals then.
         importlib.import_module("moe_triton.expert_gemm")._step = _unpromoted_step
         formats = {"fp8-channel": formats["fp8-channel"]}  # block scales change per step: they need a promotion
 

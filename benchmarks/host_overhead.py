@@ -21,7 +21,7 @@ from triton.runtime.jit import JITFunction
 from triton.testing import do_bench
 
 import moe_triton
-from moe_triton import SILU_AND_MUL, ExpertWeights, choose_config, fused_experts, fused_moe
+from moe_triton import SILU_AND_MUL, ExpertWeights, choose_config, fused_experts, pipeline
 from moe_triton.graphs import capture_graph
 from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 
@@ -94,27 +94,27 @@ def main():
                                x.device)
         lines.append(f"| {T} | {host:.1f} | {jit:g} | {eager:.1f} | {replay:.1f} | {eager / replay:.2f} | {config.describe()} |")
         print(lines[-1], flush=True)
-    lines += ["", "Host time of the parts of one planned call (fused_moe.LayerPlan), M = 64:", ""]
+    lines += ["", "Host time of the parts of one planned call (pipeline.LayerPlan), M = 64:", ""]
     inputs = random_inputs(shape, 64, torch.bfloat16, "cuda", num_variants=1)
     x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
     fused_experts(x, w13, w2, ids, weights)
     experts = ExpertWeights(w13, w2)
-    signature = fused_moe._call_signature(x, experts, ids, weights, SILU_AND_MUL, None, True, None)
-    plan = fused_moe._PLANS[signature]
-    layout = plan.stages["expand"](ids)
-    h = plan.stages["up"](x, w13, layout)
-    y = plan.stages["down"](h, w2, layout)
+    signature = pipeline._call_signature(x, experts, ids, weights, SILU_AND_MUL, None, None)
+    plan = pipeline._PLANS.get(signature)
+    layout = plan.expand(ids)
+    h, _ = plan.up(x, w13, layout)
+    y, _ = plan.down(h, w2, layout)
     parts = {
         "torch.empty (reference point)": lambda: torch.empty(64, shape.hidden_size, device="cuda"),
         "ExpertWeights(w13, w2) (fused_experts builds one per call)": lambda: ExpertWeights(w13, w2),
-        "the call's signature and plan lookup": lambda: fused_moe._PLANS[fused_moe._call_signature(
-            x, experts, ids, weights, SILU_AND_MUL, None, True, None)],
-        "expand (1 allocation, 3 launches)": lambda: plan.stages["expand"](ids),
-        "expert GEMM up (1 allocation, 1 launch, TMA)": lambda: plan.stages["up"](x, w13, layout),
-        "expert GEMM down (1 allocation, 1 launch, TMA)": lambda: plan.stages["down"](h, w2, layout),
-        "finalize (1 allocation, 1 launch)": lambda: plan.stages["finalize"](y, weights, layout, None),
+        "the call's signature and plan lookup": lambda: pipeline._PLANS.get(pipeline._call_signature(
+            x, experts, ids, weights, SILU_AND_MUL, None, None)),
+        "expand (1 allocation, 3 launches)": lambda: plan.expand(ids),
+        "expert GEMM up (1 allocation, 1 launch, TMA)": lambda: plan.up(x, w13, layout),
+        "expert GEMM down (1 allocation, 1 launch, TMA)": lambda: plan.down(h, w2, layout),
+        "finalize (1 allocation, 1 launch)": lambda: plan.finalize(y, weights, layout, None),
         "the whole call, fused_experts": lambda: fused_experts(x, w13, w2, ids, weights),
-        "the same finalize through the JIT (finalize())": lambda: moe_triton.finalize(y, weights, layout),
+        "the same finalize through the JIT (finalize())": lambda: moe_triton.finalize.finalize(y, weights, layout),
     }
     for name, fn in parts.items():
         lines.append(f"- {name}: {host_us(fn):.1f} µs")

@@ -10,7 +10,9 @@ Each GEMM is timed alone (do_bench median, L2 flushed) on a layout built once pe
 import torch
 from triton.testing import do_bench
 
-from moe_triton import SILU_AND_MUL, GemmConfig, LayoutKind, expand, expert_gemm, fused_experts, per_pair_layout
+from moe_triton import SILU_AND_MUL, GemmConfig, LayoutKind, fused_experts, per_pair_layout
+from moe_triton.expand import expand
+from moe_triton.expert_gemm import expert_gemm
 from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
 # (block_n, block_c, num_stages, num_warps, tma_weights)

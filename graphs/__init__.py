@@ -1,11 +1,12 @@
 """Decode CUDA graphs and role-keyed streams, as a small library models/ plugs into.
 
     streams.py  get_stream(role): one shared stream per (device, role); run_branches(main, side)
-    capture.py  is_capture_mode(), ForwardMode, overlap_enabled(mode): overlap in captured decode only
+    capture.py  capture_mode(), is_capture_mode(), ForwardMode; overlap_enabled(mode) (captured
+                decode only), gathered_dispatch() (the all-to-all's fixed-capacity form)
     runner.py   DecodeGraphRunner: a graph per batch-size bucket over a decode step's static tensors;
                 capture_graph: one graph over a step called on several input sets (benchmarks, tests)
 """
-from .capture import ForwardMode, capture_mode, is_capture_mode, overlap_enabled
+from .capture import ForwardMode, capture_mode, gathered_dispatch, is_capture_mode, overlap_enabled
 from .runner import (
                      CaptureStats,
                      DecodeGraphRunner,
@@ -18,7 +19,7 @@ from .runner import (
 from .streams import get_stream, run_branches
 
 __all__ = [
-    "ForwardMode", "capture_mode", "is_capture_mode", "overlap_enabled",
+    "ForwardMode", "capture_mode", "gathered_dispatch", "is_capture_mode", "overlap_enabled",
     "CaptureStats", "DecodeGraphRunner", "capture_graph", "GraphConfig", "StaticInput", "bucket_for", "default_batch_sizes",
     "get_stream", "run_branches",
 ]

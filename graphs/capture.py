@@ -1,8 +1,10 @@
-"""Capture state: whether the graph manager is capturing, and the batch's forward mode.
+"""Capture state, set by the graph manager around warm-up and capture: whether it is capturing, and
+the two switches a capture turns on, each read by its one user:
 
-Capture mode alone does not tell decode from prefill (a prefill capture sets it too), so model
-code decides overlap from both: `overlap_enabled(mode)` is true only for a *decode* batch
-*while capturing*.
+    overlap_enabled(mode)  branches overlap on alternate streams (models/causal_lm.py); only in
+                           *decode*, as a prefill capture sets the switch too
+    gathered_dispatch()    the all-to-all dispatch takes its gathered, fixed-capacity form
+                           (moe_triton/parallel/experts.py)
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import enum
 import torch
 
 _capturing = contextvars.ContextVar("moe_triton_capturing", default=False)
+_overlap = contextvars.ContextVar("moe_triton_overlap", default=False)
+_gathered_dispatch = contextvars.ContextVar("moe_triton_gathered_dispatch", default=False)
 
 
 class ForwardMode(enum.Enum):
@@ -20,22 +24,34 @@ class ForwardMode(enum.Enum):
     PREFILL = "prefill"  # a chunk of prompt tokens (also extend)
 
 
-def is_capture_mode() -> bool:
+def _read(flag: contextvars.ContextVar) -> bool:
     # torch.compile never runs inside our graph manager (its own CUDA graphs are reduce-overhead's),
     # and its tracer cannot read a ContextVar: answer before looking
-    return not torch.compiler.is_compiling() and _capturing.get()
+    return not torch.compiler.is_compiling() and flag.get()
 
 
-@contextlib.contextmanager
-def capture_mode():
-    """Set only by the graph manager around warm-up and capture; cleared after, also on errors."""
-    token = _capturing.set(True)
-    try:
-        yield
-    finally:
-        _capturing.reset(token)
+def is_capture_mode() -> bool:
+    return _read(_capturing)
 
 
 def overlap_enabled(mode: ForwardMode) -> bool:
     """Branches overlap on alternate streams only in captured decode."""
-    return is_capture_mode() and mode is ForwardMode.DECODE
+    return _read(_overlap) and mode is ForwardMode.DECODE
+
+
+def gathered_dispatch() -> bool:
+    """The all-to-all dispatch is gathered: fixed shapes, nothing read on the host (all_to_all.py)."""
+    return _read(_gathered_dispatch)
+
+
+@contextlib.contextmanager
+def capture_mode(*, overlap: bool = True, gathered: bool = True):
+    """Capturing, with the overlap and the gathered dispatch switched on unless told otherwise;
+    cleared after, also on errors."""
+    tokens = [(flag, flag.set(value)) for flag, value in
+              ((_capturing, True), (_overlap, overlap), (_gathered_dispatch, gathered))]
+    try:
+        yield
+    finally:
+        for flag, token in reversed(tokens):
+            flag.reset(token)

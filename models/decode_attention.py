@@ -16,13 +16,16 @@ long sequence fills the GPU and nothing is read on the host (graph-capturable).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from moe_triton.config import device_limits
-from moe_triton.launch import interpreter_serialized
+from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from moe_triton.platform import triton_computes_exactly
+from moe_triton.weights import tensor_signature
 
 
 @triton.jit
@@ -123,26 +126,48 @@ def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: to
 
 
 def _launch(q, keys, values, slots, positions, scale: float, window: int) -> torch.Tensor:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
+    if q.shape[0] == 0:
+        return out
+    signature = tuple(tensor_signature(t) for t in (q, keys, values, slots, positions)) + (scale, window)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS.add(signature, _plan(q, keys, scale, window))
+    part_out = torch.empty(plan.parts + (q.shape[2],), dtype=torch.float32, device=q.device)  # unnormalised outputs
+    part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32, device=q.device)  # (max, sum) per split
+    plan.split(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions, part_out_ptr=part_out,
+               part_stats_ptr=part_stats)
+    plan.combine(part_out_ptr=part_out, part_stats_ptr=part_stats, out_ptr=out)
+    return out
+
+
+@dataclass(frozen=True)
+class _AttentionPlan:
+    """The two launches of one signature (q's and the cache's metadata, scale, window), bound once."""
+
+    parts: tuple[int, int, int]  # (B, Hq, splits): one partial result per query head and split
+    split: BoundLaunch
+    combine: BoundLaunch
+
+
+def _plan(q, keys, scale: float, window: int) -> _AttentionPlan:
     B, Hq, D = q.shape
     _, Hkv, S, _ = keys.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
-    if B == 0:
-        return out
     BLOCK_N = 64 if q.is_cuda else 16
     splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
-    part_out = torch.empty(B, Hq, splits, D, dtype=torch.float32, device=q.device)  # unnormalised outputs
-    part_stats = torch.empty(B, Hq, splits, 2, dtype=torch.float32, device=q.device)  # (max, sum) per split
     group = Hq // Hkv
-    _split_kernel[(B, Hkv, splits)](
-        q, keys, values, slots, positions, part_out, part_stats,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[0], S,
-        scale, window,
+    split = BoundLaunch(_split_kernel, (B, Hkv, splits), dict(
+        stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0), stride_c_h=keys.stride(1),
+        stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S, scale=scale, window=window,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32,
-    )
-    _combine_kernel[(B, Hq)](part_out, part_stats, out, out.stride(0), out.stride(1), Hq, D=D,
-                             BLOCK_D=triton.next_power_of_2(D), SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
-    return out
+        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32))
+    combine = BoundLaunch(_combine_kernel, (B, Hq), dict(
+        stride_o_b=Hq * D, stride_o_h=D, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits)))
+    return _AttentionPlan((B, Hq, splits), split, combine)
+
+
+_PLANS = PlanCache()
 
 
 def _check(q, keys, values, slots, positions) -> None:
@@ -158,15 +183,14 @@ def _check(q, keys, values, slots, positions) -> None:
                          f"{keys.dtype}, {tuple(slots.shape)}, {tuple(positions.shape)}")
 
 
-@torch.library.custom_op("moe_triton::decode_attention", mutates_args=())
+def _decode_attention_fake(q, *args):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@register_op("decode_attention", _decode_attention_fake)
 def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                          positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
     return _compute(q, keys, values, slots, positions, scale, window)
-
-
-@_decode_attention_op.register_fake
-def _(q, *args):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,

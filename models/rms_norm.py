@@ -16,8 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_triton.launch import interpreter_serialized
+from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from moe_triton.platform import triton_computes_exactly
+from moe_triton.weights import tensor_signature
 
 
 @interpreter_serialized
@@ -86,37 +87,48 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)  # [R, N]
     summed = torch.empty_like(out) if residual is not None else None  # [R, N]
     residual_rows = _rows(residual) if residual is not None else rows
-    R, N = rows.shape
-    if R:
-        BLOCK_N = triton.next_power_of_2(N)
-        BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
-        _rms_norm_kernel[(triton.cdiv(R, BLOCK_R),)](
-            rows, residual_rows, weight, out, summed if summed is not None else out, R, N, eps, rows.stride(0),
-            residual_rows.stride(0), out.stride(0), ADD_RESIDUAL=residual is not None, BLOCK_R=BLOCK_R,
-            BLOCK_N=BLOCK_N)
+    if rows.shape[0]:
+        launch = _norm_launch(rows, residual_rows, weight, eps, residual is not None)
+        launch(x_ptr=rows, residual_ptr=residual_rows, weight_ptr=weight, out_ptr=out,
+               sum_ptr=summed if summed is not None else out)
     return out.view(x.shape), summed.view(x.shape) if summed is not None else None
 
 
-@torch.library.custom_op("moe_triton::rms_norm", mutates_args=())
+def _norm_launch(rows, residual_rows, weight, eps: float, add_residual: bool) -> BoundLaunch:
+    """The launch of one signature (rows' and the residual's metadata, the weight's, eps), bound once."""
+    signature = (tensor_signature(rows), tensor_signature(residual_rows), tensor_signature(weight), eps, add_residual)
+    launch = _LAUNCHES.get(signature)
+    if launch is None:
+        R, N = rows.shape
+        BLOCK_N = triton.next_power_of_2(N)
+        BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
+        fixed = dict(R=R, N=N, eps=eps, stride_x_r=rows.stride(0), stride_residual_r=residual_rows.stride(0),
+                     stride_out_r=N, ADD_RESIDUAL=add_residual, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+        launch = _LAUNCHES.add(signature, BoundLaunch(_rms_norm_kernel, (triton.cdiv(R, BLOCK_R),), fixed))
+    return launch
+
+
+_LAUNCHES = PlanCache()
+
+
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+
+
+@register_op("rms_norm", _rms_norm_fake)
 def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _compute(x, None, weight, eps)[0]
 
 
-@_rms_norm_op.register_fake
-def _(x, weight, eps):
-    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return (torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device),
+            torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
-@torch.library.custom_op("moe_triton::add_rms_norm", mutates_args=())
+@register_op("add_rms_norm", _add_rms_norm_fake)
 def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _compute(x, residual, weight, eps)
-
-
-@_add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    return (torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device),
-            torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

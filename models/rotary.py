@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_triton.launch import interpreter_serialized
+from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from moe_triton.platform import triton_computes_exactly
+from moe_triton.weights import tensor_signature
 
 from .rms_norm import rms_norm_torch
 
@@ -155,26 +156,41 @@ def _compute(x, cos, sin, interleaved: bool, norm_weight=None, norm_eps: float =
     B, heads, L, D = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(B, heads, L, D, dtype=x.dtype, device=x.device)
-    R = B * heads * L
-    if R:
-        BLOCK_D = triton.next_power_of_2(D)
-        BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
-        _rotary_kernel[(triton.cdiv(R, BLOCK_R),)](
-            x, cos, sin, x if norm_weight is None else norm_weight, out, R, heads, L, norm_eps, x.stride(0),
-            x.stride(1), x.stride(2), cos.stride(0), cos.stride(1), D=D, D_ROT=cos.shape[2], INTERLEAVED=interleaved,
-            NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+    if B * heads * L:
+        norm = x if norm_weight is None else norm_weight
+        _rotary_launch(x, cos, sin, norm, norm_eps, interleaved, norm_weight is not None)(
+            x_ptr=x, cos_ptr=cos, sin_ptr=sin, norm_ptr=norm, out_ptr=out)
     return out
 
 
-@torch.library.custom_op("moe_triton::rotary", mutates_args=())
+def _rotary_launch(x, cos, sin, norm, eps: float, interleaved: bool, normed: bool) -> BoundLaunch:
+    """The launch of one signature (x's, cos / sin's and the norm's metadata, the options), bound once."""
+    signature = (tensor_signature(x), tensor_signature(cos), tensor_signature(sin), tensor_signature(norm), eps,
+                 interleaved, normed)
+    launch = _LAUNCHES.get(signature)
+    if launch is None:
+        B, heads, L, D = x.shape
+        R = B * heads * L
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
+        fixed = dict(R=R, HEADS=heads, L=L, eps=eps, stride_x_b=x.stride(0), stride_x_h=x.stride(1),
+                     stride_x_l=x.stride(2), stride_c_b=cos.stride(0), stride_c_l=cos.stride(1), D=D,
+                     D_ROT=cos.shape[2], INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        launch = _LAUNCHES.add(signature, BoundLaunch(_rotary_kernel, (triton.cdiv(R, BLOCK_R),), fixed))
+    return launch
+
+
+_LAUNCHES = PlanCache()
+
+
+def _rotary_fake(x, cos, sin, interleaved, norm_weight, norm_eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@register_op("rotary", _rotary_fake)
 def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
                norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
     return _compute(x, cos, sin, interleaved, norm_weight, norm_eps)
-
-
-@_rotary_op.register_fake
-def _(x, cos, sin, interleaved, norm_weight, norm_eps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
@@ -206,31 +222,47 @@ def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, no
         return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys, values, slots,
                                        positions, interleaved)
     k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))  # the kernel needs unit last strides
-    B, heads, _, D = k.shape
-    R = B * heads
-    if R:
+    if k.shape[0] * k.shape[1]:
         rotate = cos is not None
         cos, sin = (cos.contiguous(), sin.contiguous()) if rotate else (k, k)  # unread without rotation
+        norm = k if norm_weight is None else norm_weight
+        tensors = dict(k_ptr=k, v_ptr=v, cos_ptr=cos, sin_ptr=sin, norm_ptr=norm, keys_ptr=keys, values_ptr=values,
+                       slots_ptr=slots, positions_ptr=positions)
+        _cache_launch(tensors, norm_eps, interleaved, rotate, norm_weight is not None)(**tensors)
+
+
+def _cache_launch(tensors: dict, eps: float, interleaved: bool, rotate: bool, normed: bool) -> BoundLaunch:
+    """The cache write's launch of one signature (every tensor's metadata, the options), bound once."""
+    signature = (*(tensor_signature(t) for t in tensors.values()), eps, interleaved, rotate, normed)
+    launch = _CACHE_LAUNCHES.get(signature)
+    if launch is None:
+        k, v, cos, keys = tensors["k_ptr"], tensors["v_ptr"], tensors["cos_ptr"], tensors["keys_ptr"]
+        B, heads, _, D = k.shape
+        R = B * heads
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
-        _rotary_into_cache_kernel[(triton.cdiv(R, BLOCK_R),)](
-            k, v, cos, sin, k if norm_weight is None else norm_weight, keys, values, slots, positions, R, heads,
-            keys.shape[0], keys.shape[2], norm_eps, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), keys.stride(0), keys.stride(1), keys.stride(2), D=D,
-            D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate, INTERLEAVED=interleaved,
-            NORM=norm_weight is not None, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        fixed = dict(R=R, HEADS=heads, NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps, stride_k_b=k.stride(0),
+                     stride_k_h=k.stride(1), stride_v_b=v.stride(0), stride_v_h=v.stride(1),
+                     stride_c_b=cos.stride(0), stride_cache_slot=keys.stride(0), stride_cache_h=keys.stride(1),
+                     stride_cache_s=keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
+                     INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel, (triton.cdiv(R, BLOCK_R),),
+                                                            fixed))
+    return launch
 
 
-@torch.library.custom_op("moe_triton::rotate_into_cache", mutates_args=("keys", "values"))
+_CACHE_LAUNCHES = PlanCache()
+
+
+def _rotate_into_cache_fake(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps):
+    return None
+
+
+@register_op("rotate_into_cache", _rotate_into_cache_fake, mutates_args=("keys", "values"))
 def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                           keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                           interleaved: bool, norm_weight: torch.Tensor | None, norm_eps: float) -> None:
     _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps)
-
-
-@_rotate_into_cache_op.register_fake
-def _(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps):
-    return None
 
 
 def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, interleaved: bool = False) -> None:

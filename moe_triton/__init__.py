@@ -13,7 +13,7 @@
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, slot) pairs,
 R rows after expand; a GEMM computes N output columns over a contraction width C.
 
-`fused_moe.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
+`pipeline.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
 and launched through `launch.py`'s `BoundLaunch` (no JIT dispatch per call); `reference.py` is its float32
 torch reference; `layer.py` holds `FusedMoE`, which calls a backend runner (runners/runner.py)
 chosen once per layer by the resolver (runners/resolver.py, kept as `layer.resolution`);
@@ -23,13 +23,12 @@ helpers live in tools/, which nothing here imports.
 """
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
 from .config import GemmConfig, MoEConfig, choose_config
-from .expand import ExpertLayout, LayoutKind, expand, expand_torch, per_pair_layout
-from .expert_gemm import expert_gemm
-from .finalize import finalize, finalize_torch
-from .fused_moe import fused_experts, run_experts
+from .expand import ExpertLayout, LayoutKind, expand_torch, per_pair_layout
+from .finalize import finalize_torch
 from .integrations.transformers import register_experts_implementation
 from .layer import FusedMoE, MoESpec, SharedCombination
 from .models import from_transformers
+from .pipeline import fused_experts, run_experts
 from .placement import Placement
 from .platform import Platform, detect_platform
 from .quantize import quantize_fp8
@@ -55,7 +54,7 @@ register_experts_implementation()
 __all__ = [
     "SILU_AND_MUL", "Activation", "ActivationKind", "activate", "activation_torch",
     "GemmConfig", "MoEConfig", "choose_config",
-    "ExpertLayout", "LayoutKind", "expand", "expand_torch", "per_pair_layout", "expert_gemm", "finalize", "finalize_torch",
+    "ExpertLayout", "LayoutKind", "expand_torch", "per_pair_layout", "finalize_torch",
     "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights", "WeightFormat",
     "Fp8Scaling", "quantize_fp8",
     "ExpertBackend", "FusedMoE", "MoESpec", "SharedCombination", "ModelContext", "Placement", "Resolution", "resolve",

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import interpreter_serialized
+from .launch import BoundLaunch, interpreter_serialized
 
 
 class ActivationKind(enum.Enum):
@@ -36,6 +36,10 @@ class Activation:
     @property
     def gated(self) -> bool:
         return self.kind is not ActivationKind.RELU2
+
+    def kernel_args(self) -> dict:
+        """The constexprs `_apply_activation` takes, by the names the kernels give them."""
+        return dict(ACT_KIND=self.kind.value, ACT_LIMIT=float(self.swiglu_limit), ACT_ALPHA=float(self.swiglu_alpha))
 
     @classmethod
     def from_hidden_act(cls, hidden_act: str) -> "Activation":
@@ -127,7 +131,7 @@ def _apply_activation(gate, up, KIND: tl.constexpr, LIMIT: tl.constexpr, ALPHA: 
 def _activation_kernel(
     x_ptr, out_ptr, M, I,
     stride_x_m, stride_out_m,
-    KIND: tl.constexpr, GATED: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    ACT_KIND: tl.constexpr, GATED: tl.constexpr, ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -138,7 +142,7 @@ def _activation_kernel(
     up = gate
     if GATED:
         up = tl.load(rows + I + offs_i[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = _apply_activation(gate, up, KIND, LIMIT, ALPHA)
+    y = _apply_activation(gate, up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_m + offs_i[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -161,10 +165,7 @@ def activate(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL, *, ou
         return out
     BLOCK_M, BLOCK_I = 16, min(256, triton.next_power_of_2(I))
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(I, BLOCK_I))
-    _activation_kernel[grid](
-        gate_up, out, M, I, gate_up.stride(0), out.stride(0),
-        KIND=activation.kind.value, GATED=activation.gated,
-        LIMIT=float(activation.swiglu_limit), ALPHA=float(activation.swiglu_alpha),
-        BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
-    )
+    fixed = dict(M=M, I=I, stride_x_m=gate_up.stride(0), stride_out_m=out.stride(0), GATED=activation.gated,
+                 BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, **activation.kernel_args())
+    BoundLaunch(_activation_kernel, grid, fixed)(x_ptr=gate_up, out_ptr=out)
     return out

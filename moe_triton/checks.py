@@ -1,7 +1,7 @@
 """Argument checks the public entry points share: each returns what it checked, or raises a
 ValueError that names the argument and the fix (issue 18: no raw errors, no silent wrong answers).
 
-The stages check their own tensors in their launchers (fused_moe.check_experts_args, routing);
+The stages check their own tensors in their launchers (pipeline.check_experts_args, routing);
 the hardware questions (is there a CUDA device?) are platform.check_device's.
 """
 from __future__ import annotations

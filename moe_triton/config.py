@@ -43,6 +43,14 @@ class GemmConfig:
         if not isinstance(self.split_c, int) or self.split_c < 1:
             raise ValueError(f"split_c must be >= 1, got {self.split_c}")
 
+    def kernel_args(self) -> dict:
+        """The expert GEMM kernel's tile constexprs."""
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_C=self.block_c, GROUP_M=self.group_m,
+                    SPLIT_C=self.split_c)
+
+    def launch_options(self) -> dict:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+
 
 @dataclass(frozen=True)
 class MoEConfig:

@@ -71,6 +71,31 @@ def per_pair_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
     return ExpertLayout(LayoutKind.PER_PAIR, block_m, K, num_experts, T * K, topk_ids.contiguous().view(-1))
 
 
+@dataclass(frozen=True)
+class PerPairPlan:
+    """The decode layout's plan: nothing to launch (`per_pair_layout`)."""
+
+    num_experts: int  # E
+    block_m: int
+
+    def __call__(self, topk_ids: torch.Tensor) -> ExpertLayout:
+        return per_pair_layout(topk_ids, self.num_experts, self.block_m)
+
+
+def layout_like(kind: LayoutKind, num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpertLayout:
+    """A layout of (T, K, E, block_m) with meta tensors (sizes, no data): what plans are built from."""
+    P = num_tokens * top_k
+
+    def meta(n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int32, device="meta")
+
+    if kind is LayoutKind.PER_PAIR:
+        return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P))
+    R = max_rows(P, num_experts, block_m)
+    return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P), meta(R), meta(P), meta(R // block_m),
+                        meta(num_experts + 1), meta(1))
+
+
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Worst case of sum_e ceil(count_e / block_m) * block_m, at most min(E, P) experts non-empty."""
     rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)

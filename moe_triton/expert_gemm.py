@@ -84,6 +84,22 @@ class Fp8Scales:
             return ScaleAlongC.PER_SUM
         return ScaleAlongC.IN_STEP if self.w_block[1] % block_c else ScaleAlongC.PER_STEP
 
+    def kernel_args(self, c: int, block_c: int) -> dict:
+        """The expert GEMM kernel's scale arguments, for a contraction of c columns in block_c steps."""
+        a_strides = (self.a.stride(0), self.a.stride(-1) if self.a.dim() > 1 else 0)
+        w_strides = self.w.stride() if self.w.dim() == 3 else (*self.w.stride(), 0)  # per row: one "block" column
+        w_block_n, w_block_c = self.w_block or (1, 1)
+        return dict(A_SCALE=self.a_along_c(c, block_c).value, W_SCALE=self.w_along_c(block_c).value,
+                    A_GROUP=self.a_group, W_BLOCK_N=w_block_n, W_BLOCK_C=w_block_c, NAN_BITS=interpreter_enabled(),
+                    w_scale_up_offset=self.w_up_offset, stride_as_m=a_strides[0], stride_as_g=a_strides[1],
+                    stride_ws_e=w_strides[0], stride_ws_n=w_strides[1], stride_ws_c=w_strides[2])
+
+
+# The kernel arguments of unscaled operands and of a GEMM without an activation epilogue.
+UNSCALED = dict(A_SCALE=0, W_SCALE=0, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1, NAN_BITS=False, w_scale_up_offset=0,
+                stride_as_m=0, stride_as_g=0, stride_ws_e=0, stride_ws_n=0, stride_ws_c=0)
+NO_EPILOGUE = dict(ACT_KIND=-1, ACT_LIMIT=0.0, ACT_ALPHA=0.0)
+
 
 @triton.jit
 def _dot(a, w, acc, IEEE_FP32: tl.constexpr):
@@ -318,20 +334,27 @@ class ExpertGemmPlan:
     descriptor: bool  # weights through a TMA descriptor
     launch: BoundLaunch | None  # None: no row blocks or no output columns, nothing to compute
 
-    def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout, scales: Fp8Scales | None = None,
-                 out: torch.Tensor | None = None):
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=a.device)  # [S, R, N] or [R, N_out]
-        out_scales = None
-        if self.out_scales_shape is not None:
-            out_scales = torch.empty(self.out_scales_shape, dtype=torch.float32, device=a.device)  # [R, N_out / BLOCK_N]
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout, a_scale: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        """(out, out_scales): out_scales None unless the output is FP8; a_scale / w_scale are the
+        FP8 operands' scales (those of the planned `Fp8Scales`)."""
+        out, out_scales = self.outputs(a.device, out)
         if self.launch is not None:
             w_desc = _weight_descriptor(w, self.config) if self.descriptor else w
-            self.launch(**_gemm_tensors(a, w, w_desc, layout, scales, out, out_scales))
-        return (out, out_scales) if out_scales is not None else out
+            self.launch(**_gemm_tensors(a, w, w_desc, layout, a_scale, w_scale, out, out_scales))
+        return out, out_scales
+
+    def outputs(self, device, out: torch.Tensor | None = None):
+        """A call's fresh (out, out_scales); on the meta device, the stand-ins a next stage plans from."""
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)  # [S, R, N] or [R, N_out]
+        out_scales = None
+        if self.out_scales_shape is not None:
+            out_scales = torch.empty(self.out_scales_shape, dtype=torch.float32, device=device)  # [R, N_out / BLOCK_N]
+        return out, out_scales
 
 
-def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, scales: Fp8Scales | None, out, out_scales) -> dict:
+def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out, out_scales) -> dict:
     """The kernel's tensor arguments of one call, by name."""
     # A PER_PAIR layout has no sorted buffers: the kernel reads only topk_ids there, and only the
     # sorted buffers otherwise, so the unused pointers may alias whatever tensor is at hand.
@@ -339,7 +362,8 @@ def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, scales: Fp8Scales | None, 
         sorted_pair_ids = block_expert = num_rows = layout.topk_ids
     else:
         sorted_pair_ids, block_expert, num_rows = layout.sorted_pair_ids, layout.block_expert, layout.num_rows
-    a_scale, w_scale = (scales.a, scales.w) if scales is not None else (out, out)  # unread without FP8
+    if a_scale is None:  # unread without FP8
+        a_scale, w_scale = out, out
     return dict(a_ptr=a, w_ptr=w, w_desc=w_desc, out_ptr=out, sorted_pair_ids_ptr=sorted_pair_ids,
                 block_expert_ptr=block_expert, num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids,
                 a_scale_ptr=a_scale, w_scale_ptr=w_scale, out_scale_ptr=out_scales if out_scales is not None else out)
@@ -378,38 +402,19 @@ def plan_expert_gemm(
     descriptor = _takes_descriptor(w, config)
     if num_m_blocks == 0 or n_out == 0:
         return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, None)
-    a_scale_strides = (0, 0)
-    if scales is not None:
-        a_scale_strides = (scales.a.stride(0), scales.a.stride(-1) if scales.a.dim() > 1 else 0)
-    w_scale = scales.w if scales is not None else None
-    w_scale_strides = (0, 0, 0)
-    if w_scale is not None:  # per-row scales: one "block" column
-        w_scale_strides = w_scale.stride() if w_scale.dim() == 3 else (*w_scale.stride(), 0)
     fixed = dict(
         N=n_out, C=C, E=E, num_pairs=layout.num_pairs, num_m_blocks=num_m_blocks, up_offset=n_out * w.stride(1),
-        w_rows_per_expert=N, w_scale_up_offset=scales.w_up_offset if scales is not None else 0,
-        stride_a_m=a.stride(0), stride_a_c=a.stride(1), stride_w_e=w.stride(0), stride_w_n=w.stride(1),
-        stride_w_c=w.stride(2), stride_out_m=out_strides[1], stride_out_split=out_strides[0],
-        stride_as_m=a_scale_strides[0], stride_as_g=a_scale_strides[1],
-        stride_ws_e=w_scale_strides[0], stride_ws_n=w_scale_strides[1], stride_ws_c=w_scale_strides[2],
+        w_rows_per_expert=N, stride_a_m=a.stride(0), stride_a_c=a.stride(1), stride_w_e=w.stride(0),
+        stride_w_n=w.stride(1), stride_w_c=w.stride(2), stride_out_m=out_strides[1], stride_out_split=out_strides[0],
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
         W_DESC=descriptor, PER_PAIR=layout.kind is LayoutKind.PER_PAIR, GATHER_TOP_K=layout.top_k if gather else 0,
-        FUSED_GATE=gated, ACT_KIND=activation.kind.value if activation is not None else -1, SPLIT_C=split_c,
-        A_SCALE=scales.a_along_c(C, config.block_c).value if scales is not None else 0,
-        W_SCALE=scales.w_along_c(config.block_c).value if scales is not None else 0,
-        A_GROUP=scales.a_group if scales is not None else 1,
-        NAN_BITS=scales is not None and interpreter_enabled(),
-        W_BLOCK_N=scales.w_block[0] if scales is not None and scales.w_block else 1,
-        W_BLOCK_C=scales.w_block[1] if scales is not None and scales.w_block else 1,
-        OUT_FP8=out_scales_shape is not None,
-        ACT_LIMIT=float(activation.swiglu_limit) if activation is not None else 0.0,
-        ACT_ALPHA=float(activation.swiglu_alpha) if activation is not None else 0.0,
-        IEEE_FP32=w.dtype == torch.float32,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_C=config.block_c, GROUP_M=config.group_m,
+        FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=w.dtype == torch.float32,
+        **(scales.kernel_args(C, config.block_c) if scales is not None else UNSCALED),
+        **(activation.kernel_args() if activation is not None else NO_EPILOGUE),
+        **config.kernel_args(),
     )
     grid = (num_m_blocks * triton.cdiv(n_out, config.block_n), split_c)
-    launch = BoundLaunch(_expert_gemm_kernel, grid, fixed,
-                         dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    launch = BoundLaunch(_expert_gemm_kernel, grid, fixed, config.launch_options())
     return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, launch)
 
 
@@ -428,7 +433,7 @@ def expert_gemm(
     """Grouped GEMM in the row space of `layout`: shape (R, N), or (R, N / 2) with a gated activation.
 
     `a` is hidden_states, shape (T, C), when `gather`, else rows in layout order, shape (R, C).
-    `w` has shape (E, N, C). Shapes are validated by the caller (fused_moe.run_experts). FP8
+    `w` has shape (E, N, C). Shapes are validated by the caller (pipeline.run_experts). FP8
     operands come with their `scales`; `out_dtype` (default: a's dtype, or bf16 for FP8 operands)
     set to float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)). `out`, when given, must
     be contiguous with the output's shape and dtype.
@@ -442,7 +447,8 @@ def expert_gemm(
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {plan.out_dtype} tensor of shape {plan.out_shape}, got "
                          f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
-    return plan(a, w, layout, scales, out)
+    out, out_scales = plan(a, w, layout, *((scales.a, scales.w) if scales is not None else ()), out=out)
+    return (out, out_scales) if out_scales is not None else out
 
 
 def expert_gemm_torch(a: torch.Tensor, w: torch.Tensor, row_tokens: torch.Tensor, row_experts: torch.Tensor):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Callable
 
 import torch
 import triton
@@ -110,3 +111,39 @@ def _hooked(hook) -> bool:
     # Triton keeps its launch hooks in a HookChain (installed hooks in `.calls`); a plain callable
     # set in its place is a hook too.
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class PlanCache:
+    """Plans by call signature, each made by its signature's first call; the newest `size` are kept
+    (prefill sees a new token count per prompt length). A None signature is never stored."""
+
+    def __init__(self, size: int = 1024):
+        self.size = size
+        self._plans: dict = {}
+
+    def get(self, signature):
+        return self._plans.get(signature)
+
+    def add(self, signature, plan):
+        if signature is not None:
+            if len(self._plans) >= self.size:
+                self._plans.pop(next(iter(self._plans)), None)
+            self._plans[signature] = plan
+        return plan
+
+
+def register_op(name: str, fake: Callable, *, mutates_args: tuple[str, ...] = (), backward: Callable | None = None,
+                setup_context: Callable | None = None):
+    """Decorator: the eager function becomes `torch.ops.moe_triton.<name>`, the node torch.compile
+    and torch.export see; `fake` gives its outputs' metadata, `backward` (with `setup_context`) its
+    gradient. A custom op, opaque to inductor, not a `torch.library.triton_op`: our kernels launch
+    through plans (BoundLaunch's direct launch, or the interpreter on CPU), which inductor cannot
+    trace, and the ops plan on the host per call signature."""
+    def register(eager: Callable):
+        op = torch.library.custom_op(f"moe_triton::{name}", eager, mutates_args=mutates_args)
+        op.register_fake(fake)
+        if backward is not None:
+            op.register_autograd(backward, setup_context=setup_context)
+        return op
+
+    return register

@@ -97,15 +97,20 @@ class QuantizePlan:
     launch: BoundLaunch | None  # None: no rows or no columns
 
     def __call__(self, x: torch.Tensor, static_scale: torch.Tensor | None = None):
-        T, C = self.shape
-        q = torch.empty(T, C, dtype=FP8_DTYPE, device=x.device)  # [T, C]
-        if static_scale is not None:
-            scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one scale for every row
-        else:
-            scales = torch.empty(T, self.num_groups, dtype=torch.float32, device=x.device)  # [T, G]
+        q, scales = self.outputs(x.device, static_scale)
         if self.launch is not None:
             self.launch(x_ptr=x, q_ptr=q, scale_ptr=scales,
                         static_scale_ptr=static_scale if static_scale is not None else scales)
+        return q, scales
+
+    def outputs(self, device, static_scale: torch.Tensor | None = None):
+        """A call's fresh (q, scales); on the meta device, the stand-ins a next stage plans from."""
+        T, C = self.shape
+        q = torch.empty(T, C, dtype=FP8_DTYPE, device=device)  # [T, C]
+        if static_scale is not None:
+            scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one scale for every row
+        else:
+            scales = torch.empty(T, self.num_groups, dtype=torch.float32, device=device)  # [T, G]
         return q, scales
 
 

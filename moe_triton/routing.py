@@ -30,8 +30,9 @@ import triton
 import triton.language as tl
 
 from . import checks
-from .launch import interpreter_serialized
+from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from .platform import interpreter_hint, triton_can_run_on
+from .weights import tensor_signature
 
 
 class Scoring(enum.Enum):
@@ -78,11 +79,24 @@ class RoutingSpec:
         if self.correction_bias and self.select_on is not SelectOn.SCORES:
             raise ValueError("RoutingSpec.correction_bias is added to scores; it needs select_on=SelectOn.SCORES")
 
+    def kernel_args(self) -> dict:
+        """The routing kernel's arguments this spec decides."""
+        return dict(TOP_K=self.top_k, K_PAD=triton.next_power_of_2(self.top_k), SIGMOID=self.scoring is Scoring.SIGMOID,
+                    SELECT_ON_LOGITS=self.select_on is SelectOn.LOGITS, HAS_BIAS=self.correction_bias,
+                    RENORMALIZE=self.renormalize, N_GROUP=self.n_group, G_PAD=triton.next_power_of_2(self.n_group),
+                    TOPK_GROUP=self.topk_group, routed_scaling_factor=float(self.routed_scaling_factor))
+
 
 @dataclass(frozen=True)
 class RouteConfig:
     block_t: int  # tokens per program, a power of two
     num_warps: int = 4
+
+    def kernel_args(self) -> dict:
+        return dict(BLOCK_T=self.block_t)
+
+    def launch_options(self) -> dict:
+        return dict(num_warps=self.num_warps)
 
 
 def route_config(num_tokens: int, num_experts: int) -> RouteConfig:
@@ -206,26 +220,48 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
         checks.not_capturing("route")
         return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
     _check_inputs(logits, spec, correction_bias, out)
-    num_tokens, num_experts = logits.shape
-    if out is None:
-        out = (
-            torch.empty(num_tokens, spec.top_k, dtype=torch.int32, device=logits.device),  # [T, K]
-            torch.empty(num_tokens, spec.top_k, dtype=torch.float32, device=logits.device),  # [T, K]
-        )
-    if num_tokens == 0:
+    signature = (tensor_signature(logits), spec, tensor_signature(correction_bias), config)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS.add(signature, plan_route(logits, spec, config))
+    return plan(logits, correction_bias, out)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """`route` for one signature (the logits' metadata, the spec, the tiles): its launch bound once
+    (launch.py); a call allocates the outputs (unless given) and launches."""
+
+    num_tokens: int  # T
+    top_k: int  # K
+    launch: BoundLaunch | None  # None: no tokens
+
+    def __call__(self, logits, correction_bias, out):
+        if out is None:
+            out = (
+                torch.empty(self.num_tokens, self.top_k, dtype=torch.int32, device=logits.device),  # [T, K]
+                torch.empty(self.num_tokens, self.top_k, dtype=torch.float32, device=logits.device),  # [T, K]
+            )
+        if self.launch is not None:
+            bias = correction_bias if correction_bias is not None else out[1]  # never read when HAS_BIAS is off
+            self.launch(logits_ptr=logits, bias_ptr=bias, topk_ids_ptr=out[0], topk_weights_ptr=out[1])
         return out
+
+
+def plan_route(logits: torch.Tensor, spec: RoutingSpec, config: RouteConfig | None = None) -> RoutePlan:
+    """The plan of `route(logits, spec, config=config)` for checked arguments."""
+    num_tokens, num_experts = logits.shape
+    if num_tokens == 0:
+        return RoutePlan(0, spec.top_k, None)
     config = config or route_config(num_tokens, num_experts)
-    bias = correction_bias if correction_bias is not None else out[1]  # never read when HAS_BIAS is off
-    _route_kernel[(triton.cdiv(num_tokens, config.block_t),)](
-        logits, bias, out[0], out[1],
-        num_tokens, num_experts, logits.stride(0), logits.stride(1), float(spec.routed_scaling_factor),
-        TOP_K=spec.top_k, K_PAD=triton.next_power_of_2(spec.top_k), E_PAD=triton.next_power_of_2(num_experts),
-        BLOCK_T=config.block_t, SIGMOID=spec.scoring is Scoring.SIGMOID,
-        SELECT_ON_LOGITS=spec.select_on is SelectOn.LOGITS, HAS_BIAS=correction_bias is not None,
-        RENORMALIZE=spec.renormalize, N_GROUP=spec.n_group, G_PAD=triton.next_power_of_2(spec.n_group),
-        TOPK_GROUP=spec.topk_group, num_warps=config.num_warps,
-    )
-    return out
+    fixed = dict(num_tokens=num_tokens, num_experts=num_experts, stride_logits_t=logits.stride(0),
+                 stride_logits_e=logits.stride(1), E_PAD=triton.next_power_of_2(num_experts), **spec.kernel_args(),
+                 **config.kernel_args())
+    grid = (triton.cdiv(num_tokens, config.block_t),)
+    return RoutePlan(num_tokens, spec.top_k, BoundLaunch(_route_kernel, grid, fixed, config.launch_options()))
+
+
+_PLANS = PlanCache()
 
 
 # ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
@@ -245,17 +281,7 @@ def _spec_of(correction_bias, top_k, scoring, select_on, renormalize, n_group, t
                        routed_scaling_factor, correction_bias=correction_bias is not None)
 
 
-@torch.library.custom_op("moe_triton::route", mutates_args=())
-def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, scoring: int,
-              select_on: int, renormalize: bool, n_group: int, topk_group: int,
-              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _spec_of(correction_bias, top_k, scoring, select_on, renormalize, n_group, topk_group,
-                    routed_scaling_factor)
-    return route(logits, spec, correction_bias)
-
-
-@_route_op.register_fake
-def _(logits, correction_bias, top_k, *spec):
+def _route_fake(logits, correction_bias, top_k, *spec):
     return (logits.new_empty(logits.shape[0], top_k, dtype=torch.int32),
             logits.new_empty(logits.shape[0], top_k, dtype=torch.float32))
 
@@ -275,7 +301,13 @@ def _route_backward(ctx, grad_ids, grad_weights):
     return grad_logits, None, None, None, None, None, None, None, None
 
 
-_route_op.register_autograd(_route_backward, setup_context=_route_setup_context)
+@register_op("route", _route_fake, backward=_route_backward, setup_context=_route_setup_context)
+def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int, scoring: int,
+              select_on: int, renormalize: bool, n_group: int, topk_group: int,
+              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec_of(correction_bias, top_k, scoring, select_on, renormalize, n_group, topk_group,
+                    routed_scaling_factor)
+    return route(logits, spec, correction_bias)
 
 
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

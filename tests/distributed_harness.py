@@ -240,7 +240,7 @@ def run_model_case(case: Case, groups, device: torch.device) -> None:
 
 def _compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype is torch.bfloat16 or (out.is_cuda and dtype is torch.float16):
-        # Real sizes in half precision: relative error in norm, as test_fused_moe.py's GPU tests
+        # Real sizes in half precision: relative error in norm, as test_pipeline.py's GPU tests
         # (in float64: 1e38 squared fits)
         assert out.shape == ref.shape and torch.isfinite(out).all()
         err = (out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-300)

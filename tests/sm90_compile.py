@@ -30,8 +30,8 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 import moe_triton.config as configs  # noqa: E402
 from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
 from moe_triton.activation import SILU_AND_MUL  # noqa: E402
-from moe_triton.fused_moe import LayerPlan  # noqa: E402
 from moe_triton.launch import BoundLaunch  # noqa: E402
+from moe_triton.pipeline import LayerPlan  # noqa: E402
 from moe_triton.weights import NATIVE  # noqa: E402
 
 H200 = (132, 232448)  # SM count, shared memory per block (opt-in)
@@ -79,7 +79,8 @@ def compile_case(case: dict) -> str:
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = (torch.arange(T * K) % E).reshape(T, K).int()
     before = len(compiled)
-    LayerPlan(T, config, SILU_AND_MUL, True)(x, weights, ids, torch.rand(T, K), None)
+    topk_weights = torch.rand(T, K)
+    LayerPlan.build(x, weights, ids, topk_weights, SILU_AND_MUL, config, None)(x, weights, ids, topk_weights)
     return f"{fmt} T={T}: {config.describe()}: {len(compiled) - before} new kernels compiled"
 
 

@@ -408,6 +408,32 @@ def test_gradients_are_refused_not_detached(spec):
     assert "\n" not in str(refusal.value)
 
 
+@pytest.mark.parametrize("overlap,gathered", [(True, True), (False, True), (True, False)])
+def test_the_all_to_all_reads_the_gathered_dispatch_switch_not_the_overlap(overlap, gathered, monkeypatch):
+    """parallel_experts picks its dispatch by graphs' gathered_dispatch() alone."""
+    import moe_triton.parallel.experts as parallel
+    from moe_triton.graphs import capture_mode
+    from moe_triton.parallel import ParallelGroups
+
+    class Dispatched(Exception):
+        pass
+
+    def fake(name):
+        def dispatch(*args):
+            raise Dispatched(name)
+        return dispatch
+
+    monkeypatch.setattr(parallel, "dispatch", fake("dispatch"))
+    monkeypatch.setattr(parallel, "dispatch_gathered", fake("dispatch_gathered"))
+    groups = ParallelGroups(ParallelSpec(ep_size=2, dispatch=TokenDispatch.ALL_TO_ALL), 0, None, None, None)
+    weights = ExpertWeights(*random_expert_weights(torch.Generator().manual_seed(0), 4, 16, 8))
+    ids = random_ids(3, 2, 8, seed=1)
+    with torch.no_grad(), capture_mode(overlap=overlap, gathered=gathered), pytest.raises(Dispatched) as taken:
+        parallel.parallel_experts(torch.randn(3, 16), weights, ids, torch.rand(3, 2), groups,
+                                  experts=torch_experts)
+    assert str(taken.value) == ("dispatch_gathered" if gathered else "dispatch")
+
+
 def test_resolver_keeps_flashinfer_off_sharded_experts():
     from moe_triton.platform import Platform
     from moe_triton.runners import ExpertBackend, ModelContext, resolve

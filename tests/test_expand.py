@@ -7,7 +7,7 @@ from helpers import random_ids
 
 from moe_triton.expand import expand, expand_torch, max_rows
 
-expand_module = importlib.import_module("moe_triton.expand")  # `moe_triton.expand` is the function
+expand_module = importlib.import_module("moe_triton.expand")
 
 
 @pytest.mark.parametrize("seed", [0, 1])

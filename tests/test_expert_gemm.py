@@ -14,7 +14,7 @@ from moe_triton.expand import expand
 from moe_triton.expert_gemm import Fp8Scales, ScaleAlongC, expert_gemm, expert_gemm_torch
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8
 
-expert_gemm_module = importlib.import_module("moe_triton.expert_gemm")  # `moe_triton.expert_gemm` is the function
+expert_gemm_module = importlib.import_module("moe_triton.expert_gemm")
 
 
 def rows_in_use(layout):
@@ -114,6 +114,23 @@ def fp8_operands(T, E, N, C, a_group, w_format, gated, seed):
                        weights.w13_scale_up_offset)
     a_ref = dequantize_fp8_torch(a, a_scales, a_group)
     return a, weights.w13, scales, a_ref, weights.dequantized()[0]
+
+
+def test_the_specs_emit_the_kernel_arguments():
+    """The launch takes the activation's, the tile config's and the FP8 scales' own arguments."""
+    from moe_triton.expert_gemm import plan_expert_gemm
+
+    a, w, scales, _, _ = fp8_operands(5, 3, 48, 64, 16, WeightFormat.fp8_block(16, 16), True, seed=9)
+    activation = Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.5)
+    config = GemmConfig(16, 32, 32, group_m=2, num_warps=2, num_stages=2)
+    layout = expand(random_ids(5, 2, 3, seed=2).int(), 3, 16)
+    plan = plan_expert_gemm(a, w, layout, config, gather=True, activation=activation, scales=scales,
+                            out_dtype=torch.float8_e4m3fn)
+    fixed = plan.launch.fixed
+    for emitted in (activation.kernel_args(), config.kernel_args(), scales.kernel_args(64, config.block_c)):
+        assert emitted.items() <= fixed.items()
+    assert (fixed["ACT_LIMIT"], fixed["A_SCALE"], fixed["W_BLOCK_N"]) == (0.5, ScaleAlongC.IN_STEP.value, 16)
+    assert plan.launch.options == config.launch_options() == dict(num_warps=2, num_stages=2)
 
 
 @pytest.mark.parametrize("a_group,w_format,block_c,tma,gated", [

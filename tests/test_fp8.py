@@ -36,7 +36,7 @@ from moe_triton import (
     run_experts,
 )
 from moe_triton.activation import SILU_AND_MUL, Activation, ActivationKind, activation_torch
-from moe_triton.fused_moe import _check_fp8_config
+from moe_triton.pipeline import _check_fp8_config
 from moe_triton.platform import Platform
 from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8_torch
 
@@ -134,12 +134,10 @@ def test_fp8_bad_input_raises_before_launch(no_launch):
     x, weights, ids, topk_weights = fp8_layer(FORMATS["channel"], 4)
     with pytest.raises(ValueError, match="FP8 experts take bfloat16 or float16 activations"):
         run_experts(x.float(), weights, ids, topk_weights)
-    with pytest.raises(ValueError, match="fuse_activation=False"):
-        run_experts(x, weights, ids, topk_weights, fuse_activation=False)
     narrow = MoEConfig(GemmConfig(16, 32, 16), GemmConfig(16, 32, 32))
-    _check_fp8_config(narrow, torch.device("cpu"), True)  # the interpreter takes 16-wide steps
+    _check_fp8_config(narrow, torch.device("cpu"))  # the interpreter takes 16-wide steps
     with pytest.raises(ValueError, match=r"config.up.block_c=16: FP8 GEMMs on a GPU step at least 32 columns"):
-        _check_fp8_config(narrow, torch.device("cuda"), True)  # an 8-bit tl.dot does not compile there
+        _check_fp8_config(narrow, torch.device("cuda"))  # an 8-bit tl.dot does not compile there
 
 
 def test_fp8_steps_wider_than_the_scale_groups(poisoned_empty):

@@ -146,9 +146,10 @@ def experts_case(rng: random.Random) -> Case:
         w2=(torch.randn(E, H, I, generator=g) / I**0.5).to(dtype),
         topk_ids=random_ids(rng, g, T, K, E, rng.choice([torch.int32, torch.int64])),
         topk_weights=torch.rand(T, K, generator=g).to(rng.choice([torch.float32, dtype])),
-        activation=activation, config=None, fuse_activation=rng.random() < 0.8, out=None,
+        activation=activation, config=None, out=None,
     )
-    notes = [f"T={T} E={E} K={K} H={H} I={I} {dtype} {activation.kind.name} fuse={a['fuse_activation']}"]
+    rng.random()  # fuse_activation's draw, retired: the seeded cases stay the ones CI has run
+    notes = [f"T={T} E={E} K={K} H={H} I={I} {dtype} {activation.kind.name}"]
     # valid variations: views, poisoned slots, explicit configs, out=
     if T and rng.random() < 0.3:
         a["hidden_states"] = a["hidden_states"].T.contiguous().T  # column-major
@@ -196,7 +197,7 @@ def experts_case(rng: random.Random) -> Case:
             if isinstance(a[k], torch.Tensor) and a[k].dtype.is_floating_point:
                 a[k] = a[k].detach().requires_grad_()
         notes.append("grad mode")
-        if expect == OK and (a["config"] is not None or not a["fuse_activation"] or a["out"] is not None):
+        if expect == OK and (a["config"] is not None or a["out"] is not None):
             expect = REFUSE  # the eager tools have no backward
             notes.append("INVALID an eager tool with gradients")
 

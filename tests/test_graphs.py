@@ -11,6 +11,7 @@ from moe_triton.graphs import (
     bucket_for,
     capture_mode,
     default_batch_sizes,
+    gathered_dispatch,
     get_stream,
     is_capture_mode,
     overlap_enabled,
@@ -41,6 +42,18 @@ def test_capture_flag_is_scoped_and_cleared_on_errors():
     with pytest.raises(RuntimeError), capture_mode():
         raise RuntimeError("capture failed")
     assert not is_capture_mode()
+
+
+@pytest.mark.parametrize("overlap,gathered", [(True, True), (False, True), (True, False), (False, False)])
+def test_overlap_and_the_gathered_dispatch_are_two_switches(overlap, gathered):
+    """A capture turns both on by default; either can be off without the other (or capturing)."""
+    with capture_mode():
+        assert overlap_enabled(ForwardMode.DECODE) and gathered_dispatch()
+    with capture_mode(overlap=overlap, gathered=gathered):
+        assert is_capture_mode()
+        assert overlap_enabled(ForwardMode.DECODE) == overlap and gathered_dispatch() == gathered
+        assert not overlap_enabled(ForwardMode.PREFILL)
+    assert not (is_capture_mode() or overlap_enabled(ForwardMode.DECODE) or gathered_dispatch())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CUDA-less fallback")

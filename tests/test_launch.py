@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from moe_triton.launch import BoundLaunch
+from moe_triton.launch import BoundLaunch, register_op
 
 
 @triton.jit
@@ -180,3 +180,58 @@ def test_every_launched_kernel_is_serialized_under_the_interpreter():
     assert len(kernels) >= 15
     unmarked = [name for name, kernel in kernels if "run" not in vars(kernel)]
     assert not unmarked, f"launched kernels without @interpreter_serialized: {unmarked}"
+
+
+def _double_fake(x):
+    return torch.empty_like(x)
+
+
+def _double_setup(ctx, inputs, output):
+    pass
+
+
+def _double_backward(ctx, grad):
+    return 2 * grad
+
+
+@register_op("test_double", _double_fake, backward=_double_backward, setup_context=_double_setup)
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
+def test_register_op_gives_the_op_its_fake_and_its_gradient():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    assert torch.ops.moe_triton.test_double.default is not None
+    y = torch.ops.moe_triton.test_double(x)
+    torch.testing.assert_close(y, 2 * x.detach(), rtol=0, atol=0)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((5,), 2.0), rtol=0, atol=0)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.moe_triton.test_double(mode.from_tensor(torch.empty(3, 4)))
+    assert fake.shape == (3, 4)
+
+
+def _library_sources():
+    from pathlib import Path
+
+    import moe_triton
+    import moe_triton.graphs
+    import moe_triton.models
+
+    for package in (moe_triton, moe_triton.models, moe_triton.graphs):
+        for path in sorted(Path(package.__path__[0]).rglob("*.py")):
+            yield path, path.read_text()
+
+
+def test_ops_register_and_kernels_launch_in_launch_py_only():
+    """One helper registers every op (register_op); every kernel launches through a BoundLaunch."""
+    import re
+
+    registering = re.compile(r"torch\.library\.(custom_op|triton_op)|\.register_(fake|autograd)\b")
+    launching = re.compile(r"\w+_kernel\[[^\]]*\]\(")
+    offenders = [f"{path.name}:{number}" for path, text in _library_sources() if path.name != "launch.py"
+                 for number, line in enumerate(text.splitlines(), 1)
+                 if not line.lstrip().startswith("#") and (registering.search(line) or launching.search(line))]
+    assert not offenders, f"register ops with launch.register_op, launch through BoundLaunch: {offenders}"

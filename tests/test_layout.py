@@ -1,6 +1,7 @@
 """The architecture the file tree promises: the library never imports its tools room, and the layer
 holds no backend- or format-specific code (that lives in the runners)."""
 import ast
+import inspect
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ LAYERS = [
     ("stages", ["moe_triton.activation", "moe_triton.routing", "moe_triton.expand", "moe_triton._expand_kernels",
                 "moe_triton.config", "moe_triton.quantize", "moe_triton.expert_gemm", "moe_triton.finalize",
                 "moe_triton.reference"]),
-    ("pipeline", ["moe_triton.fused_moe"]),
+    ("pipeline", ["moe_triton.pipeline"]),
     ("parallel", ["moe_triton.parallel"]),
     ("placement", ["moe_triton.placement"]),
     ("runners", ["moe_triton.runners"]),
@@ -185,3 +186,13 @@ def test_families_leave_fusedmoes_renames_and_format_to_it():
     for path in FAMILY_FILES.values():
         text = path.read_text()
         assert "gate_weight" not in text and "weight_format" not in text, path.name
+
+
+def test_the_package_shadows_none_of_its_modules():
+    import pkgutil
+
+    import moe_triton
+
+    shadowed = [info.name for info in pkgutil.iter_modules(moe_triton.__path__)
+                if hasattr(moe_triton, info.name) and not inspect.ismodule(getattr(moe_triton, info.name))]
+    assert not shadowed, f"moe_triton.<name> is not the module of that name for {shadowed}: import it from its module"

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..activation import Activation, ActivationKind
-from ..fused_moe import run_experts
+from ..pipeline import run_experts
 from ..weights import ExpertWeights, Fp8Scaling, WeightFormat
 
 # transformers activation classes (ACT2FN values) -> our activation kinds

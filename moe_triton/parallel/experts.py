@@ -19,8 +19,8 @@ from torch import nn
 
 from .. import checks
 from ..activation import SILU_AND_MUL, Activation
-from ..fused_moe import run_experts
-from ..graphs.capture import is_capture_mode
+from ..graphs.capture import gathered_dispatch
+from ..pipeline import run_experts
 from ..reference import fused_experts_torch
 from ..weights import ExpertWeights
 from .all_to_all import combine, combine_gathered, dispatch, dispatch_gathered
@@ -70,7 +70,7 @@ def parallel_experts(
                           weights.w2)  # the collectives are not differentiated
     spec = groups.spec
     num_local = weights.num_experts
-    if spec.all_to_all and is_capture_mode():  # fixed shapes, no host read: the decode graphs' way
+    if spec.all_to_all and gathered_dispatch():  # fixed shapes, no host read: the decode graphs' way
         sent = dispatch_gathered(hidden_states, topk_ids, topk_weights, groups.ep)
         ids = localize_ids(sent.topk_ids, groups.ep_rank * num_local, num_local)  # [W * T, K]
         ids, slot_weights = compact_slots(ids, sent.topk_weights, num_local)  # [W * T, min(K, E/ep)]

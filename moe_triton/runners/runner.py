@@ -14,8 +14,9 @@ import torch
 
 from ..activation import Activation
 from ..context import ModelContext
-from ..fused_moe import run_experts
+from ..launch import register_op
 from ..parallel import ParallelGroups, parallel_experts
+from ..pipeline import run_experts
 from ..reference import fused_experts_torch
 from ..routing import RoutingSpec, route, route_torch
 from ..weights import ExpertWeights
@@ -26,14 +27,14 @@ from .spec import BackendSpec, LayerTraits
 # "triton/backends" (Triton's own), which would break the graph at each runner method.
 
 
-@torch.library.custom_op("moe_triton::not_compile_safe", mutates_args=())
-def _not_compile_safe(x: torch.Tensor, reason: str) -> torch.Tensor:
+def _refuse(x: torch.Tensor, reason: str) -> torch.Tensor:
     raise RuntimeError(reason)
 
 
-@_not_compile_safe.register_fake
-def _(x, reason):
-    raise RuntimeError(reason)  # raised while torch.compile / torch.export trace: an error, never a silent graph break
+# The fake raises too: while torch.compile / torch.export trace, an error, never a silent graph break.
+@register_op("not_compile_safe", _refuse)
+def _not_compile_safe(x: torch.Tensor, reason: str) -> torch.Tensor:
+    raise RuntimeError(reason)
 
 
 def refuse_compile(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -80,7 +81,7 @@ class ExpertsRunner:
 
 
 class TritonRunner(ExpertsRunner):
-    """Our pipeline, stage by stage (fused_moe.run_experts; its registered op under torch.compile)."""
+    """Our pipeline, stage by stage (pipeline.run_experts; its registered op under torch.compile)."""
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=self.activation)

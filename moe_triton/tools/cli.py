@@ -33,7 +33,7 @@ def _runs_on_cpu(args) -> bool:
 def bench(args) -> int:
     from tqdm import tqdm
 
-    from ..fused_moe import fused_experts
+    from ..pipeline import fused_experts
     from .bench import (
         capture_graph,
         floor_seconds,

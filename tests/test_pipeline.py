@@ -17,14 +17,14 @@ from moe_triton import (
     activate,
     activation_torch,
     choose_config,
-    expand,
     expand_torch,
-    finalize,
     finalize_torch,
     fused_experts,
     fused_experts_torch,
     run_experts,
 )
+from moe_triton.expand import expand
+from moe_triton.finalize import finalize
 from moe_triton.routing import RoutingSpec, route, route_torch
 from moe_triton.tools.bench import MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
 
@@ -63,15 +63,14 @@ def test_fused_experts_awkward_widths(T, E, K, H, I, poisoned_empty):
                  torch.float16, scale=2)
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused-epilogue", "standalone-activation"])
 @pytest.mark.parametrize("activation", [
     Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.GELU_AND_MUL),
     Activation(ActivationKind.GELU_TANH_AND_MUL), Activation(ActivationKind.RELU2),
     Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.702),
 ], ids=lambda a: a.kind.name)
-def test_fused_experts_activations(activation, fuse, poisoned_empty):
+def test_fused_experts_activations(activation, poisoned_empty):
     x, w13, w2, ids, weights = make_layer(17, 8, 2, 40, 33, torch.float32, seed=3, activation=activation)
-    out = fused_experts(x, w13, w2, ids, weights, activation=activation, fuse_activation=fuse)
+    out = fused_experts(x, w13, w2, ids, weights, activation=activation)
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32)
 
 
@@ -131,11 +130,11 @@ def test_non_contiguous_inputs(poisoned_empty):
 
 
 def plan_of(x, w13, w2, ids, weights):
-    import moe_triton.fused_moe as fused_moe
+    import moe_triton.pipeline as pipeline
     from moe_triton import ExpertWeights
 
-    signature = fused_moe._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, True, None)
-    return fused_moe._PLANS.get(signature)
+    signature = pipeline._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, None)
+    return pipeline._PLANS.get(signature)
 
 
 def test_one_plan_serves_every_call_of_a_signature(poisoned_empty):
@@ -170,6 +169,27 @@ def test_plans_do_not_keep_weights_alive():
     del w13, w2
     gc.collect()
     assert all(ref() is None for ref in alive)
+
+
+@pytest.mark.parametrize("fmt", [None, WeightFormat.fp8_block(16, 16)], ids=["bf16-like", "fp8-block"])
+@pytest.mark.parametrize("T", [1, 9], ids=["per-pair", "sorted"])
+def test_the_plan_is_built_from_the_signature_before_anything_launches(T, fmt, no_launch):
+    """plan_experts plans every stage itself, launching nothing: a frozen plan, one field per stage."""
+    import dataclasses
+
+    from moe_triton.expand import ExpandPlan, PerPairPlan
+    from moe_triton.pipeline import plan_experts
+
+    x, w13, w2, ids, weights = make_layer(T, 4, 2, 32, 16, torch.float16, seed=T)
+    experts = ExpertWeights(w13, w2) if fmt is None else ExpertWeights(w13.float(), w2.float()).to_format(fmt)
+    plan = plan_experts(x, experts, ids, weights, activation=SILU_AND_MUL, config=None, out=None)
+    assert [f.name for f in dataclasses.fields(plan)][-5:] == ["expand", "quantize", "up", "down", "finalize"]
+    assert isinstance(plan.expand, PerPairPlan if T == 1 else ExpandPlan)
+    assert (plan.quantize is not None) == (fmt is not None)
+    assert all(stage.launch is not None for stage in (plan.up, plan.down, plan.finalize))
+    assert plan.up.out_dtype == (torch.float8_e4m3fn if fmt else torch.float16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.up = plan.down
 
 
 def test_bad_input_is_refused_after_its_shape_was_planned():
@@ -286,10 +306,10 @@ def test_gradients_of_an_empty_batch():
 
 
 def test_only_the_gradients_needed_are_computed(monkeypatch):
-    import moe_triton.fused_moe as fused_moe
+    import moe_triton.pipeline as pipeline
 
-    asked, real = [], fused_moe.fused_experts_backward_torch
-    monkeypatch.setattr(fused_moe, "fused_experts_backward_torch",
+    asked, real = [], pipeline.fused_experts_backward_torch
+    monkeypatch.setattr(pipeline, "fused_experts_backward_torch",
                         lambda *a, **k: asked.append(k["needs"]) or real(*a, **k))
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=2)
     x.requires_grad_()  # frozen experts, fixed routing weights
@@ -323,11 +343,10 @@ def test_inference_takes_the_planned_path_not_the_op():
     assert "moe_triton.experts.default" in ops.seen
 
 
-@pytest.mark.parametrize("tool", ["out", "config", "fuse_activation"])
+@pytest.mark.parametrize("tool", ["out", "config"])
 def test_eager_tools_refuse_when_gradients_are_needed(tool, no_launch):
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=4)
-    kwargs = {"out": dict(out=torch.empty(9, 40)), "config": dict(config=config_for(LayoutKind.SORTED)),
-              "fuse_activation": dict(fuse_activation=False)}[tool]
+    kwargs = {"out": dict(out=torch.empty(9, 40)), "config": dict(config=config_for(LayoutKind.SORTED))}[tool]
     with pytest.raises(ValueError, match="have no backward") as refusal:
         fused_experts(x, w13.requires_grad_(), w2, ids, weights, **kwargs)
     assert "\n" not in str(refusal.value)

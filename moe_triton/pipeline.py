@@ -15,16 +15,19 @@ stage's plan, and later calls of that signature only allocate and launch (launch
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import checks
-from .activation import SILU_AND_MUL, Activation, ActivationKind, activate
+from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, MoEConfig, choose_config
-from .expand import ExpertLayout, LayoutKind, per_pair_layout, plan_expand
-from .expert_gemm import Fp8Scales, plan_expert_gemm
-from .finalize import plan_finalize
+from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, plan_expand
+from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
+from .finalize import FinalizePlan, plan_finalize
+from .launch import PlanCache, register_op
 from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, interpreter_hint, triton_can_run_on
-from .quantize import plan_quantize
+from .quantize import QuantizePlan, plan_quantize
 from .reference import fused_experts_backward_torch
 from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
 
@@ -99,7 +102,6 @@ def run_experts(
     *,
     activation: Activation = SILU_AND_MUL,
     config: MoEConfig | None = None,
-    fuse_activation: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The expert layer on Triton kernels: a fresh output of shape (T, H) in hidden_states' dtype.
@@ -107,8 +109,7 @@ def run_experts(
     hidden_states (T, H); topk_ids (T, K) int32/int64, where an id outside [0, E) is *filtered*:
     that (token, slot) pair contributes nothing (transformers' expert-parallel sentinel is E,
     other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
-    under top-8); topk_weights (T, K). `config` overrides the launch
-    configuration; `fuse_activation=False` runs the standalone activation kernel between the GEMMs.
+    under top-8); topk_weights (T, K). `config` overrides the launch configuration.
     Under torch.compile or torch.export, and in grad mode with an input or weight requiring grad,
     this is the registered op `torch.ops.moe_triton.experts` (its backward: reference.py).
 
@@ -117,43 +118,39 @@ def run_experts(
     with the same one, whatever their values: an eager call's host time is mostly launches.
     """
     if torch.compiler.is_compiling():
-        _refuse_eager_tools(config, fuse_activation, out)
+        _refuse_eager_tools(config, out)
         return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
                                             *_activation_fields(activation))
     if checks.grad_needed(hidden_states, topk_weights, getattr(weights, "w13", None), getattr(weights, "w2", None)):
-        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config,
-                                  fuse_activation, out)
-    plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out)
+        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
+    plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
     return plan(hidden_states, weights, topk_ids, topk_weights, out)
 
 
-def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out) -> "LayerPlan":
+def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> LayerPlan:
     """The call signature's plan: made (every check) by its first call, then looked up."""
-    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation,
-                                out)
-    plan = _PLANS.get(signature) if signature is not None else None
+    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
+    plan = _PLANS.get(signature)
     if plan is None:
-        plan = plan_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
-                            fuse_activation=fuse_activation, out=out)
-        if signature is not None:
-            _remember_plan(signature, plan)
+        plan = _PLANS.add(signature, plan_experts(hidden_states, weights, topk_ids, topk_weights,
+                                                  activation=activation, config=config, out=out))
     return plan
 
 
-def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out):
+def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
     """Gradients needed: the checks, then the registered op, whose backward is registered below."""
-    if config is not None or not fuse_activation or out is not None:
-        raise ValueError("config=, fuse_activation=False and out= have no backward; with gradients needed (grad "
+    if config is not None or out is not None:
+        raise ValueError("config= and out= have no backward; with gradients needed (grad "
                          "mode on, an input or weight requiring grad) call the experts without them, or under "
                          "torch.no_grad()")
     checks.not_capturing("run_experts")
-    _plan(hidden_states, weights, topk_ids, topk_weights, activation, None, True, None)
+    _plan(hidden_states, weights, topk_ids, topk_weights, activation, None, None)
     return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
                                         *_activation_fields(activation))
 
 
 def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *, activation: Activation,
-                 config: MoEConfig | None, fuse_activation: bool, out) -> "LayerPlan":
+                 config: MoEConfig | None, out) -> LayerPlan:
     """Check a call of run_experts and choose its configuration: the `LayerPlan` of its signature."""
     check_specs(activation, config)
     if weights.gated != activation.gated:
@@ -166,96 +163,84 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
     config = config or choose_config(max(T, 1), K, E, H, I, hidden_states.device, weights.dtype,
                                      fp8_group=block[1] if block is not None else 128)
     if weights.format.fp8 is not None:
-        _check_fp8_config(config, hidden_states.device, fuse_activation)
-    return LayerPlan(T, config, activation, fuse_activation)
+        _check_fp8_config(config, hidden_states.device)
+    return LayerPlan.build(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
 
 
+@dataclass(frozen=True)
 class LayerPlan:
-    """run_experts for one call signature, checked: its configuration, and the stage plans
-    (expand.py, quantize.py, expert_gemm.py, finalize.py), each made by the first call that
-    reaches it from that call's tensors and valid for every later call of the signature."""
+    """run_experts for one call signature: every stage's plan, built from the signature's metadata
+    before anything launches; a call allocates and launches, stage after stage."""
 
-    def __init__(self, num_tokens: int, config: MoEConfig, activation: Activation, fuse_activation: bool):
-        self.num_tokens = num_tokens
-        self.config = config
-        self.activation = activation
-        self.fuse_activation = fuse_activation
-        self.stages: dict[str, object] = {}  # stage name -> its plan
+    num_tokens: int  # T; 0 launches nothing
+    hidden_size: int  # H
+    expand: ExpandPlan | PerPairPlan  # topk_ids -> ExpertLayout (decode: one pair per tile, no launch)
+    quantize: QuantizePlan | None  # FP8 only: hidden_states -> e4m3 [T, H] + scales
+    up: ExpertGemmPlan  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
+    down: ExpertGemmPlan  # w2 -> [R, H], or [S, R, H] float32 split-C partials
+    finalize: FinalizePlan  # weighted un-permute -> a fresh [T, H] (or `out`)
 
-    def stage(self, name: str, make):
-        plan = self.stages.get(name)
-        if plan is None:
-            plan = self.stages[name] = make()
-        return plan
-
-    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, out) -> torch.Tensor:
+    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, out=None) -> torch.Tensor:
         if self.num_tokens == 0:
-            H = weights.hidden_size
-            return torch.empty(0, H, dtype=hidden_states.dtype, device=hidden_states.device) if out is None else out
-        config, E = self.config, weights.num_experts
-        if config.layout is LayoutKind.PER_PAIR:
-            layout = per_pair_layout(topk_ids, E, config.block_m)  # decode: no sort, no launch
-        else:
-            layout = self.stage("expand", lambda: plan_expand(*topk_ids.shape, E, config.block_m))(topk_ids)
+            H, dtype, device = self.hidden_size, hidden_states.dtype, hidden_states.device
+            return torch.empty(0, H, dtype=dtype, device=device) if out is None else out
+        layout = self.expand(topk_ids)
+        x, x_scales = hidden_states, None
+        if self.quantize is not None:  # FP8
+            x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
+        h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)  # [R, I], [R, I / BLOCK_N]
+        y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale)  # [R, H] or [S, R, H]
+        return self.finalize(y, topk_weights, layout, out)  # [T, H]
+
+    @classmethod
+    def build(cls, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, activation: Activation,
+              config: MoEConfig, out) -> LayerPlan:
+        """The plan for checked arguments; each stage plans from the meta stand-ins of its inputs."""
+        T, K = topk_ids.shape
+        E, H, dtype, block_m = weights.num_experts, weights.hidden_size, hidden_states.dtype, config.block_m
+        layout = layout_like(config.layout, T, K, E, block_m)
+        sorted_layout = config.layout is LayoutKind.SORTED
+        expand = plan_expand(T, K, E, block_m) if sorted_layout else PerPairPlan(E, block_m)
+        x, quantize, up_scales = hidden_states, None, None
         if weights.format.fp8 is not None:
-            y = self.fp8_gemms(hidden_states, weights, layout)  # [R, H] or [S, R, H] float32
-        else:
-            y = self.gemms(hidden_states, weights, layout)
-        finalize = self.stage("finalize", lambda: plan_finalize(y, topk_weights, layout, hidden_states.dtype, out))
-        return finalize(y, topk_weights, layout, out)  # [T, H]
-
-    def gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
-        config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
-        epilogue = activation if self.fuse_activation else None  # unfused: the standalone kernel after it
-        up = self.stage("up", lambda: plan_expert_gemm(hidden_states, w13, layout, config.up, gather=True,
-                                                       activation=epilogue))
-        h = up(hidden_states, w13, layout)  # [R, I], or [R, 2I] / [R, I] before the activation
-        if epilogue is None:
-            h = activate(h, activation)  # [R, I]
-        down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False))
-        return down(h, w2, layout)  # [R, H], or [S, R, H] float32 partials
-
-    def fp8_gemms(self, hidden_states, weights: ExpertWeights, layout: ExpertLayout) -> torch.Tensor:
-        """The two GEMMs on FP8 operands: the input quantized once per token (per block_c group for
-        block scales, per row otherwise, or with the static scale), the intermediate in the first
-        GEMM's epilogue, one scale per row and up.block_n columns."""
-        config, activation, w13, w2 = self.config, self.activation, weights.w13, weights.w2
-        block = weights.format.block
-        group = block[1] if block is not None else None
-        quantize = self.stage("quantize", lambda: plan_quantize(hidden_states, group, weights.input_scale is not None))
-        x, x_scales = quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
-        up_scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block,
-                              weights.w13_scale_up_offset)
-        up = self.stage("up", lambda: plan_expert_gemm(x, w13, layout, config.up, gather=True, activation=activation,
-                                                       scales=up_scales, out_dtype=FP8_DTYPE))
-        h, h_scales = up(x, w13, layout, up_scales)  # [R, I] e4m3, [R, I / up.block_n]
-        down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, block)
-        down = self.stage("down", lambda: plan_expert_gemm(h, w2, layout, config.down, gather=False,
-                                                           scales=down_scales, out_dtype=hidden_states.dtype))
-        return down(h, w2, layout, down_scales)  # [R, H], or [S, R, H] float32 partials
+            quantize, x, up_scales = _plan_quantize(hidden_states, weights)
+        up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
+                              scales=up_scales, out_dtype=FP8_DTYPE if quantize else dtype)
+        h, h_scales = up.outputs("meta")
+        down_scales = None
+        if quantize is not None:  # the intermediate: one scale per row and up.block_n columns
+            down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, weights.format.block)
+        down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False, scales=down_scales,
+                                out_dtype=dtype)
+        y, _ = down.outputs("meta")
+        finalize = plan_finalize(y, topk_weights, layout, dtype, out)
+        return cls(T, H, expand, quantize, up, down, finalize)
 
 
-def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, fuse_activation, out):
+def _plan_quantize(hidden_states, weights: ExpertWeights) -> tuple[QuantizePlan, torch.Tensor, Fp8Scales]:
+    """FP8: the input quantized once per token (per block_c group for block scales, per row
+    otherwise, or with the static scale); its plan, the stand-in of its output, the up GEMM's scales."""
+    block = weights.format.block
+    group = block[1] if block is not None else None
+    quantize = plan_quantize(hidden_states, group, weights.input_scale is not None)
+    x, x_scales = quantize.outputs("meta", weights.input_scale)  # [T, H] e4m3, [T, G]
+    scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block, weights.w13_scale_up_offset)
+    return quantize, x, scales
+
+
+def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
     """Everything run_experts' checks and launch arguments depend on; None where an argument is not
     even of the right kind (the checks then name it)."""
     try:
         signature = (tensor_signature(hidden_states), weights.signature, tensor_signature(topk_ids),
-                     tensor_signature(topk_weights), activation, config, fuse_activation,
-                     None if out is None else tensor_signature(out))
+                     tensor_signature(topk_weights), activation, config, None if out is None else tensor_signature(out))
         hash(signature)
     except (AttributeError, TypeError):
         return None
     return signature
 
 
-_PLANS: dict[tuple, LayerPlan] = {}
-_MAX_PLANS = 1024  # prefill sees a new token count per prompt length: keep the newest
-
-
-def _remember_plan(signature: tuple, plan: LayerPlan) -> None:
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[signature] = plan
+_PLANS = PlanCache()
 
 
 # ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
@@ -274,9 +259,9 @@ def _format_fields(fmt: WeightFormat) -> tuple:
     return _FP8.index(fmt.fp8), block_n, block_c, fmt.static_input
 
 
-def _refuse_eager_tools(config, fuse_activation: bool, out) -> None:
-    if config is not None or not fuse_activation or out is not None:
-        raise ValueError("config=, fuse_activation= and out= are eager tools; under torch.compile or torch.export "
+def _refuse_eager_tools(config, out) -> None:
+    if config is not None or out is not None:
+        raise ValueError("config= and out= are eager tools; under torch.compile or torch.export "
                          "call the experts without them (the output is fresh)")
 
 
@@ -284,19 +269,7 @@ def _activation_fields(activation: Activation) -> tuple:
     return activation.kind.value, float(activation.swiglu_limit), float(activation.swiglu_alpha)
 
 
-@torch.library.custom_op("moe_triton::experts", mutates_args=())
-def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                w2_scale: torch.Tensor | None, input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
-                block_c: int, static_input: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                activation: int, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
-    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
-    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
-    act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
-    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
-
-
-@_experts_op.register_fake
-def _(hidden_states, *args):
+def _experts_fake(hidden_states, *args):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
@@ -319,10 +292,24 @@ def _experts_backward(ctx, grad_out):
     return dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights, None, None, None
 
 
-_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+@register_op("experts", _experts_fake, backward=_experts_backward, setup_context=_experts_setup_context)
+def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                w2_scale: torch.Tensor | None, input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
+                block_c: int, static_input: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                activation: int, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
+    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
+    act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
+    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
 
 
-@torch.library.custom_op("moe_triton::experts_backward", mutates_args=())
+def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weights, *args):
+    wanted = args[-1]
+    return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
+                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
+
+
+@register_op("experts_backward", _experts_backward_fake)
 def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, gated: bool, fp8: int, block_n: int, block_c: int,
@@ -337,17 +324,7 @@ def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w1
     return tuple(grad if grad is not None else grad_out.new_empty(0) for grad in grads)
 
 
-@_experts_backward_op.register_fake
-def _(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weights, *args):
-    wanted = args[-1]
-    return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
-                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
-
-
-def _check_fp8_config(config: MoEConfig, device: torch.device, fuse_activation: bool) -> None:
-    if not fuse_activation:
-        raise ValueError("fuse_activation=False is for unquantized experts: FP8 quantizes the intermediate in the "
-                         "first GEMM's activation epilogue")
+def _check_fp8_config(config: MoEConfig, device: torch.device) -> None:
     if device.type == "cuda":  # scale groups narrower than a step are fine (expert_gemm.py)
         for name, gemm in (("up", config.up), ("down", config.down)):
             if gemm.block_c < FP8_MIN_STEP:
@@ -364,20 +341,18 @@ def fused_experts(
     *,
     activation: Activation = SILU_AND_MUL,
     config: MoEConfig | None = None,
-    fuse_activation: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`run_experts` on plain weight tensors: w13 (E, 2I, H) [gate; up], or (E, I, H) for a
     non-gated activation; w2 (E, H, I). A fresh (T, H) in hidden_states' dtype."""
     if torch.compiler.is_compiling():  # the op takes plain data: no ExpertWeights is built inside the graph
-        _refuse_eager_tools(config, fuse_activation, out)
+        _refuse_eager_tools(config, out)
         return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None, activation.gated,
                                             *_format_fields(NATIVE), topk_ids, topk_weights,
                                             *_activation_fields(activation))
     check_specs(activation, config)
     weights = ExpertWeights(w13, w2, gated=activation.gated)
-    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config,
-                       fuse_activation=fuse_activation, out=out)
+    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config, out=out)
 
 
 def _describe(t) -> str:
