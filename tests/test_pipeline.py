@@ -442,7 +442,9 @@ def test_stages_bf16(real_layer, T, poisoned_empty):
     spec = RoutingSpec(shape.top_k, renormalize=True)
     got_ids, got_w = route(logits, spec)
     ref_ids, ref_w = route_torch(logits, spec)
-    assert torch.equal(got_ids.sort(dim=1).values.cpu(), ref_ids.sort(dim=1).values.int().cpu())
+    differ = (got_ids.sort(dim=1).values != ref_ids.sort(dim=1).values.int()).any(dim=1).nonzero().flatten()
+    assert differ.numel() == 0, (f"rows {differ[:4].tolist()}: ids {got_ids[differ[:4]].tolist()} vs "
+                                 f"{ref_ids[differ[:4]].tolist()}, scores {logits[differ[:4]].softmax(-1).tolist()}")
     assert_close(got_w.sort(dim=1).values, ref_w.sort(dim=1).values, torch.float32)
     # expand
     layout = expand(ids, shape.num_experts, 16)
