@@ -5,22 +5,17 @@
     hidden_states [T, H], ids, weights, ExpertWeights (weights.py)
       (FP8 experts: quantize.py quantizes hidden_states once per token)
       -> expand       (expand.py)       (token, slot) pairs sorted by expert, block-padded
-      -> expert GEMM  (expert_gemm.py)  gather rows + w13 [E, 2I, H] + activation epilogue
-      -> activation   (activation.py)   silu/gelu-and-mul, relu^2, clamped swiglu (also standalone)
-      -> expert GEMM  (expert_gemm.py)  w2 [E, H, I]
+      -> expert GEMM  (expert_gemm.py)  gathered rows @ w13 [E, 2I, H], the activation
+                                        (activation.py) in its epilogue: [R, I]
+      -> expert GEMM  (expert_gemm.py)  @ w2 [E, H, I]
       -> finalize     (finalize.py)     weighted un-permute into a fresh [T, H]
 
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, slot) pairs,
 R rows after expand; a GEMM computes N output columns over a contraction width C.
 
-`pipeline.py` runs the pipeline (`run_experts`, `fused_experts`), planned once per call signature
-and launched through `launch.py`'s `BoundLaunch` (no JIT dispatch per call); `reference.py` is its float32
-torch reference; `layer.py` holds `FusedMoE`, which calls a backend runner (runners/runner.py)
-chosen once per layer by the resolver (runners/resolver.py, kept as `layer.resolution`);
-`placement.py` says where a layer's experts run. Importing the package registers
-`experts_implementation="moe_triton"` in transformers. The command line, demo, probe and bench
-helpers live in tools/, which nothing here imports.
-"""
+`pipeline.py` runs it, planned once per call signature (reference: `reference.py`);
+`layer.py`'s `FusedMoE` calls a runner the resolver picks once per layer. Importing registers
+the "moe_triton" experts in transformers."""
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
 from .config import GemmConfig, MoEConfig, choose_config
 from .expand import ExpertLayout, LayoutKind, expand_torch, per_pair_layout
@@ -55,10 +50,10 @@ __all__ = [
     "SILU_AND_MUL", "Activation", "ActivationKind", "activate", "activation_torch",
     "GemmConfig", "MoEConfig", "choose_config",
     "ExpertLayout", "LayoutKind", "expand_torch", "per_pair_layout", "finalize_torch",
-    "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights", "WeightFormat",
-    "Fp8Scaling", "quantize_fp8",
-    "ExpertBackend", "FusedMoE", "MoESpec", "SharedCombination", "ModelContext", "Placement", "Resolution", "resolve",
-    "pad_experts", "Platform", "detect_platform",
+    "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights",
+    "WeightFormat", "Fp8Scaling", "quantize_fp8",
+    "ExpertBackend", "FusedMoE", "MoESpec", "SharedCombination", "ModelContext", "Placement",
+    "Resolution", "resolve", "pad_experts", "Platform", "detect_platform",
     "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch", "router_logits",
     "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk",
 ]

@@ -1,9 +1,4 @@
-"""Argument checks the public entry points share: each returns what it checked, or raises a
-ValueError that names the argument and the fix (issue 18: no raw errors, no silent wrong answers).
-
-The stages check their own tensors in their launchers (pipeline.check_experts_args, routing);
-the hardware questions (is there a CUDA device?) are platform.check_device's.
-"""
+"""Argument checks the entry points share: a one-line ValueError naming the argument and fix."""
 from __future__ import annotations
 
 import numbers
@@ -15,7 +10,6 @@ from .weights import FLOAT_DTYPES
 
 
 def positive_ints(owner: str, **sizes) -> None:
-    """Every size is an integer >= 1 (not a bool, a float or a string)."""
     for name, value in sizes.items():
         if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
@@ -26,7 +20,8 @@ def instances(owner: str, **values) -> None:
     for name, (value, kinds) in values.items():
         if not isinstance(value, kinds):
             kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-            expected = " or ".join("None" if kind is type(None) else kind.__name__ for kind in kinds)
+            expected = " or ".join("None" if kind is type(None) else kind.__name__
+                                   for kind in kinds)
             raise ValueError(f"{owner}: {name} must be {expected}, got {type(value).__name__}")
 
 
@@ -36,30 +31,31 @@ def float_dtype(owner: str, name: str, dtype) -> torch.dtype | None:
         return None
     resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if resolved not in FLOAT_DTYPES:
-        raise ValueError(f"{owner}: {name}={dtype!r} is not a model dtype; use one of {FLOAT_DTYPES} (or its name)")
+        raise ValueError(f"{owner}: {name}={dtype!r} is not a model dtype; use one of "
+                         f"{FLOAT_DTYPES} (or its name)")
     return resolved
 
 
 def layer_input(hidden_states, weight: torch.Tensor) -> None:
-    """hidden_states must be a floating tensor (..., H) on the device of `weight` (E, H), which holds data."""
     H, device = weight.shape[-1], weight.device
     if weight.is_meta:
-        raise ValueError("the layer's weights are on the meta device (shapes, no data): materialize them with "
-                         "layer.to_empty(device=...) and load weights, or build the layer on a real device")
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1 or hidden_states.shape[-1] != H:
+        raise ValueError("the layer's weights are on the meta device (shapes, no data): "
+                         "materialize them with layer.to_empty(device=...) and load weights, "
+                         "or build the layer on a real device")
+    if (not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1
+            or hidden_states.shape[-1] != H):
         got = (f"shape {tuple(hidden_states.shape)}" if isinstance(hidden_states, torch.Tensor)
                else type(hidden_states).__name__)
         raise ValueError(f"hidden_states must be a tensor of shape (..., H={H}), got {got}")
     if not hidden_states.dtype.is_floating_point:
-        raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not floating point; the layer computes in "
-                         f"{weight.dtype}")
+        raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not floating point; "
+                         f"the layer computes in {weight.dtype}")
     if hidden_states.device != device:
-        raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights on {device}; "
-                         "move one of them (layer.to(...))")
+        raise ValueError(f"hidden_states is on {hidden_states.device} but the layer's weights on "
+                         f"{device}; move one of them (layer.to(...))")
 
 
 def grad_needed(*tensors) -> bool:
-    """Grad mode is on and one of `tensors` requires grad: the call must give gradients."""
     if torch.is_grad_enabled():  # a loop, not any(...): this runs on every eager call
         for t in tensors:
             if getattr(t, "requires_grad", False):
@@ -68,14 +64,15 @@ def grad_needed(*tensors) -> bool:
 
 
 def no_grad_needed(what: str, fix: str, *tensors) -> None:
-    """An inference-only tool refuses a call that needs gradients, rather than detach them silently."""
+    """An inference-only tool refuses a call that needs gradients rather than detach them."""
     if grad_needed(*tensors):
-        raise ValueError(f"{what} has no backward, but grad mode is on and an input or weight requires grad: "
-                         f"run it under torch.no_grad(), or {fix}")
+        raise ValueError(f"{what} has no backward, but grad mode is on and an input or weight "
+                         f"requires grad: run it under torch.no_grad(), or {fix}")
 
 
 def not_capturing(what: str) -> None:
-    """A differentiable call cannot be captured in a CUDA graph: its backward reads sizes on the host."""
-    if is_capture_mode() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        raise ValueError(f"{what} with gradients cannot be captured in a CUDA graph (its backward reads "
-                         "sizes on the host): capture under torch.no_grad()")
+    """A differentiable call cannot be captured in a CUDA graph: its backward reads host sizes."""
+    if is_capture_mode() or (torch.cuda.is_available()
+                             and torch.cuda.is_current_stream_capturing()):
+        raise ValueError(f"{what} with gradients cannot be captured in a CUDA graph (its backward "
+                         "reads sizes on the host): capture under torch.no_grad()")

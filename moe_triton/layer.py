@@ -1,13 +1,5 @@
-"""`FusedMoE`: the sparse MoE block as one module, holding its weights and calling its runner.
-
-    x [T, H] -> router logits [T, E] -> runner: route, experts [T, H]   (inside expert_input/output_proj)
-      (+ shared_experts(x), summed or averaged; on the "alt" stream beside the routed experts when overlapping)
-
-Weights are held in transformers' layout, so a transformers block's tensors are shared, not copied:
-`gate_up_proj` (E, 2I, H) [gate; up] (or (E, I, H) non-gated), `down_proj` (E, H, I), router
-`gate_weight` (E, H). Backends, formats and placements differ only inside the runner
-(runners/runner.py); the routing rule, bias and scaling live in the `RoutingSpec`.
-"""
+"""`FusedMoE`: the sparse MoE block as one module, holding its weights (transformers' layout,
+shared) and calling its runner, where backends, formats and placements differ (runners/)."""
 from __future__ import annotations
 
 import enum
@@ -27,7 +19,6 @@ from .runners.resolver import build_runner, resolve
 from .runners.spec import LayerTraits
 from .weights import NATIVE, ExpertWeights, WeightFormat
 
-# FusedMoE's expert tensors (transformers' names) and the ExpertWeights fields they fill
 _EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
                    "down_proj_scale": "w2_scale", "input_scale": "input_scale"}
 
@@ -39,36 +30,31 @@ class SharedCombination(enum.Enum):
 
 @dataclass(frozen=True)
 class MoESpec:
-    """A sparse MoE block as its config describes it: each family writes it once, in
-    `<family>_moe_spec(config)` (models/), for load_model and from_transformers alike."""
+    """A MoE block as its config describes it; each family's `<family>_moe_spec(config)`."""
 
     num_experts: int
     hidden_size: int
     intermediate_size: int
-    routing: RoutingSpec  # top_k is routing.top_k
+    routing: RoutingSpec
     activation: Activation = SILU_AND_MUL
     shared_intermediate_size: int = 0  # the shared experts' I; 0: none
     shared_combination: SharedCombination = SharedCombination.SUM
-    latent_size: int | None = None  # NemotronH: the experts run at this width, between projections
+    latent_size: int | None = None  # NemotronH: the experts' width, between its projections
 
     @property
     def top_k(self) -> int:
         return self.routing.top_k
 
     def layer_args(self) -> dict:
-        """FusedMoE's arguments this spec decides."""
         return dict(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
                     intermediate_size=self.intermediate_size, routing=self.routing,
                     activation=self.activation, shared_combination=self.shared_combination)
 
 
 class FusedMoE(nn.Module):
-    """Call `prepare_weights()` once after loading weights (the runner pads, or builds its own view).
-    A quantized `weight_format` keeps its scales beside the weights (`gate_up_proj_scale`, ...);
-    None: the format the model's quantization config gives the experts (`held_format`)."""
+    """Call `prepare_weights()` once after loading; weight_format=None: `held_format`'s."""
 
-    # A transformers / Hub MoE block's tensor names, relative to the block -> this layer's; the
-    # loader applies them under each FusedMoE's prefix (models/checkpoint.py). Quantized: + scales.
+    # a Hub MoE block's tensor names -> this layer's, under its prefix (models/checkpoint.py)
     checkpoint_renames: tuple[tuple[str, str], ...] = (
         (r"^gate\.weight$", "gate_weight"),
         (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
@@ -78,47 +64,56 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  routing: RoutingSpec | None = None, activation: Activation = SILU_AND_MUL,
-                 shared_experts: nn.Module | None = None, shared_combination: SharedCombination = SharedCombination.SUM,
-                 expert_input_proj: nn.Module | None = None, expert_output_proj: nn.Module | None = None,
+                 shared_experts: nn.Module | None = None,
+                 shared_combination: SharedCombination = SharedCombination.SUM,
+                 expert_input_proj: nn.Module | None = None,
+                 expert_output_proj: nn.Module | None = None,
                  weight_format: WeightFormat | None = None, placement: Placement = Placement(),
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
-        checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
-                             intermediate_size=intermediate_size)
-        checks.instances("FusedMoE", routing=(routing, (RoutingSpec, type(None))), activation=(activation, Activation),
+        checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k,
+                             hidden_size=hidden_size, intermediate_size=intermediate_size)
+        checks.instances("FusedMoE", routing=(routing, (RoutingSpec, type(None))),
+                         activation=(activation, Activation),
                          weight_format=(weight_format, (WeightFormat, type(None))),
                          placement=(placement, Placement))
-        dtype = checks.float_dtype("FusedMoE", "dtype (None: torch's default)", dtype or torch.get_default_dtype())
+        dtype = checks.float_dtype("FusedMoE", "dtype (None: torch's default)",
+                                   dtype or torch.get_default_dtype())
         device = platforms.check_device(device)
         weight_format = held_format(placement.context) if weight_format is None else weight_format
         self.routing = routing or RoutingSpec(top_k)
         if self.routing.top_k != top_k or not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k={top_k} (routing.top_k={self.routing.top_k}) must match and lie in [1, {num_experts}]")
+            raise ValueError(f"top_k={top_k} (routing.top_k={self.routing.top_k}) must match and "
+                             f"lie in [1, {num_experts}]")
         self.activation, self.placement, self.weight_format = activation, placement, weight_format
-        self.intermediate_size = intermediate_size  # the whole layer's I (a parallel placement holds a slice)
-        self.shared_experts, self.shared_combination = shared_experts, SharedCombination(shared_combination)
+        self.intermediate_size = intermediate_size  # the whole layer's I (placements hold a slice)
+        self.shared_experts, self.shared_combination = (shared_experts,
+                                                        SharedCombination(shared_combination))
         self.expert_input_proj, self.expert_output_proj = expert_input_proj, expert_output_proj
-        expert_in = getattr(expert_input_proj, "out_features", hidden_size)  # NemotronH's latent projection narrows it
-        local_experts, local_intermediate = placement.local_sizes(num_experts, intermediate_size, weight_format)
-        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device))  # the router
-        experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate, activation.gated, weight_format,
-                                      dtype, device)
+        # NemotronH's latent projection narrows the experts' input
+        expert_in = getattr(expert_input_proj, "out_features", hidden_size)
+        local_experts, local_intermediate = placement.local_sizes(num_experts, intermediate_size,
+                                                                  weight_format)
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype,
+                                                    device=device))
+        experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate,
+                                      activation.gated, weight_format, dtype, device)
         for name, field in _EXPERT_TENSORS.items():
             tensor = getattr(experts, field)
             self.register_parameter(name, nn.Parameter(tensor) if tensor is not None else None)
-        bias = torch.zeros(num_experts, dtype=torch.float32, device=device) if self.routing.correction_bias else None
+        bias = (torch.zeros(num_experts, dtype=torch.float32, device=device)
+                if self.routing.correction_bias else None)
         self.register_buffer("e_score_correction_bias", bias)
         traits = LayerTraits(expert_in, dtype, activation, self.routing, weight_format)
         platform = placement.platform or platforms.detect_platform(self.gate_up_proj.device)
-        self.resolution = resolve(placement.backend, platform, placement.resolution_context(), traits)
+        self.resolution = resolve(placement.backend, platform, placement.resolution_context(),
+                                  traits)
         self.runner = build_runner(self.resolution, traits, placement)
-        self._prepared: ExpertWeights | None = None  # set by prepare_weights
+        self._prepared: ExpertWeights | None = None
         self._register_load_state_dict_pre_hook(self.take_shard)
 
     @classmethod
     def from_spec(cls, spec: MoESpec, placement: Placement = Placement(), **kwargs) -> FusedMoE:
-        """The layer `spec` describes; `kwargs`: FusedMoE's others (shared_experts, the projections,
-        weight_format, dtype, device)."""
         return cls(**spec.layer_args(), placement=placement, **kwargs)
 
     @property
@@ -126,12 +121,12 @@ class FusedMoE(nn.Module):
         return self.resolution.backend
 
     def expert_weights(self) -> ExpertWeights:
-        """The prepared weights, or the parameters as they are before prepare_weights(). Parameters
-        replaced after it (load_state_dict(assign=True), `layer.down_proj = ...`) are prepared anew
-        here: the layer never computes with tensors it no longer holds."""
+        """The prepared weights (the parameters before prepare_weights()); parameters replaced
+        since are prepared anew: the layer never computes with tensors it no longer holds."""
         prepared = self._prepared
         if prepared is not None:
-            if all(self._parameters[name] is getattr(prepared, field) for name, field in _EXPERT_TENSORS.items()):
+            if all(self._parameters[name] is getattr(prepared, field)
+                   for name, field in _EXPERT_TENSORS.items()):
                 return prepared
             self.prepare_weights()
             return self._prepared
@@ -143,15 +138,16 @@ class FusedMoE(nn.Module):
         """After loading: the runner's weights (padded, or its own view); idempotent."""
         self._prepared = None
         prepared = self.runner.prepare(self.expert_weights())
-        for name, field in _EXPERT_TENSORS.items():  # padded: the layer now holds (no longer shares) the copies
+        for name, field in _EXPERT_TENSORS.items():  # padded: the layer now holds the copies
             if getattr(prepared, field) is not getattr(self, name):
                 setattr(self, name, nn.Parameter(getattr(prepared, field), requires_grad=False))
         self._prepared = self.expert_weights()
 
     def take_shard(self, state_dict: dict, prefix: str = "", *hook_args) -> None:
-        """Full-size expert tensors in a state dict -> this rank's shard, in place (a load_state_dict hook)."""
+        """A load_state_dict hook: full-size expert tensors -> this rank's shard, in place."""
         names = {field: prefix + name for name, field in _EXPERT_TENSORS.items()}
-        self.placement.cut_shard(state_dict, names, self.expert_weights(), (len(self.gate_weight), self.intermediate_size))
+        self.placement.cut_shard(state_dict, names, self.expert_weights(),
+                                 (len(self.gate_weight), self.intermediate_size))
 
     def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
         """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H)."""
@@ -161,8 +157,8 @@ class FusedMoE(nn.Module):
         return self.expert_output_proj(h) if self.expert_output_proj is not None else h
 
     def forward(self, hidden_states: torch.Tensor, overlap: bool = False) -> torch.Tensor:
-        """hidden_states (..., H) -> (..., H). `overlap` (captured decode) runs the routed experts on
-        the "alt" stream while the shared experts run here; both only read x and return fresh tensors."""
+        """(..., H) -> (..., H). `overlap` runs the routed experts on the "alt" stream beside the
+        shared ones; both only read x and return fresh tensors."""
         checks.layer_input(hidden_states, self.gate_weight)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         if self.shared_experts is None:
@@ -171,15 +167,15 @@ class FusedMoE(nn.Module):
         shared, routed = run_branches(*branches) if overlap else (branches[0](), branches[1]())
         if not isinstance(shared, torch.Tensor) or shared.shape != x.shape:
             got = tuple(shared.shape) if isinstance(shared, torch.Tensor) else type(shared).__name__
-            raise ValueError(f"shared_experts returned {got} for an input of shape {tuple(x.shape)}; it must "
-                             "map (T, H) to (T, H): check its output size (hidden_size)")
+            raise ValueError(f"shared_experts returned {got} for an input of shape "
+                             f"{tuple(x.shape)}; it must map (T, H) to (T, H): check its output "
+                             "size (hidden_size)")
         out = routed + shared
-        return (out / 2 if self.shared_combination is SharedCombination.AVERAGE else out).view_as(hidden_states)
+        return (out / 2 if self.shared_combination is SharedCombination.AVERAGE
+                else out).view_as(hidden_states)
 
 
 def held_format(context: ModelContext) -> WeightFormat:
-    """The experts' format under the model's quantization config: the checkpoint's where the loader
-    reads one, else native (unquantized; NVFP4, which FlashInfer quantizes from bf16; a config
-    load_model refuses before any layer is built)."""
+    """The checkpoint's experts' format, else native (NVFP4 too: FlashInfer quantizes bf16)."""
     checkpoint = context.quantization.checkpoint
     return checkpoint.experts if checkpoint is not None else NATIVE

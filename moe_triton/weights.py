@@ -1,27 +1,11 @@
-"""The experts' weights as data: their tensors and their format, validated once when built.
+"""The experts' weights as data: their tensors (strides as given: transposed storage is a view)
+and their `WeightFormat`, validated once. FP8: e4m3, float32 scales that multiply to dequantize:
 
-    w13 [E, 2I, H]  gate_up_proj, [gate; up] along dim 1 (or [E, I, H] up_proj for non-gated experts)
-    w2  [E, H, I]   down_proj
-
-Every backend and `run_experts` take an `ExpertWeights`; the functional `fused_experts(x, w13, w2,
-...)` builds one per call. Strides are taken as given, so transformers' transposed storage is a
-view, never a copy. A weight format is a `WeightFormat` value plus the scales it needs, so a new
-format is a new value and its kernels, not parameters threaded through every signature.
-
-FP8 formats (`torch.float8_e4m3fn` weights, float32 scales that *multiply* to dequantize, as
-DeepSeek's `weight_scale_inv`, compressed-tensors' and ModelOpt's `weight_scale` all do):
-
-    BLOCK    w13_scale [E, 2 * ceil(I / bn), ceil(H / bc)]: the gate grid, then the up grid
-             w2_scale  [E, ceil(H / bn), ceil(I / bc)]; partial blocks at the edges
-             activations: dynamic, per token per bc-wide group
-    CHANNEL  w13_scale [E, 2I] (a scale per output row), w2_scale [E, H]; activations: dynamic per token
-    TENSOR   one scale per expert and projection, stored per row like CHANNEL (gate and up keep their
-             own scales exactly: `per_tensor_rows`); activations: dynamic per token, or static with
-             one `input_scale` (the largest of a checkpoint's per-expert input scales)
-
-The second GEMM's input is always quantized dynamically per token per tile-wide group, in the first
-GEMM's epilogue (expert_gemm.py): finer than per token, and no pass of its own.
-"""
+    BLOCK    w13_scale [E, 2 * ceil(I / bn), ceil(H / bc)] (gate grid, then up grid),
+             w2_scale [E, ceil(H / bn), ceil(I / bc)], partial edge blocks; x per token per bc group
+    CHANNEL  w13_scale [E, 2I], w2_scale [E, H] (a scale per output row); x per token
+    TENSOR   stored per row like CHANNEL, gate and up each exact (`per_tensor_rows`); x per token,
+             or static: one `input_scale`, the largest of the checkpoint's per-expert ones"""
 from __future__ import annotations
 
 import enum
@@ -37,29 +21,30 @@ FP8_MAX = 448.0  # the largest finite e4m3fn value
 
 
 class Fp8Scaling(enum.Enum):
-    BLOCK = "block"  # DeepSeek-V3 / transformers FineGrainedFP8: a scale per (block_n x block_c) weight block
-    CHANNEL = "channel"  # compressed-tensors strategy "channel": a scale per output row
-    TENSOR = "tensor"  # ModelOpt FP8, compressed-tensors strategy "tensor": a scale per expert and projection
+    BLOCK = "block"  # DeepSeek-V3, transformers FineGrainedFP8: a scale per weight block
+    CHANNEL = "channel"  # compressed-tensors "channel": a scale per output row
+    TENSOR = "tensor"  # ModelOpt, compressed-tensors "tensor": a scale per expert and projection
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """How the experts' weights are stored; the default is unquantized (the activations' dtype)."""
-
     fp8: Fp8Scaling | None = None  # None: bf16 / fp16 / fp32 weights, no scales
-    block: tuple[int, int] | None = None  # (block_n, block_c): BLOCK's weight block, rows x contraction
+    block: tuple[int, int] | None = None  # BLOCK's (block_n, block_c): rows x contraction
     static_input: bool = False  # TENSOR: activations quantized with one static input scale
 
     def __post_init__(self):
         if (self.block is not None) != (self.fp8 is Fp8Scaling.BLOCK):
-            raise ValueError(f"WeightFormat.block is the BLOCK format's (block_n, block_c) and only its; got {self}")
+            raise ValueError("WeightFormat.block is the BLOCK format's (block_n, block_c) and "
+                             f"only its; got {self}")
         if self.block is not None:
             block_n, block_c = self.block
             if block_n < 1 or block_c < 16 or block_c & (block_c - 1):
-                raise ValueError(f"WeightFormat.block=({block_n}, {block_c}): block_n must be >= 1 and block_c a "
-                                 "power of two >= 16 (every public checkpoint uses 128 x 128)")
+                raise ValueError(f"WeightFormat.block=({block_n}, {block_c}): block_n must be >= 1 "
+                                 "and block_c a power of two >= 16 (every public checkpoint uses "
+                                 "128 x 128)")
         if self.static_input and self.fp8 is not Fp8Scaling.TENSOR:
-            raise ValueError("WeightFormat.static_input is for per-tensor FP8 (fp8=Fp8Scaling.TENSOR) only")
+            raise ValueError("WeightFormat.static_input is for per-tensor FP8 "
+                             "(fp8=Fp8Scaling.TENSOR) only")
 
     @classmethod
     def fp8_block(cls, block_n: int = 128, block_c: int = 128) -> "WeightFormat":
@@ -77,22 +62,21 @@ class WeightFormat:
         if self.fp8 is None:
             return "unquantized"
         if self.block is not None:
-            return f"fp8 e4m3, {self.block[0]}x{self.block[1]} block scales, dynamic per-token-group activations"
+            return (f"fp8 e4m3, {self.block[0]}x{self.block[1]} block scales, "
+                    "dynamic per-token-group activations")
         inputs = "static" if self.static_input else "dynamic per-token"
         return f"fp8 e4m3, per-{self.fp8.value} scales, {inputs} activations"
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The weights' dtype when the activations are `dtype`."""
         return dtype if self.fp8 is None else FP8_DTYPE
 
     @property
     def input_scale_shape(self) -> tuple[int, ...] | None:
-        """The static activation scale's shape, or None when activations are quantized dynamically (or not)."""
         return (1,) if self.static_input else None
 
-    def scale_shape(self, experts: int, rows: int, cols: int, halves: int = 1) -> tuple[int, ...] | None:
-        """The scale tensor of an (E, rows, cols) weight made of `halves` stacked blocks of rows (2 for
-        [gate; up]), or None for unquantized weights."""
+    def scale_shape(self, experts: int, rows: int, cols: int,
+                    halves: int = 1) -> tuple[int, ...] | None:
+        """The scale of an (E, rows, cols) weight of `halves` stacked row blocks (None: native)."""
         if self.fp8 is None:
             return None
         if self.block is None:
@@ -109,10 +93,8 @@ class WeightFormat:
 
     def checkpoint_scale(self, stored: torch.Tensor | Sequence[torch.Tensor], rows: int, cols: int,
                          gated: bool = False) -> torch.Tensor:
-        """A checkpoint's scale of an [E, rows, cols] weight -> ExpertWeights' layout, float32.
-        `stored` is one tensor over all rows or one per projection ((gate, up) when `gated`), as
-        stored: BLOCK [E, ceil(N / bn), ceil(C / bc)], CHANNEL [E, N(, 1)], TENSOR [E(, 1, 1)]
-        (one tensor over [gate; up]: [E, 2(, 1)], gate then up)."""
+        """A checkpoint's scale(s) of an [E, rows, cols] weight, whole or per projection (gate, up
+        if `gated`; CHANNEL [E, N(, 1)], TENSOR [E(, 1, 1)]) -> ExpertWeights' float32 layout."""
         parts = list(stored) if isinstance(stored, (list, tuple)) else [stored]
         halves = 2 if gated else 1
         if self.fp8 is None:
@@ -149,8 +131,7 @@ class WeightFormat:
         return scale.float()
 
     def checkpoint_input_scale(self, stored: torch.Tensor | Sequence[torch.Tensor] | None):
-        """The static input scale: the largest of the first GEMM's (every expert's gate and up
-        ones see the layer's input); None for dynamic activations."""
+        """The largest of the first GEMM's input scales (all see the layer's x); None: dynamic."""
         if not self.static_input:
             return None
         parts = list(stored) if isinstance(stored, (list, tuple)) else [stored]
@@ -160,8 +141,7 @@ class WeightFormat:
         return torch.stack([p.float().max() for p in parts]).max().reshape(1)
 
     def grid_lead(self, start: int) -> int:
-        """Zero columns of I before a slice starting at `start` that put it on the block grid (of
-        w13's rows and w2's columns alike); 0 without blocks."""
+        """Zero columns of I before a slice at `start` that put it on the block grid; 0 without."""
         return start % math.lcm(*self.block) if self.block is not None else 0
 
 
@@ -170,15 +150,13 @@ NATIVE = WeightFormat()
 
 @dataclass(frozen=True, eq=False)
 class ExpertWeights:
-    """One MoE layer's expert tensors in one format. E experts, H hidden, I intermediate."""
-
     w13: torch.Tensor  # [E, 2I, H] gated ([gate; up]), [E, I, H] non-gated
     w2: torch.Tensor  # [E, H, I]
     gated: bool = True  # w13 holds gate and up rows (every activation but relu^2)
-    # None means NATIVE: torch.compile traces code that builds ExpertWeights (transformers' experts
-    # forward does, per traced graph) and cannot wrap an instance held as a dataclass default
+    # None means NATIVE: torch.compile traces code that builds ExpertWeights (transformers'
+    # experts forward does) and cannot wrap an instance held as a dataclass default
     format: WeightFormat | None = None
-    w13_scale: torch.Tensor | None = None  # FP8: see the module docstring
+    w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None  # FP8 static activations: a float32 scalar
 
@@ -189,7 +167,8 @@ class ExpertWeights:
             if not isinstance(w, torch.Tensor) or w.dim() != 3:
                 raise ValueError(f"{name} must be a 3-D tensor (E, N, C), got {_describe(w)}")
         if self.w13.device != self.w2.device:
-            raise ValueError(f"w13 is on {self.w13.device} but w2 on {self.w2.device}; move both to one device")
+            raise ValueError(f"w13 is on {self.w13.device} but w2 on {self.w2.device}; "
+                             "move both to one device")
         E, rows, _ = self.w13.shape
         if E <= 0:
             raise ValueError(f"w13 has E={E} experts; the layer needs at least one")
@@ -197,8 +176,8 @@ class ExpertWeights:
             raise ValueError(f"w13 has {rows} rows; a gated activation needs [gate; up] = 2I rows")
         I = rows // 2 if self.gated else rows
         if tuple(self.w2.shape) != (E, self.hidden_size, I):
-            raise ValueError(f"w2 must have shape (E, H, I) = {(E, self.hidden_size, I)} to match w13 "
-                             f"{tuple(self.w13.shape)}, got {tuple(self.w2.shape)}")
+            raise ValueError(f"w2 must have shape (E, H, I) = {(E, self.hidden_size, I)} to match "
+                             f"w13 {tuple(self.w13.shape)}, got {tuple(self.w2.shape)}")
         if self.format.fp8 is None:
             self._check_native()
         else:
@@ -206,32 +185,39 @@ class ExpertWeights:
 
     def _check_native(self):
         if self.w13.dtype not in FLOAT_DTYPES or self.w2.dtype != self.w13.dtype:
-            raise ValueError(f"unquantized expert weights must share one of {FLOAT_DTYPES}, got w13 {self.w13.dtype} "
-                             f"and w2 {self.w2.dtype} (FP8 weights need format=WeightFormat.fp8_...)")
+            raise ValueError(f"unquantized expert weights must share one of {FLOAT_DTYPES}, got "
+                             f"w13 {self.w13.dtype} and w2 {self.w2.dtype} (FP8 weights need "
+                             "format=WeightFormat.fp8_...)")
         if any(t is not None for t in (self.w13_scale, self.w2_scale, self.input_scale)):
-            raise ValueError("scales were given for unquantized weights; pass format=WeightFormat.fp8_... with them")
+            raise ValueError("scales were given for unquantized weights; "
+                             "pass format=WeightFormat.fp8_... with them")
 
     def _check_fp8(self):
         for name, w in (("w13", self.w13), ("w2", self.w2)):
             if w.dtype != FP8_DTYPE:
-                raise ValueError(f"{name} is {w.dtype}; {self.format} weights are {FP8_DTYPE} (mixed formats "
-                                 "between w13 and w2 are not supported)")
+                raise ValueError(f"{name} is {w.dtype}; {self.format} weights are {FP8_DTYPE} "
+                                 "(mixed formats between w13 and w2 are not supported)")
         E, H, I, halves = self.num_experts, self.hidden_size, self.intermediate_size, self.halves
-        for name, scale, shape in (("w13_scale", self.w13_scale, self.format.scale_shape(E, halves * I, H, halves)),
+        for name, scale, shape in (("w13_scale", self.w13_scale,
+                                    self.format.scale_shape(E, halves * I, H, halves)),
                                    ("w2_scale", self.w2_scale, self.format.scale_shape(E, H, I))):
-            if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or tuple(scale.shape) != shape:
-                raise ValueError(f"{name} must be a float32 tensor of shape {shape} for {self.format} experts "
-                                 f"(E={E}, H={H}, I={I}), got {_describe(scale)}")
+            if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
+                    or tuple(scale.shape) != shape):
+                raise ValueError(f"{name} must be a float32 tensor of shape {shape} for "
+                                 f"{self.format} experts (E={E}, H={H}, I={I}), "
+                                 f"got {_describe(scale)}")
             if scale.device != self.device:
                 raise ValueError(f"{name} is on {scale.device}, the weights on {self.device}")
         if self.format.static_input:
             if (not isinstance(self.input_scale, torch.Tensor) or self.input_scale.numel() != 1
-                    or self.input_scale.dtype != torch.float32 or self.input_scale.device != self.device):
-                raise ValueError(f"input_scale must be a one-element float32 tensor on {self.device} for static "
-                                 f"activations, got {_describe(self.input_scale)}")
+                    or self.input_scale.dtype != torch.float32
+                    or self.input_scale.device != self.device):
+                raise ValueError("input_scale must be a one-element float32 tensor on "
+                                 f"{self.device} for static activations, "
+                                 f"got {_describe(self.input_scale)}")
         elif self.input_scale is not None:
-            raise ValueError("input_scale was given but the format quantizes activations dynamically; use "
-                             "WeightFormat.fp8_tensor(static_input=True)")
+            raise ValueError("input_scale was given but the format quantizes activations "
+                             "dynamically; use WeightFormat.fp8_tensor(static_input=True)")
 
     @property
     def num_experts(self) -> int:
@@ -247,12 +233,10 @@ class ExpertWeights:
 
     @property
     def halves(self) -> int:
-        """The projections stacked in w13: 2 ([gate; up]) or 1 (up)."""
         return 2 if self.gated else 1
 
     @property
     def dtype(self) -> torch.dtype:
-        """The storage dtype of the weights."""
         return self.w13.dtype
 
     @property
@@ -261,10 +245,10 @@ class ExpertWeights:
 
     @property
     def signature(self) -> tuple:
-        """Every property of the tensors that a check or a launch argument depends on (not their
-        addresses or values): two ExpertWeights with one signature take the same plans."""
-        return (self.gated, self.format, *(tensor_signature(t) for t in (self.w13, self.w2, self.w13_scale,
-                                                                           self.w2_scale, self.input_scale)))
+        """What checks and launch arguments depend on: one signature, the same plans."""
+        return (self.gated, self.format,
+                *(tensor_signature(t) for t in (self.w13, self.w2, self.w13_scale, self.w2_scale,
+                                                self.input_scale)))
 
     @property
     def w13_scale_up_offset(self) -> int:
@@ -274,44 +258,44 @@ class ExpertWeights:
         return self.w13_scale.shape[1] // 2
 
     @classmethod
-    def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool, fmt: WeightFormat,
-              dtype: torch.dtype, device=None) -> "ExpertWeights":
-        """Uninitialised weights of these sizes in `fmt` (the activations in `dtype`), scales set to 1."""
+    def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool,
+              fmt: WeightFormat, dtype: torch.dtype, device=None) -> "ExpertWeights":
         halves = 2 if gated else 1
         E, H, I = num_experts, hidden_size, intermediate_size
         storage = dict(dtype=fmt.storage_dtype(dtype), device=device)
-        scales = (fmt.scale_shape(E, halves * I, H, halves), fmt.scale_shape(E, H, I), fmt.input_scale_shape)
-        return cls(torch.empty(E, halves * I, H, **storage), torch.empty(E, H, I, **storage), gated, fmt,
-                   *(torch.ones(shape, dtype=torch.float32, device=device) if shape else None for shape in scales))
+        scales = (fmt.scale_shape(E, halves * I, H, halves), fmt.scale_shape(E, H, I),
+                  fmt.input_scale_shape)
+        return cls(torch.empty(E, halves * I, H, **storage), torch.empty(E, H, I, **storage),
+                   gated, fmt,
+                   *(torch.ones(shape, dtype=torch.float32, device=device) if shape else None
+                     for shape in scales))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in float32, the scales applied: what the FP8 weights stand for."""
         if self.format.fp8 is None:
             return self.w13.float(), self.w2.float()
         return (_dequantize(self.w13, self.w13_scale, self.format, self.halves),
                 _dequantize(self.w2, self.w2_scale, self.format, 1))
 
     def to_format(self, fmt: WeightFormat) -> "ExpertWeights":
-        """These (unquantized) weights quantized to the FP8 format `fmt`, on their device (torch ops,
-        round to nearest even; each scale is its block's / row's / tensor's max |w| over 448)."""
+        """Quantized to FP8 `fmt` by torch ops: scale = max |w| (block/row/tensor) / 448, RNE."""
         if self.format.fp8 is not None or fmt.fp8 is None:
-            raise ValueError(f"to_format quantizes unquantized weights to an FP8 format; got {self.format} -> {fmt}")
+            raise ValueError("to_format quantizes unquantized weights to an FP8 format; "
+                             f"got {self.format} -> {fmt}")
         if fmt.static_input:
-            raise ValueError("a static input scale comes from calibration, not from the weights: quantize with "
-                             "WeightFormat.fp8_tensor() and pass input_scale to ExpertWeights yourself")
+            raise ValueError("a static input scale comes from calibration, not from the weights: "
+                             "quantize with WeightFormat.fp8_tensor() and pass input_scale to "
+                             "ExpertWeights yourself")
         # an expert at a time: DeepSeek-V3's experts are 45 GB in float32
         w13, s13 = zip(*(_quantize(w.float(), fmt, self.halves) for w in self.w13.split(1)))
         w2, s2 = zip(*(_quantize(w.float(), fmt, 1) for w in self.w2.split(1)))
-        return ExpertWeights(torch.cat(w13), torch.cat(w2), self.gated, fmt, torch.cat(s13), torch.cat(s2))
+        return ExpertWeights(torch.cat(w13), torch.cat(w2), self.gated, fmt, torch.cat(s13),
+                             torch.cat(s2))
 
     def expert(self, index: int) -> "ExpertWeights":
-        """Expert `index` alone (E = 1), scales included: a view, for references going expert by
-        expert."""
         return self.select_experts(slice(index, index + 1))
 
     def select_experts(self, index: slice | torch.Tensor) -> "ExpertWeights":
-        """The experts `index` picks (a slice: views; a 1-D integer tensor: copies), with their
-        scales."""
+        """The experts `index` picks, scales too: a slice gives views, an int tensor copies."""
         E = self.num_experts
         if isinstance(index, torch.Tensor):
             if index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
@@ -327,10 +311,8 @@ class ExpertWeights:
         return replace(self, **{n: t[index] for n, t in tensors.items() if t is not None})
 
     def narrow_intermediate(self, start: int, length: int, lead: int = 0) -> "ExpertWeights":
-        """Columns [start, start + length) of I, gate and up apart, behind `lead` zero columns (the
-        columns start - lead .. start, zeroed): fresh, contiguous tensors, scales cut with their
-        weights. Block scales keep the block grid: start - lead must lie on it (`format.grid_lead`
-        gives the lead that puts a slice there); a partial last block keeps its block's scale."""
+        """Columns [start, start + length) of I, gate and up apart, after `lead` zeroed columns;
+        start - lead on the block grid (`format.grid_lead`), so each block keeps its scale."""
         I, fmt = self.intermediate_size, self.format
         first, stop = start - lead, start + length
         if lead < 0 or length < 1 or first < 0 or stop > I:
@@ -357,8 +339,7 @@ class ExpertWeights:
         return replace(self, **fields, **rest)
 
     def pad_intermediate(self, multiple: int) -> "ExpertWeights":
-        """I zero-padded to a multiple of `multiple`, gate and up apart; new scale entries are 1
-        (they multiply zeros). The same object when I is one already."""
+        """I zero-padded to a `multiple`, gate and up apart, new scales 1; self when aligned."""
         if multiple < 1:
             raise ValueError(f"multiple must be >= 1, got {multiple}")
         padded = -(-self.intermediate_size // multiple) * multiple
@@ -373,8 +354,7 @@ class ExpertWeights:
         return replace(self, **fields)
 
     def _intermediate_axes(self) -> dict[str, tuple[int, int, int]]:
-        """Each tensor holding an I axis -> (its dim, the projections stacked along it, I columns
-        per entry): the one table narrow_intermediate and pad_intermediate read."""
+        """Each tensor with an I axis -> (dim, projections stacked on it, I columns per entry)."""
         axes = {"w13": (1, self.halves, 1), "w2": (2, 1, 1)}
         if self.format.block is not None:
             block_n, block_c = self.format.block
@@ -387,9 +367,7 @@ class ExpertWeights:
     def from_checkpoint(cls, w13: torch.Tensor | Sequence[torch.Tensor], w2: torch.Tensor,
                         fmt: WeightFormat, w13_scale=None, w2_scale=None, input_scale=None,
                         gated: bool = True) -> "ExpertWeights":
-        """Experts as a checkpoint stores them: w13 [gate; up] [E, 2I, H] or its (gate, up) stacks
-        [E, I, H] (non-gated: up), w2 [E, H, I], their scales as stored
-        (`WeightFormat.checkpoint_scale`) and static input scales (`checkpoint_input_scale`)."""
+        """Experts as stored: w13 whole or as (gate, up), scales as `checkpoint_scale` takes."""
         if isinstance(w13, (list, tuple)):
             if len({tuple(w.shape) if isinstance(w, torch.Tensor) else None for w in w13}) != 1:
                 raise ValueError("w13's projections must be tensors of one shape, "
@@ -405,17 +383,15 @@ class ExpertWeights:
 
 
 def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """One linear's weight (N, C) -> (e4m3 (N, C), float32 scale: (ceil(N / bn), ceil(C / bc)) for BLOCK,
-    (N,) per row, (1,) per tensor), as `ExpertWeights.to_format` quantizes each expert."""
+    """One linear's (N, C) -> (e4m3, float32 scale as a checkpoint stores it), as to_format does."""
     if w.dim() != 2 or fmt.fp8 is None or fmt.static_input:
-        raise ValueError(f"quantize_weight takes a 2-D weight and a dynamic FP8 format, got {_describe(w)}, {fmt}")
+        raise ValueError("quantize_weight takes a 2-D weight and a dynamic FP8 format, "
+                         f"got {_describe(w)}, {fmt}")
     q, scale = _quantize(w[None].float(), fmt, 1)
     return q[0], scale[0] if fmt.fp8 is not Fp8Scaling.TENSOR else scale[0, :1]
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -> torch.Tensor:
-    """One linear's e4m3 weight (N, C) and its scale as stored (`fmt.linear_scale_shapes`) ->
-    float32 (N, C)."""
     if q.dim() != 2 or fmt.fp8 is None:
         raise ValueError("dequantize_weight takes a 2-D weight and an FP8 format, "
                          f"got {_describe(q)}, {fmt}")
@@ -423,17 +399,17 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -
 
 
 def per_tensor_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:
-    """Per-tensor scales -> the per-row form ExpertWeights stores: [E] -> [E, rows], or [E, 2] (gate,
-    up) -> [E, rows] with the first rows / 2 rows on the gate's scale. Exact: each row keeps its own."""
+    """Per-tensor scales [E] or [E, 2] (gate, up) -> [E, rows] per row, exact (gate rows first)."""
     if scale.dim() == 1:
         return scale[:, None].expand(-1, rows).contiguous()
     if scale.dim() == 2 and scale.shape[1] == 2 and rows % 2 == 0:
         return scale.repeat_interleave(rows // 2, dim=1).contiguous()
-    raise ValueError(f"per-tensor scales must be [E] or [E, 2] (gate, up), got {tuple(scale.shape)}")
+    raise ValueError("per-tensor scales must be [E] or [E, 2] (gate, up), "
+                     f"got {tuple(scale.shape)}")
 
 
-def _row_blocks(scale: torch.Tensor, fmt: WeightFormat, halves: int, rows: int, cols: int) -> torch.Tensor:
-    """A scale per weight element, [E, rows, cols], from any format's scale tensor."""
+def _row_blocks(scale: torch.Tensor, fmt: WeightFormat, halves: int, rows: int,
+                cols: int) -> torch.Tensor:
     if fmt.block is None:
         return scale[:, :, None].expand(-1, rows, cols)
     block_n, block_c = fmt.block
@@ -444,13 +420,14 @@ def _row_blocks(scale: torch.Tensor, fmt: WeightFormat, halves: int, rows: int, 
     return torch.cat(per_half, dim=1)
 
 
-def _dequantize(w: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat, halves: int) -> torch.Tensor:
+def _dequantize(w: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat,
+                halves: int) -> torch.Tensor:
     E, rows, cols = w.shape
     return w.float() * _row_blocks(scale.float(), fmt, halves, rows, cols)
 
 
-def _quantize(w: torch.Tensor, fmt: WeightFormat, halves: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, rows, cols] float32 -> (e4m3 weights, float32 scales in `fmt`'s shape)."""
+def _quantize(w: torch.Tensor, fmt: WeightFormat,
+              halves: int) -> tuple[torch.Tensor, torch.Tensor]:
     E, rows, cols = w.shape
     if fmt.block is not None:
         block_n, block_c = fmt.block
@@ -458,13 +435,14 @@ def _quantize(w: torch.Tensor, fmt: WeightFormat, halves: int) -> tuple[torch.Te
         for part in w.chunk(halves, dim=1):
             n = part.shape[1]
             padded = torch.nn.functional.pad(part.abs(), (0, -cols % block_c, 0, -n % block_n))
-            blocks = padded.unflatten(1, (-1, block_n)).unflatten(3, (-1, block_c))  # [E, Nb, bn, Cb, bc]
-            grids.append(blocks.amax(dim=(2, 4)))  # [E, Nb, Cb]
+            blocks = padded.unflatten(1, (-1, block_n)).unflatten(3, (-1, block_c))
+            grids.append(blocks.amax(dim=(2, 4)))  # [E, Nb, Cb] from [E, Nb, bn, Cb, bc]
         amax = torch.cat(grids, dim=1)
     elif fmt.fp8 is Fp8Scaling.CHANNEL:
         amax = w.abs().amax(dim=2)  # [E, rows]
     else:  # TENSOR: one amax per expert and half (gate, up), stored per row
-        amax = per_tensor_rows(torch.stack([p.abs().amax(dim=(1, 2)) for p in w.chunk(halves, dim=1)], dim=1)
+        amax = per_tensor_rows(torch.stack([p.abs().amax(dim=(1, 2))
+                                            for p in w.chunk(halves, dim=1)], dim=1)
                                if halves == 2 else w.abs().amax(dim=(1, 2)), rows)
     scale = amax.clamp(min=1e-12) / FP8_MAX
     q = (w / _row_blocks(scale, fmt, halves, rows, cols)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -485,5 +463,4 @@ def _describe(t) -> str:
 
 
 def tensor_signature(t: torch.Tensor | None) -> tuple | None:
-    """What a plan depends on of a tensor: shape, strides, dtype, device (not its address or values)."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)

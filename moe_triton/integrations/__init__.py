@@ -1,1 +1,0 @@
-"""Integrations with other libraries (transformers)."""

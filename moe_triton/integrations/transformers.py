@@ -1,17 +1,5 @@
-"""transformers integration: the `"moe_triton"` experts implementation.
-
-Importing `moe_triton` registers `"moe_triton"` in transformers' `ExpertsInterface`, and in its
-`FP8ExpertsInterface` (integrations/finegrained_fp8.py) for FP8 checkpoints, so
-
-    import moe_triton
-    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_triton")
-
-runs our kernels inside an unmodified transformers model (the experts' weights are used in place):
-its experts as they are, or its `FP8Experts` (gate_up_proj / down_proj in e4m3 beside
-gate_up_proj_scale_inv / down_proj_scale_inv, `block_size`, `activation_scheme`) on our FP8 kernels.
-transformers builds FP8Experts only on an FP8-capable GPU; elsewhere it dequantizes on load and the
-plain implementation runs.
-"""
+"""transformers' `"moe_triton"` experts implementation, in `ExpertsInterface` and (FP8Experts,
+which transformers builds only on FP8-capable GPUs, else dequantizes) `FP8ExpertsInterface`."""
 from __future__ import annotations
 
 import operator
@@ -25,7 +13,6 @@ from ..activation import Activation, ActivationKind
 from ..pipeline import run_experts
 from ..weights import ExpertWeights, Fp8Scaling, WeightFormat
 
-# transformers activation classes (ACT2FN values) -> our activation kinds
 _ACTIVATION_BY_CLASS = {
     "SiLUActivation": ActivationKind.SILU_AND_MUL,
     "SiLU": ActivationKind.SILU_AND_MUL,
@@ -38,16 +25,17 @@ _ACTIVATION_BY_CLASS = {
 
 
 def experts_activation(experts: nn.Module) -> Activation:
-    """The `Activation` a transformers experts module applies between its two projections."""
     limit, alpha = getattr(experts, "swiglu_limit", None), getattr(experts, "swiglu_alpha", None)
-    if limit is not None and alpha is not None:  # MiniMax-M3's clamped swiglu (FP8Experts holds None otherwise)
+    if limit is not None and alpha is not None:  # MiniMax-M3 (FP8Experts holds None otherwise)
         return Activation(ActivationKind.CLAMPED_SWIGLU, float(limit), float(alpha))
-    if getattr(experts, "gate_softcap", None) is not None or getattr(experts, "limit", None) is not None:
-        raise ValueError(f"{type(experts).__name__} soft-caps or clamps its gate, which moe_triton does not implement")
+    if (getattr(experts, "gate_softcap", None) is not None
+            or getattr(experts, "limit", None) is not None):
+        raise ValueError(f"{type(experts).__name__} soft-caps or clamps its gate, which "
+                         "moe_triton does not implement")
     act_name = type(getattr(experts, "act_fn", None)).__name__
     if act_name not in _ACTIVATION_BY_CLASS:
-        raise ValueError(f"{type(experts).__name__}.act_fn is {act_name}, which moe_triton does not implement; "
-                         f"supported: {sorted(_ACTIVATION_BY_CLASS)}")
+        raise ValueError(f"{type(experts).__name__}.act_fn is {act_name}, which moe_triton does "
+                         f"not implement; supported: {sorted(_ACTIVATION_BY_CLASS)}")
     kind = _ACTIVATION_BY_CLASS[act_name]
     if (kind is ActivationKind.RELU2) == getattr(experts, "has_gate", True):
         raise ValueError(f"{type(experts).__name__}: activation {act_name} does not match has_gate="
@@ -56,12 +44,14 @@ def experts_activation(experts: nn.Module) -> Activation:
 
 
 def experts_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w13, w2) in (E, N, K_in) form; transposed storage becomes a strided view, never a copy."""
+    """(w13, w2) as (E, N, C); transposed storage becomes a strided view, never a copy."""
     if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
         raise ValueError(f"{type(experts).__name__} has expert biases or a post-expert norm, "
-                         "which moe_triton does not implement; use experts_implementation='grouped_mm'")
+                         "which moe_triton does not implement; "
+                         "use experts_implementation='grouped_mm'")
     if not getattr(experts, "is_concatenated", True):
-        raise ValueError(f"{type(experts).__name__} interleaves gate and up rows; moe_triton needs [gate; up]")
+        raise ValueError(f"{type(experts).__name__} interleaves gate and up rows; "
+                         "moe_triton needs [gate; up]")
     w13 = experts.gate_up_proj if getattr(experts, "has_gate", True) else experts.up_proj
     w2 = experts.down_proj
     if getattr(experts, "is_transposed", False):
@@ -77,7 +67,7 @@ def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, t
 
 
 def moe_triton_fp8_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
-    """FP8ExpertsInterface entry: transformers' FP8Experts on our FP8 kernels; (T, H) bf16/fp16 in and out."""
+    """FP8ExpertsInterface entry: FP8Experts on our FP8 kernels; (T, H) bf16/fp16 in and out."""
     activation, weights = _built(experts, _fp8_experts)
     return run_experts(hidden_states, weights, top_k_index, top_k_weights, activation=activation)
 
@@ -93,9 +83,8 @@ _BUILT: weakref.WeakKeyDictionary[nn.Module, _Built] = weakref.WeakKeyDictionary
 
 
 def _built(experts: nn.Module, build) -> tuple[Activation, ExpertWeights]:
-    """`build(experts)` once per experts module, again when a parameter is replaced, moved or
-    written in place, or grad mode flips (views and converted scales carry the mode they were
-    built in)."""
+    """`build(experts)` once per module, again when a parameter is replaced, moved or written,
+    or grad mode flips (views and converted scales carry the mode they were built in)."""
     if torch.compiler.is_compiling():  # traced once per graph: nothing to keep
         return build(experts)
     params = tuple(experts._parameters.values())
@@ -121,11 +110,10 @@ def _fp8_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
 
 
 def fp8_expert_weights(experts: nn.Module, gated: bool = True) -> ExpertWeights:
-    """FP8Experts' parameters as they are, as ExpertWeights: block scales (one grid over
-    [gate; up]), or per-tensor ones ([E, 2, 1] gate and up, or [E, 1, 1]), with the static input
-    scale, the largest of `gate_up_proj_activation_scale`."""
+    """FP8Experts' parameters as ExpertWeights: block scales (one [gate; up] grid) or per-tensor."""
     if getattr(experts, "has_bias", False):
-        raise ValueError(f"{type(experts).__name__} has expert biases, which moe_triton does not implement")
+        raise ValueError(f"{type(experts).__name__} has expert biases, which moe_triton does not "
+                         "implement")
     prefix = "gate_up_proj" if gated else "up_proj"
     w13, s13 = getattr(experts, prefix), getattr(experts, f"{prefix}_scale_inv")
     w2, s2 = experts.down_proj, experts.down_proj_scale_inv

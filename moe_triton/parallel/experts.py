@@ -1,14 +1,4 @@
-"""The experts of one MoE layer across ranks: EP dispatch/combine and TP partial sums around a local pipeline.
-
-    x [T, H], global ids [T, K], weights [T, K]           (routing ran on this rank, replicated router)
-      -> ALL_TO_ALL EP, eager:     dispatch -> local experts -> combine           (all_to_all.py)
-         ALL_TO_ALL EP, capturing: dispatch_gathered -> local experts -> combine_gathered
-         otherwise:                localize ids -> local experts        (shard.py; TP and REPLICATED EP)
-      -> post-experts reduction: none / all-reduce / reduce-scatter  (spec.post_experts_reduction)
-
-The local pipeline is any function with fused_experts' signature (the resolver's pick for the
-shard's shapes), so nothing here depends on which backend computes the experts.
-"""
+"""The experts of one MoE layer across ranks, around any local pipeline (docs/DISTRIBUTED.md)."""
 from __future__ import annotations
 
 from functools import partial
@@ -28,8 +18,7 @@ from .groups import ParallelGroups, reduce_partials
 from .shard import compact_slots, local_sizes, localize_ids, shard_experts
 from .spec import post_experts_reduction
 
-# (hidden_states [T, H], this rank's ExpertWeights, topk_ids [T, K] local, topk_weights [T, K]) -> [T, H] in x's dtype:
-# run_experts with its activation bound, or a backend runner's `experts`.
+# (x [T, H], shard, local ids [T, K], weights [T, K]) -> [T, H], x's dtype: run_experts or a runner
 LocalExperts = Callable[[torch.Tensor, ExpertWeights, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -50,54 +39,45 @@ def parallel_experts(
     *,
     experts: LocalExperts,
 ) -> torch.Tensor:
-    """This rank's tokens (T, H) through the experts of all ranks: a fresh (T, H), or this rank's
-    `scattered_rows` of it when the spec's output is SCATTERED and a reduction spans copies.
-
-    `weights` are this rank's shard (`shard_experts`): w13 (E/ep, 2I/tp, H), w2 (E/ep, H, I/tp);
-    topk_ids (T, K) hold global ids, those outside [0, E) filtered. `experts` runs the local
-    pipeline, e.g. `functools.partial(run_experts, activation=...)` or a runner's `experts`.
-    A collective over `groups`: every rank calls it, with T = 0 where it has no tokens.
-    Under all-to-all EP, a CUDA-graph capture (graphs' capture mode) takes the gathered dispatch,
-    which needs the same T on every EP rank and reads nothing on the host (all_to_all.py).
-    """
-    if hidden_states.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
+    """A collective (T may be 0): this rank's tokens (T, H) and global ids through all ranks'
+    experts -> a fresh (T, H) or its `scattered_rows`; a capture takes the gathered dispatch."""
+    if (hidden_states.dim() != 2 or topk_ids.dim() != 2
+            or topk_ids.shape[0] != hidden_states.shape[0]):
         raise ValueError(f"hidden_states must be (T, H) and topk_ids (T, K) with the same T, "
                          f"got {tuple(hidden_states.shape)} and {tuple(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
-    checks.no_grad_needed("moe_triton.parallel", "train on one rank", hidden_states, topk_weights, weights.w13,
-                          weights.w2)  # the collectives are not differentiated
+    checks.no_grad_needed("moe_triton.parallel", "train on one rank", hidden_states, topk_weights,
+                          weights.w13, weights.w2)  # the collectives are not differentiated
     spec = groups.spec
     num_local = weights.num_experts
     if spec.all_to_all and gathered_dispatch():  # fixed shapes, no host read: the decode graphs' way
         sent = dispatch_gathered(hidden_states, topk_ids, topk_weights, groups.ep)
         ids = localize_ids(sent.topk_ids, groups.ep_rank * num_local, num_local)  # [W * T, K]
-        ids, slot_weights = compact_slots(ids, sent.topk_weights, num_local)  # [W * T, min(K, E/ep)]
-        y = experts(sent.hidden_states, weights, ids, slot_weights)  # [W * T, H], this rank's experts only
+        ids, slot_weights = compact_slots(ids, sent.topk_weights,
+                                          num_local)  # [W * T, min(K, E/ep)]
+        y = experts(sent.hidden_states, weights, ids, slot_weights)  # [W * T, H], local experts
         out = combine_gathered(y, groups.ep)  # [T, H], summed over EP
     elif spec.all_to_all:
         sent = dispatch(hidden_states, topk_ids, topk_weights, num_local, groups.ep)
-        ids, slot_weights = compact_slots(sent.topk_ids, sent.topk_weights, num_local)  # [Tr, min(K, E/ep)]
+        ids, slot_weights = compact_slots(sent.topk_ids, sent.topk_weights,
+                                          num_local)  # [Tr, min(K, E/ep)]
         y = experts(sent.hidden_states, weights, ids, slot_weights)  # [Tr, H]
         out = combine(y, sent.plan, groups.ep)  # [T, H], summed over EP
     else:
-        ids = localize_ids(topk_ids, groups.ep_rank * num_local, num_local) if spec.ep_size > 1 else topk_ids  # [T, K]
+        ids = (localize_ids(topk_ids, groups.ep_rank * num_local, num_local)
+               if spec.ep_size > 1 else topk_ids)  # [T, K]
         ids, slot_weights = compact_slots(ids, topk_weights, num_local)  # [T, min(K, E/ep)]
         out = experts(hidden_states, weights, ids, slot_weights)  # [T, H], partial
     return reduce_partials(out, post_experts_reduction(spec), groups)
 
 
 class ParallelExperts(nn.Module):
-    """One rank's shard of a MoE layer's experts, as a module: forward(x, topk_ids, topk_weights)
-    runs `parallel_experts` on it with global ids.
+    """One rank's shard of a layer's experts (FusedMoE's names); no grad: collectives have none."""
 
-    Parameters follow FusedMoE's names and layout at the shard's size: `gate_up_proj`
-    (E/ep, 2I/tp, H) [gate slice; up slice], `down_proj` (E/ep, H, I/tp). Inference only: the
-    collectives are not differentiated, so the parameters do not require grad.
-    """
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, groups: ParallelGroups, *,
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 groups: ParallelGroups, *,
                  activation: Activation = SILU_AND_MUL, experts: LocalExperts | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
@@ -117,15 +97,16 @@ class ParallelExperts(nn.Module):
     def from_full(cls, w13: torch.Tensor, w2: torch.Tensor, groups: ParallelGroups, *,
                   activation: Activation = SILU_AND_MUL, experts: LocalExperts | None = None,
                   device: torch.device | str | None = None) -> "ParallelExperts":
-        """This rank's shard of full weights w13 (E, 2I, H), w2 (E, H, I) (e.g. a FusedMoE's)."""
-        module = cls(w13.shape[0], w13.shape[2], w2.shape[2], groups, activation=activation, experts=experts,
-                     dtype=w13.dtype, device=device or w13.device)
-        local_w13, local_w2 = shard_experts(w13, w2, groups.spec, groups.rank, activation=activation)
+        module = cls(w13.shape[0], w13.shape[2], w2.shape[2], groups, activation=activation,
+                     experts=experts, dtype=w13.dtype, device=device or w13.device)
+        local_w13, local_w2 = shard_experts(w13, w2, groups.spec, groups.rank,
+                                            activation=activation)
         module.gate_up_proj.copy_(local_w13)
         module.down_proj.copy_(local_w2)
         return module
 
-    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
         weights = ExpertWeights(self.gate_up_proj, self.down_proj, gated=self.activation.gated)
         return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups,
                                 experts=self.local_experts)

@@ -1,8 +1,4 @@
-"""The process groups of a `ParallelSpec`, and the post-experts collectives run over them.
-
-Built once per process after `torch.distributed.init_process_group` (torchrun's environment is
-read there, by torch, never here). Every rank must call `new_parallel_groups` with the same spec.
-"""
+"""A `ParallelSpec`'s process groups (after `init_process_group`), and the collectives on them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +9,7 @@ import torch.nn.functional as F
 
 from .spec import Collective, ParallelSpec, ReduceOver, Reduction
 
-# torch 2.13 renamed reduce_scatter_tensor (now deprecated); torch 2.11, on the H200 image, has only the old name.
+# torch 2.13 renamed reduce_scatter_tensor (deprecated); torch 2.11 (the H200 image) has only it
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -38,10 +34,11 @@ class ParallelGroups:
 
 
 def new_parallel_groups(spec: ParallelSpec) -> ParallelGroups:
-    """The EP and TP groups of `spec` over the default group (a collective call)."""
+    """The EP and TP groups of `spec` over the default group: a collective, same spec everywhere."""
     if not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: call torch.distributed.init_process_group() first "
-                         "(under torchrun it reads RANK / WORLD_SIZE / MASTER_ADDR from the environment)")
+        raise ValueError("torch.distributed is not initialised: call "
+                         "torch.distributed.init_process_group() first (under torchrun it reads "
+                         "RANK / WORLD_SIZE / MASTER_ADDR from the environment)")
     if dist.get_world_size() != spec.world_size:
         raise ValueError(f"{spec} needs ep_size * tp_size = {spec.world_size} ranks, "
                          f"but the default group has {dist.get_world_size()}")
@@ -51,16 +48,14 @@ def new_parallel_groups(spec: ParallelSpec) -> ParallelGroups:
 
 
 def scattered_rows(num_tokens: int, group_size: int, index: int) -> range:
-    """The rows rank `index` of a reduce-scatter keeps: chunks of ceil(T / W) rows, the last ones short or empty."""
+    """The rows rank `index` of a reduce-scatter keeps: ceil(T / W), the last short or empty."""
     chunk = -(-num_tokens // group_size)
     return range(min(index * chunk, num_tokens), min((index + 1) * chunk, num_tokens))
 
 
-def reduce_partials(out: torch.Tensor, reduction: Reduction, groups: ParallelGroups) -> torch.Tensor:
-    """Apply a `post_experts_reduction` to this rank's expert output of shape (T, H).
-
-    ALL_REDUCE sums in place and returns `out`; REDUCE_SCATTER returns this rank's `scattered_rows`.
-    """
+def reduce_partials(out: torch.Tensor, reduction: Reduction,
+                    groups: ParallelGroups) -> torch.Tensor:
+    """ALL_REDUCE sums `out` (T, H) in place; REDUCE_SCATTER returns its `scattered_rows`."""
     if reduction.collective is Collective.NONE:
         return out
     group = groups.group(reduction.over)
@@ -74,7 +69,7 @@ def _reduce_scatter_rows(out: torch.Tensor, group: dist.ProcessGroup) -> torch.T
     size, index = dist.get_world_size(group), dist.get_rank(group)
     num_tokens, hidden = out.shape
     chunk = -(-num_tokens // size)
-    if chunk * size != num_tokens:  # the collective needs equal chunks: pad with zero rows, dropped below
+    if chunk * size != num_tokens:  # the collective needs equal chunks: zero rows, dropped below
         out = F.pad(out, (0, 0, 0, chunk * size - num_tokens))  # [W * chunk, H]
     mine = out.new_empty(chunk, hidden)  # [chunk, H]
     reduce_scatter_single(mine, out.contiguous(), group=group)

@@ -1,16 +1,6 @@
-"""Which experts and which slice of I a rank holds: sharding full weights, and localising ids.
-
-EP cuts whole experts: rank ep_rank owns global experts [ep_rank * E/ep, (ep_rank + 1) * E/ep).
-TP cuts I: rank tp_rank owns columns [tp_rank * I/tp, (tp_rank + 1) * I/tp) of every expert,
-taken from the gate half and from the up half of w13 = [gate; up] separately, so the local w13 is
-again [gate slice; up slice] and the gated activation pairs the right rows. The slice is taken
-before any backend padding: a backend pads I/tp as it would pad any I (7688 / 8 = 961).
-
-Scales are cut with their weights (`ExpertWeights.narrow_intermediate`). BLOCK scales stay on the
-checkpoint's block grid: a slice that starts inside a block (I/tp = 961 with 128-wide blocks) is
-preceded by `block_lead` zero columns of I, so each local block is exactly one global block and
-keeps its scale (exact); the zero columns add act(0) * 0 = 0 (the padding argument of padding.py).
-"""
+"""Which experts and slice of I a rank holds: EP rank e owns experts [e * E/ep, + E/ep), TP rank t
+columns [t * I/tp, + I/tp) of gate and of up, before backend padding. A BLOCK slice starting in a
+block gets `block_lead` zero columns in front (each local block is a global one; act(0) * 0 = 0)."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +12,9 @@ from .spec import ParallelSpec
 
 def local_sizes(num_experts: int, intermediate_size: int, spec: ParallelSpec, rank: int = 0,
                 weight_format: WeightFormat = NATIVE) -> tuple[int, int]:
-    """(E / ep, I / tp + block_lead) on rank `rank`, or a ValueError saying which does not divide."""
     if num_experts % spec.ep_size:
-        raise ValueError(f"E={num_experts} experts do not split evenly over ep_size={spec.ep_size} ranks")
+        raise ValueError(f"E={num_experts} experts do not split evenly over "
+                         f"ep_size={spec.ep_size} ranks")
     if intermediate_size % spec.tp_size:
         raise ValueError(f"intermediate size I={intermediate_size} does not split evenly "
                          f"over tp_size={spec.tp_size} ranks")
@@ -32,34 +22,30 @@ def local_sizes(num_experts: int, intermediate_size: int, spec: ParallelSpec, ra
     return num_experts // spec.ep_size, intermediate_size // spec.tp_size + lead
 
 
-def block_lead(weight_format: WeightFormat, intermediate_size: int, spec: ParallelSpec, rank: int) -> int:
-    """Zero columns of I in front of rank `rank`'s TP slice that keep its scales on the format's
-    block grid (`WeightFormat.grid_lead`); 0 for other formats and aligned slices."""
+def block_lead(weight_format: WeightFormat, intermediate_size: int, spec: ParallelSpec,
+               rank: int) -> int:
+    """Zero columns of I before rank `rank`'s TP slice that put it on the block grid (or 0)."""
     return weight_format.grid_lead(spec.coords(rank)[1] * (intermediate_size // spec.tp_size))
 
 
 def shard_experts(w13: torch.Tensor, w2: torch.Tensor, spec: ParallelSpec, rank: int, *,
                   activation: Activation = SILU_AND_MUL) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s fresh, contiguous (w13 (E/ep, 2I/tp, H), w2 (E/ep, H, I/tp)) of the full
-    w13 (E, 2I, H) [gate; up] (or (E, I, H) non-gated) and w2 (E, H, I).
-
-    Slice on the host and move the result: only this rank's share is copied to the device.
-    """
+    """Rank `rank`'s (w13, w2), sliced on the host: only its share is copied to the device."""
     if w13.dim() != 3 or w2.dim() != 3 or w13.shape[0] != w2.shape[0]:
         raise ValueError(f"w13 (E, 2I, H) and w2 (E, H, I) must be 3-D with equal E, "
                          f"got {tuple(w13.shape)} and {tuple(w2.shape)}")
     rows, intermediate = w13.shape[1], w2.shape[2]
     if rows != (2 * intermediate if activation.gated else intermediate):
         raise ValueError(f"w13 has {rows} rows but w2 has I={intermediate}: expected "
-                         f"{'2I [gate; up]' if activation.gated else 'I'} rows for {activation.kind.name}")
+                         f"{'2I [gate; up]' if activation.gated else 'I'} rows for "
+                         f"{activation.kind.name}")
     local_sizes(w13.shape[0], intermediate, spec)  # says which does not divide
     shard = shard_expert_weights(ExpertWeights(w13, w2, activation.gated), spec, rank)
     return shard.w13, shard.w2
 
 
 def shard_expert_weights(weights: ExpertWeights, spec: ParallelSpec, rank: int) -> ExpertWeights:
-    """Rank `rank`'s fresh, contiguous shard of full expert weights in any format, scales cut with
-    their weights (see the module docstring): E/ep experts, I/tp + block_lead columns of I."""
+    """Rank `rank`'s fresh shard in any format: E/ep experts, I/tp + block_lead columns, scales."""
     E, I = weights.num_experts, weights.intermediate_size
     experts_per_rank, cols_per_rank = local_sizes(E, I, spec)
     ep_rank, tp_rank = spec.coords(rank)
@@ -70,19 +56,15 @@ def shard_expert_weights(weights: ExpertWeights, spec: ParallelSpec, rank: int) 
 
 
 def localize_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
-    """Global ids (T, K) -> this rank's local ids (T, K) int32; -1 (filtered) where the expert lives elsewhere."""
+    """Global ids (T, K) -> this rank's local ids (T, K) int32; -1 (filtered) elsewhere."""
     local = topk_ids.long() - first_expert  # [T, K]
     return torch.where((local >= 0) & (local < num_local), local, -1).int()  # [T, K]
 
 
 def compact_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                   num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local ids (T, K) with K > E/ep -> (T, E/ep) ids and weights, local slots first.
-
-    fused_experts takes top-k <= its own E, but with E/ep < K experts per rank a row keeps its
-    local slots only. A row holds distinct ids (every router yields them), so at most E/ep slots
-    are local: the cut drops only filtered ones. No host sync, so graph capture still works.
-    """
+    """Local ids (T, K), K > E/ep -> (T, E/ep), local slots first (fused_experts takes K <= E):
+    a row's ids are distinct, so only filtered slots are cut. No host sync: capture works."""
     if topk_ids.shape[1] <= num_local:
         return topk_ids, topk_weights
     filtered = (topk_ids < 0) | (topk_ids >= num_local)  # [T, K]
@@ -92,10 +74,8 @@ def compact_slots(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 def shard_state(state: dict[str, torch.Tensor], names: dict[str, str], local: ExpertWeights,
                 sizes: tuple[int, int], spec: ParallelSpec, rank: int) -> None:
-    """Replace full-size expert tensors in `state` by rank `rank`'s shard, in place. `names` maps
-    ExpertWeights fields (w13, w2, w13_scale, ...) to state keys, `local` is the shard's layout (its
-    format and gating), `sizes` the whole layer's (E, I). A state lacking the weights, holding other
-    sizes (shards already), or malformed (the caller's shape check names the tensor) is left as it is."""
+    """Full-size (`sizes` = (E, I)) expert tensors in `state` -> rank `rank`'s shard in place;
+    anything else (missing, shards already, malformed) is left as it is."""
     present = {field: state[key] for field, key in names.items() if key in state}
     if "w13" not in present or "w2" not in present:
         return
