@@ -25,7 +25,13 @@ from measure import stage_times
 
 from moe_triton import ExpertWeights, WeightFormat, run_experts
 from moe_triton.graphs import capture_graph
-from moe_triton.tools.bench import QWEN3_30B_A3B, layer_flops, random_experts, random_inputs, time_graph_replays
+from moe_triton.tools.bench import (
+    QWEN3_30B_A3B,
+    layer_flops,
+    random_experts,
+    random_inputs,
+    time_graph_replays,
+)
 
 VARIANTS = 4
 TOKENS = (1024, 4096, 16384)

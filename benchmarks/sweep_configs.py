@@ -13,7 +13,14 @@ from triton.testing import do_bench
 from moe_triton import SILU_AND_MUL, GemmConfig, LayoutKind, fused_experts, per_pair_layout
 from moe_triton.expand import expand
 from moe_triton.expert_gemm import expert_gemm
-from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
+from moe_triton.tools.bench import (
+    DEEPSEEK_V3,
+    E64_K4,
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    random_experts,
+    random_inputs,
+)
 
 # (block_n, block_c, num_stages, num_warps, tma_weights)
 DECODE_UP = [(64, 256, 3, 4, False), (64, 256, 3, 4, True), (64, 128, 4, 4, True), (128, 128, 4, 4, True)]

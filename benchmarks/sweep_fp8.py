@@ -11,7 +11,15 @@ promotion) 2-3x slower than our bf16 layer: register spills. Each candidate here
 import torch
 from triton.testing import do_bench
 
-from moe_triton import ExpertWeights, GemmConfig, LayoutKind, MoEConfig, WeightFormat, choose_config, run_experts
+from moe_triton import (
+    ExpertWeights,
+    GemmConfig,
+    LayoutKind,
+    MoEConfig,
+    WeightFormat,
+    choose_config,
+    run_experts,
+)
 from moe_triton.tools.bench import (
     DEEPSEEK_V3,
     E64_K4,

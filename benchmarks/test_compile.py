@@ -24,7 +24,9 @@ import pytest
 import torch
 from measure import event_median_seconds, qwen3_30b_a3b_config, random_weights_
 
-from moe_triton.models import default_dtype  # importing moe_triton registers "moe_triton" in transformers
+from moe_triton.models import (
+    default_dtype,  # importing moe_triton registers "moe_triton" in transformers
+)
 
 PROMPT = 64
 CACHE = 1104
