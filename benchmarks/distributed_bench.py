@@ -245,8 +245,8 @@ def captured_row(shape: LayerShape, num_tokens: int, full, device, dtype, expert
             lambda: parallel_experts(x, shard, ids, weights, groups, experts=local), reps, device)
         if groups.spec.all_to_all:
             times["dispatch+combine"] = captured_seconds(
-                lambda: combine_gathered(dispatch_gathered(x, ids, weights, groups.ep).hidden_states,
-                                         groups.ep),
+                lambda: combine_gathered(
+                    dispatch_gathered(x, ids, weights, groups.ep).hidden_states, groups.ep),
                 reps, device)
     ep, tp, comm = slowest([times["ep-a2a"], times["tp"], times["dispatch+combine"]], device)
     row_bytes = shape.hidden_size * torch.finfo(dtype).bits // 8

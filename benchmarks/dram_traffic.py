@@ -28,7 +28,8 @@ SHAPES = {s.name: s for s in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)}
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", nargs="+", help="SHAPE:M, e.g. Qwen3-30B-A3B:4096")
-    parser.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls per case")
+    parser.add_argument("--sustain", type=float, default=0.0,
+                        help="seconds of back-to-back calls per case")
     args = parser.parse_args()
     for case in args.cases:
         name, tokens = case.rsplit(":", 1)
