@@ -1,6 +1,7 @@
 """Grid cases to run under Nsight Compute (DRAM bytes per kernel), or under load to watch clocks.
 
-    ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \\
+    ncu --clock-control none
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \\
         python benchmarks/dram_traffic.py Qwen3-30B-A3B:1 Qwen3-30B-A3B:4096
     python benchmarks/dram_traffic.py --sustain 20 Qwen3-30B-A3B:4096   # 20 s of back-to-back calls
 
