@@ -1,5 +1,6 @@
 """One rule for tests/ and benchmarks/ alike: `@pytest.mark.gpu` items are skipped where CUDA is
-absent (run them on the GPU machine with `pytest -m gpu`). Each folder's own conftest adds the rest."""
+absent (run them on the GPU machine with `pytest -m gpu`). Each folder's own conftest adds the
+rest."""
 import pytest
 import torch
 

@@ -25,7 +25,8 @@ GRID = [(QWEN3_30B_A3B, 1), (QWEN3_30B_A3B, 64), (QWEN3_30B_A3B, 4096), (MIXTRAL
 
 
 def host_us(fn, calls: int = 30, rounds: int = 5) -> float:
-    """The lowest of `rounds` medians of `calls` calls timed one by one (the GPU never the bottleneck)."""
+    """The lowest of `rounds` medians of `calls` calls timed one by one (the GPU never the
+    bottleneck)."""
     medians = []
     for _ in range(rounds):
         fn()
@@ -43,8 +44,8 @@ def host_us(fn, calls: int = 30, rounds: int = 5) -> float:
 def qwen3_layer() -> FusedMoE:
     shape = QWEN3_30B_A3B
     E, K, H, I = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-    layer = FusedMoE(E, K, H, I, routing=RoutingSpec(K, renormalize=True), placement=Placement("triton"),
-                     dtype=torch.bfloat16, device="cuda")
+    layer = FusedMoE(E, K, H, I, routing=RoutingSpec(K, renormalize=True),
+                     placement=Placement("triton"), dtype=torch.bfloat16, device="cuda")
     w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
     with torch.no_grad():
         layer.gate_up_proj.copy_(w13)
@@ -64,7 +65,8 @@ def main():
         for T in (1, 64):
             x = torch.randn(T, QWEN3_30B_A3B.hidden_size, dtype=torch.bfloat16, device="cuda")
             print(json.dumps({"label": args.label, "case": f"FusedMoE host Qwen3 M={T}",
-                              "us": round(host_us(lambda: layer(x)), 1), "source": source}), flush=True)
+                              "us": round(host_us(lambda: layer(x)), 1), "source": source}),
+                  flush=True)
         for shape, T in GRID:
             w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
             inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
@@ -78,7 +80,8 @@ def main():
                 print(json.dumps({"label": args.label, "case": f"fused_experts host {case}",
                                   "us": round(host_us(call), 1)}), flush=True)
             gpu = do_bench(call, warmup=50, rep=300, return_mode="median") * 1e3
-            print(json.dumps({"label": args.label, "case": f"fused_experts GPU {case}", "us": round(gpu, 1)}),
+            print(json.dumps({"label": args.label, "case": f"fused_experts GPU {case}",
+                              "us": round(gpu, 1)}),
                   flush=True)
 
 

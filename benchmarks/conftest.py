@@ -21,7 +21,8 @@ CEILINGS: list[Ceilings] = []
 
 
 def pytest_configure(config):
-    if os.environ.get("MOE_TRITON_BENCH_SLOWDOWN"):  # read here, at the entry point, never in the library
+    # read here, at the entry point, never in the library
+    if os.environ.get("MOE_TRITON_BENCH_SLOWDOWN"):
         import moe_triton.pipeline as pipeline
 
         choose = pipeline.choose_config
@@ -43,7 +44,8 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--bench-table", default=None, help="write the result tables (markdown) to this path")
+    parser.addoption("--bench-table", default=None,
+                     help="write the result tables (markdown) to this path")
 
 
 @pytest.fixture(scope="session")
@@ -84,7 +86,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     import triton
 
-    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}"]
+    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"triton {triton.__version__}"]
     if CEILINGS:
         c = CEILINGS[0]
         lines.append(f"ceilings: B = {c.bandwidth / 1e12:.2f} TB/s (copy, read + write), "

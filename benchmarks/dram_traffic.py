@@ -1,6 +1,7 @@
 """Grid cases to run under Nsight Compute (DRAM bytes per kernel), or under load to watch clocks.
 
-    ncu --clock-control none --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \\
+    ncu --clock-control none
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \\
         python benchmarks/dram_traffic.py Qwen3-30B-A3B:1 Qwen3-30B-A3B:4096
     python benchmarks/dram_traffic.py --sustain 20 Qwen3-30B-A3B:4096   # 20 s of back-to-back calls
 
@@ -13,7 +14,14 @@ import time
 import torch
 
 from moe_triton import fused_experts
-from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, random_experts, random_inputs
+from moe_triton.tools.bench import (
+    DEEPSEEK_V3,
+    E64_K4,
+    MIXTRAL_8X7B,
+    QWEN3_30B_A3B,
+    random_experts,
+    random_inputs,
+)
 
 SHAPES = {s.name: s for s in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)}
 
@@ -21,7 +29,8 @@ SHAPES = {s.name: s for s in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)}
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", nargs="+", help="SHAPE:M, e.g. Qwen3-30B-A3B:4096")
-    parser.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls per case")
+    parser.add_argument("--sustain", type=float, default=0.0,
+                        help="seconds of back-to-back calls per case")
     args = parser.parse_args()
     for case in args.cases:
         name, tokens = case.rsplit(":", 1)

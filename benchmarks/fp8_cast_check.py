@@ -28,18 +28,22 @@ def _dot(a_ptr, b_ptr, c_ptr, BLOCK: tl.constexpr):
 def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.tensor([124.3, 0.001, 2**-10, 1.0625, 1.1875, 447.9]), torch.randn(4090, generator=g) * 100])
+    x = torch.cat([torch.tensor([124.3, 0.001, 2**-10, 1.0625, 1.1875, 447.9]),
+                   torch.randn(4090, generator=g) * 100])
     x = x.clamp(-448, 448).to(device)
     y = torch.empty_like(x, dtype=torch.float8_e4m3fn)
     _cast[(1,)](x, y, x.numel(), BLOCK=4096)
     wrong = (y.float() != x.to(torch.float8_e4m3fn).float()).nonzero().flatten()
-    print(f"triton {triton.__version__} on {device}: e4m3 cast differs from round-to-nearest-even in "
-          f"{wrong.numel()} of {x.numel()} values" + (f", e.g. {x[wrong[:3]].tolist()} -> {y[wrong[:3]].float().tolist()}"
-                                                     if wrong.numel() else ""))
-    a, b = [(torch.randn(64, 64, generator=g) * 8).to(torch.float8_e4m3fn).to(device) for _ in range(2)]
+    print(f"triton {triton.__version__} on {device}: e4m3 cast differs from round-to-nearest-even "
+          f"in {wrong.numel()} of {x.numel()} values"
+          + (f", e.g. {x[wrong[:3]].tolist()} -> {y[wrong[:3]].float().tolist()}"
+             if wrong.numel() else ""))
+    a, b = [(torch.randn(64, 64, generator=g) * 8).to(torch.float8_e4m3fn).to(device)
+            for _ in range(2)]
     c = torch.empty(64, 64, device=device)
     _dot[(1,)](a, b, c, BLOCK=64)
-    print(f"e4m3 tl.dot max |error| against float32: {(c - a.float() @ b.float()).abs().max().item():.3g}")
+    print("e4m3 tl.dot max |error| against float32: "
+          f"{(c - a.float() @ b.float()).abs().max().item():.3g}")
 
 
 if __name__ == "__main__":

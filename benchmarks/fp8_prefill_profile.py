@@ -25,15 +25,21 @@ from measure import stage_times
 
 from moe_triton import ExpertWeights, WeightFormat, run_experts
 from moe_triton.graphs import capture_graph
-from moe_triton.tools.bench import QWEN3_30B_A3B, layer_flops, random_experts, random_inputs, time_graph_replays
+from moe_triton.tools.bench import (
+    QWEN3_30B_A3B,
+    layer_flops,
+    random_experts,
+    random_inputs,
+    time_graph_replays,
+)
 
 VARIANTS = 4
 TOKENS = (1024, 4096, 16384)
 
 
 @triton.jit
-def _unpromoted_step(a, w, acc, a_step_scale, w_step_scale, FP8: tl.constexpr, STEP_SCALED: tl.constexpr,
-                     IEEE_FP32: tl.constexpr):
+def _unpromoted_step(a, w, acc, a_step_scale, w_step_scale, FP8: tl.constexpr,
+                     STEP_SCALED: tl.constexpr, IEEE_FP32: tl.constexpr):
     """The tensor core's own accumulation across all C steps (no per-step float32 promotion)."""
     return tl.dot(a, w, acc)
 
@@ -43,18 +49,21 @@ def main() -> None:
     parser.add_argument("--variant", choices=("promoted", "unpromoted"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    formats = {"bf16": None, "fp8-block": WeightFormat.fp8_block(128, 128), "fp8-channel": WeightFormat.fp8_channel()}
+    formats = {"bf16": None, "fp8-block": WeightFormat.fp8_block(128, 128),
+               "fp8-channel": WeightFormat.fp8_channel()}
     if args.variant == "unpromoted":
         # Before the first compile: the kernel resolves _step in its module's globals then.
         importlib.import_module("moe_triton.expert_gemm")._step = _unpromoted_step
-        formats = {"fp8-channel": formats["fp8-channel"]}  # block scales change per step: they need a promotion
+        # block scales change per step: they need a promotion
+        formats = {"fp8-channel": formats["fp8-channel"]}
 
     shape = QWEN3_30B_A3B
     native = ExpertWeights(*random_experts(shape, torch.bfloat16, "cuda"))
     lines = [f"# FP8 prefill profile, variant {args.variant}", "",
-             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", "",
-             "| format | M | graph_us | up_us | down_us | expand_us | finalize_us | other_us | up_TFLOPs "
-             "| down_TFLOPs | rel_rms |",
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+             f"triton {triton.__version__}", "",
+             "| format | M | graph_us | up_us | down_us | expand_us | finalize_us | other_us "
+             "| up_TFLOPs | down_TFLOPs | rel_rms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, fmt in formats.items():
         weights = native if fmt is None else native.to_format(fmt)
@@ -62,19 +71,24 @@ def main() -> None:
             inputs = random_inputs(shape, num_tokens, torch.bfloat16, "cuda", VARIANTS)
 
             def step(i, weights=weights, inputs=inputs):
-                return run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i], inputs.topk_weights[i])
+                return run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i],
+                                   inputs.topk_weights[i])
 
-            reference = run_experts(inputs.hidden_states[0], native, inputs.topk_ids[0], inputs.topk_weights[0])
+            reference = run_experts(inputs.hidden_states[0], native, inputs.topk_ids[0],
+                                    inputs.topk_weights[0])
             out = step(0)
             rel = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
             graph_s = time_graph_replays(capture_graph(step, VARIANTS), VARIANTS)
             stages = stage_times(step, VARIANTS)
-            flops = layer_flops(shape, num_tokens)  # 2 * M * K * (2I * H + H * I): the up GEMM is 2/3 of it
+            # 2 * M * K * (2I * H + H * I): the up GEMM is 2/3 of it
+            flops = layer_flops(shape, num_tokens)
             up_tflops = flops * 2 / 3 / stages["up"] / 1e12
             down_tflops = flops / 3 / stages["down"] / 1e12
-            lines.append(f"| {name} | {num_tokens} | {graph_s * 1e6:.1f} | {stages['up'] * 1e6:.1f} | "
+            lines.append(f"| {name} | {num_tokens} | {graph_s * 1e6:.1f} | "
+                         f"{stages['up'] * 1e6:.1f} | "
                          f"{stages['down'] * 1e6:.1f} | {stages.get('expand', 0) * 1e6:.1f} | "
-                         f"{stages.get('finalize', 0) * 1e6:.1f} | {stages.get('other', 0) * 1e6:.1f} | "
+                         f"{stages.get('finalize', 0) * 1e6:.1f} | "
+                         f"{stages.get('other', 0) * 1e6:.1f} | "
                          f"{up_tflops:.0f} | {down_tflops:.0f} | {rel:.3f} |")
             print(lines[-1], flush=True)
     with open(args.out, "w") as f:

@@ -17,7 +17,8 @@ import sys
 import torch
 
 
-def layout_rows(num_tokens: int, num_experts: int, top_k: int, block_m: int, per_pair: bool, seed: int = 1):
+def layout_rows(num_tokens: int, num_experts: int, top_k: int, block_m: int, per_pair: bool,
+                seed: int = 1):
     """(rows computed incl. padding, experts hit) for one routing like the benchmark's."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_tokens, num_experts, generator=g)
@@ -26,12 +27,14 @@ def layout_rows(num_tokens: int, num_experts: int, top_k: int, block_m: int, per
     hit = int((counts > 0).sum())
     if per_pair:
         return ids.numel() * block_m, hit
-    return int((torch.div(counts + block_m - 1, block_m, rounding_mode="floor") * block_m).sum()), hit
+    return (int((torch.div(counts + block_m - 1, block_m, rounding_mode="floor") * block_m).sum()),
+            hit)
 
 
 def analyse(case: dict, bandwidth: float, flops_rate: float) -> dict:
     info = case["extra_info"]
-    T, E, K, H, I = (info[k] for k in ("num_tokens", "num_experts", "top_k", "hidden_size", "intermediate_size"))
+    T, E, K, H, I = (info[k] for k in ("num_tokens", "num_experts", "top_k", "hidden_size",
+                                       "intermediate_size"))
     config = info["config"]
     block_m = int(re.search(r"BM(\d+)", config).group(1))
     down_split = int(m.group(1)) if (m := re.search(r"down \S*/K(\d+)", config)) else 1
@@ -54,14 +57,17 @@ def analyse(case: dict, bandwidth: float, flops_rate: float) -> dict:
         rows=f"{P} -> {rows} ({(rows / P - 1) * 100:.0f}% pad)" if rows != P else f"{P}",
         hit=hit,
         up=f"{stage['up'] * 1e6:.1f} us: {up_bytes / stage['up'] / 1e12:.2f} TB/s, "
-           f"{up_flops / stage['up'] / 1e12:.0f} TF/s ({floor(up_bytes, 2 * P * H * 2 * I) / stage['up']:.2f})",
+           f"{up_flops / stage['up'] / 1e12:.0f} TF/s "
+           f"({floor(up_bytes, 2 * P * H * 2 * I) / stage['up']:.2f})",
         down=f"{stage['down'] * 1e6:.1f} us: {down_bytes / stage['down'] / 1e12:.2f} TB/s, "
-             f"{down_flops / stage['down'] / 1e12:.0f} TF/s ({floor(down_bytes, 2 * P * I * H) / stage['down']:.2f})",
+             f"{down_flops / stage['down'] / 1e12:.0f} TF/s "
+             f"({floor(down_bytes, 2 * P * I * H) / stage['down']:.2f})",
         expand_finalize=f"{(stage['expand'] + stage['finalize']) * 1e6:.1f} us "
                         f"({(stage['expand'] + stage['finalize']) / info['graph_s'] * 100:.0f}%)",
         finalize_floor=f"{floor(finalize_bytes, 0) * 1e6:.1f} us",
         launch_gaps=f"{(info['graph_s'] - kernels) * 1e6:.1f} us",
-        host_overhead=f"{(info['ours_s'] - info['graph_s']) * 1e6:.0f} us" if info["timing"] == "eager" else "-",
+        host_overhead=(f"{(info['ours_s'] - info['graph_s']) * 1e6:.0f} us"
+                       if info["timing"] == "eager" else "-"),
     )
 
 

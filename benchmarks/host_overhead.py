@@ -48,7 +48,8 @@ def host_us(fn, rounds: int = 3) -> float:
 
 
 def jit_launches_per_call(fn) -> float:
-    """Launches that went through Triton's JIT (not a BoundLaunch's direct path) per call, after warm-up."""
+    """Launches that went through Triton's JIT (not a BoundLaunch's direct path) per call, after
+    warm-up."""
     fn()
     calls = []
     run = JITFunction.run
@@ -72,11 +73,12 @@ def main():
     args = parser.parse_args()
     shape = QWEN3_30B_A3B
     w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
-    lines = [f"# Host time of an eager layer call, {shape.name} (E={shape.num_experts}, K={shape.top_k}, "
-             f"H={shape.hidden_size}, I={shape.intermediate_size}), bf16",
-             f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}", "",
-             "| M | host µs per call | JIT launches per call | eager do_bench µs | graph replay µs | eager / graph "
-             "| config |",
+    lines = [f"# Host time of an eager layer call, {shape.name} (E={shape.num_experts}, "
+             f"K={shape.top_k}, H={shape.hidden_size}, I={shape.intermediate_size}), bf16",
+             f"torch {torch.__version__}, triton {triton.__version__}, "
+             f"{torch.cuda.get_device_name()}", "",
+             "| M | host µs per call | JIT launches per call | eager do_bench µs | graph replay µs "
+             "| eager / graph | config |",
              "|---|---|---|---|---|---|---|"]
     for T in TOKENS:
         inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1)
@@ -90,9 +92,10 @@ def main():
         eager = do_bench(call, warmup=25, rep=200, return_mode="median") * 1e3
         graph = capture_graph(lambda i: call(), 1)
         replay = do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
-        config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                               x.device)
-        lines.append(f"| {T} | {host:.1f} | {jit:g} | {eager:.1f} | {replay:.1f} | {eager / replay:.2f} | {config.describe()} |")
+        config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
+                               shape.intermediate_size, x.device)
+        lines.append(f"| {T} | {host:.1f} | {jit:g} | {eager:.1f} | {replay:.1f} | "
+                     f"{eager / replay:.2f} | {config.describe()} |")
         print(lines[-1], flush=True)
     lines += ["", "Host time of the parts of one planned call (pipeline.LayerPlan), M = 64:", ""]
     inputs = random_inputs(shape, 64, torch.bfloat16, "cuda", num_variants=1)
@@ -106,15 +109,18 @@ def main():
     y, _ = plan.down(h, w2, layout)
     parts = {
         "torch.empty (reference point)": lambda: torch.empty(64, shape.hidden_size, device="cuda"),
-        "ExpertWeights(w13, w2) (fused_experts builds one per call)": lambda: ExpertWeights(w13, w2),
-        "the call's signature and plan lookup": lambda: pipeline._PLANS.get(pipeline._call_signature(
-            x, experts, ids, weights, SILU_AND_MUL, None, None)),
+        "ExpertWeights(w13, w2) (fused_experts builds one per call)":
+            lambda: ExpertWeights(w13, w2),
+        "the call's signature and plan lookup":
+            lambda: pipeline._PLANS.get(pipeline._call_signature(
+                x, experts, ids, weights, SILU_AND_MUL, None, None)),
         "expand (1 allocation, 3 launches)": lambda: plan.expand(ids),
         "expert GEMM up (1 allocation, 1 launch, TMA)": lambda: plan.up(x, w13, layout),
         "expert GEMM down (1 allocation, 1 launch, TMA)": lambda: plan.down(h, w2, layout),
         "finalize (1 allocation, 1 launch)": lambda: plan.finalize(y, weights, layout, None),
         "the whole call, fused_experts": lambda: fused_experts(x, w13, w2, ids, weights),
-        "the same finalize through the JIT (finalize())": lambda: moe_triton.finalize.finalize(y, weights, layout),
+        "the same finalize through the JIT (finalize())":
+            lambda: moe_triton.finalize.finalize(y, weights, layout),
     }
     for name, fn in parts.items():
         lines.append(f"- {name}: {host_us(fn):.1f} µs")
@@ -127,8 +133,8 @@ def main():
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(20)
-    lines += ["", f"cProfile of {CALLS} planned calls at M = 64 (profiling inflates Python time):", "", "```",
-              text.getvalue().strip(), "```"]
+    lines += ["", f"cProfile of {CALLS} planned calls at M = 64 (profiling inflates Python time):",
+              "", "```", text.getvalue().strip(), "```"]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

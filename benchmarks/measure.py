@@ -10,11 +10,13 @@ import torch
 from moe_triton.tools.bench import LayerShape
 
 
-def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8) -> dict[str, float]:
+def stage_times(step: Callable[[int], object], num_variants: int,
+                calls: int = 8) -> dict[str, float]:
     """GPU seconds per call of each stage of `step` (fused_experts): expand, up, down, finalize.
 
     From torch.profiler's kernel records of `calls` eager calls: the expand kernels are summed,
-    the expert GEMM kernels alternate up, down within each call, anything else (a memset) is "other".
+    the expert GEMM kernels alternate up, down within each call, anything else (a memset) is
+    "other".
     """
     for i in range(num_variants):
         step(i)
@@ -23,7 +25,8 @@ def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8
         for i in range(calls):
             step(i % num_variants)
         torch.cuda.synchronize()
-    kernels = sorted((e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+    kernels = sorted((e for e in profile.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     totals: dict[str, float] = {}
     gemms = 0
@@ -31,7 +34,8 @@ def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8
         if "expert_gemm" in event.name:
             name = ("up", "down")[gemms % 2]
             gemms += 1
-        elif any(kernel in event.name for kernel in ("histogram", "expert_offsets", "scatter_pairs", "expand_one")):
+        elif any(kernel in event.name
+                 for kernel in ("histogram", "expert_offsets", "scatter_pairs", "expand_one")):
             name = "expand"  # _expand_kernels.py
         elif "finalize" in event.name:
             name = "finalize"
@@ -42,13 +46,16 @@ def stage_times(step: Callable[[int], object], num_variants: int, calls: int = 8
 
 
 
-def transformers_experts(shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor, implementation: str):
+def transformers_experts(shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor,
+                         implementation: str):
     """transformers' own Qwen3MoeExperts over the same weights, set to `implementation`."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = Qwen3MoeConfig(hidden_size=shape.hidden_size, moe_intermediate_size=shape.intermediate_size,
-                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, hidden_act="silu")
+    config = Qwen3MoeConfig(hidden_size=shape.hidden_size,
+                            moe_intermediate_size=shape.intermediate_size,
+                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k,
+                            hidden_act="silu")
     config._experts_implementation = implementation
     with torch.device("meta"):
         experts = Qwen3MoeExperts(config)
@@ -73,22 +80,25 @@ def event_median_seconds(fn: Callable[[], object], iterations: int = 30) -> floa
     return statistics.median(times)
 
 
-# ---- a full-size model (Qwen3-30B-A3B's config), its decode step's bytes -----------------------------
+# ---- a full-size model (Qwen3-30B-A3B's config), its decode step's bytes -------------------------
 
 def qwen3_30b_a3b_config(num_layers: int = 48):
-    """Qwen3-30B-A3B's config (48 layers, H=2048, 128 experts of I=768, top-8, 32 / 4 heads of 128)."""
+    """Qwen3-30B-A3B's config (48 layers, H=2048, 128 experts of I=768, top-8, 32 / 4 heads of
+    128)."""
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=num_layers,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          rms_norm_eps=1e-6,
                           max_position_embeddings=40960, tie_word_embeddings=False)
 
 
 @torch.no_grad()
 def random_weights_(model: torch.nn.Module, std: float = 0.02) -> torch.nn.Module:
-    """Every non-FP8 parameter drawn from N(0, std) in place, where it lives (e.g. on the GPU); eval mode.
-    FP8 tensors are left for the caller to quantize into (normal_ has no float8 kernel)."""
+    """Every non-FP8 parameter drawn from N(0, std) in place, where it lives (e.g. on the GPU); eval
+    mode. FP8 tensors are left for the caller to quantize into (normal_ has no float8 kernel)."""
     for p in model.parameters():
         if p.element_size() > 1:
             p.normal_(0, std)
@@ -99,8 +109,10 @@ def decode_step_bytes(config, batch: int, context: int, fp8: bool = False) -> fl
     """Bytes one decode step must read: per layer attention, router and norms, the experts the batch
     hits under uniform routing (E (1 - (1 - K/E)^batch) of them, with their 128 x 128 block scales
     when FP8), the K/V of `context` positions of every sequence; the LM head and embedding rows."""
-    H, I, E, K = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
-    D, Hq, Hkv, L = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers
+    H, I, E, K = (config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                  config.num_experts_per_tok)
+    D, Hq, Hkv, L = (config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+                     config.num_hidden_layers)
     hit = E * (1 - (1 - K / E) ** batch)
     if fp8:
         blocks = 2 * -(-I // 128) * -(-H // 128) + -(-H // 128) * -(-I // 128)

@@ -42,14 +42,18 @@ def test_shared_routed_overlap(benchmark, minimax_m3_like, batch, record):
                 x = x + block(x, batch_info)
             return x
 
-        runner = DecodeGraphRunner(step, {"hidden_states": StaticInput((config.hidden_size,), torch.bfloat16)},
+        runner = DecodeGraphRunner(step,
+                                   {"hidden_states": StaticInput((config.hidden_size,),
+                                                                 torch.bfloat16)},
                                    GraphConfig(batch_sizes=(batch,), show_progress=False))
         runner.capture()
         x = torch.randn(batch, config.hidden_size, device="cuda", dtype=torch.bfloat16)
         times[overlap] = event_median_seconds(lambda: runner({"hidden_states": x}))
-    record(f"decode step, {LAYERS} MiniMax-M3-like MoE blocks, shared || routed (bf16, graphs)", dict(
+    record(f"decode step, {LAYERS} MiniMax-M3-like MoE blocks, shared || routed "
+           "(bf16, graphs)", dict(
         batch=batch, serial_us=f"{times[False] * 1e6:.0f}", overlap_us=f"{times[True] * 1e6:.0f}",
         speedup=f"{times[False] / times[True]:.3f}x"))
-    benchmark.extra_info.update(batch=batch, serial_s=times[False], overlap_s=times[True], dtype="bfloat16",
-                                backend="triton", model="minimax-m3-like")
-    benchmark.pedantic(lambda: (runner({"hidden_states": x}), torch.cuda.synchronize()), rounds=20, warmup_rounds=2)
+    benchmark.extra_info.update(batch=batch, serial_s=times[False], overlap_s=times[True],
+                                dtype="bfloat16", backend="triton", model="minimax-m3-like")
+    benchmark.pedantic(lambda: (runner({"hidden_states": x}), torch.cuda.synchronize()), rounds=20,
+                       warmup_rounds=2)

@@ -22,8 +22,8 @@ from moe_triton.tools.bench import QWEN3_30B_A3B, layer_flops, random_experts
 def qwen3_layer(backend: str) -> FusedMoE:
     shape = QWEN3_30B_A3B
     E, K, H, I = shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size
-    layer = FusedMoE(E, K, H, I, routing=RoutingSpec(K, renormalize=True), placement=Placement(backend),
-                     dtype=torch.bfloat16, device="cuda")
+    layer = FusedMoE(E, K, H, I, routing=RoutingSpec(K, renormalize=True),
+                     placement=Placement(backend), dtype=torch.bfloat16, device="cuda")
     w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
     with torch.no_grad():
         layer.gate_up_proj.copy_(w13)
@@ -40,7 +40,8 @@ def test_forward_and_backward(benchmark, backend, num_tokens, record):
     shape = QWEN3_30B_A3B
     layer = qwen3_layer(backend)
     g = torch.Generator(device="cuda").manual_seed(num_tokens)
-    x = torch.randn(num_tokens, shape.hidden_size, generator=g, device="cuda").bfloat16().requires_grad_()
+    x = torch.randn(num_tokens, shape.hidden_size, generator=g,
+                    device="cuda").bfloat16().requires_grad_()
     grad_out = torch.randn(num_tokens, shape.hidden_size, generator=g, device="cuda").bfloat16()
 
     def forward_inference():
@@ -58,15 +59,20 @@ def test_forward_and_backward(benchmark, backend, num_tokens, record):
     backward_flops = 2 * layer_flops(shape, num_tokens)
     share = (train_s - forward_grad_s) / train_s
     record("FusedMoE forward and backward, Qwen3-30B-A3B layer (bf16)", dict(
-        shape=shape.name, T=num_tokens, backend=backend, forward_ms=f"{forward_inference_s * 1e3:.3f}",
-        forward_grad_mode_ms=f"{forward_grad_s * 1e3:.3f}", forward_backward_ms=f"{train_s * 1e3:.3f}",
+        shape=shape.name, T=num_tokens, backend=backend,
+        forward_ms=f"{forward_inference_s * 1e3:.3f}",
+        forward_grad_mode_ms=f"{forward_grad_s * 1e3:.3f}",
+        forward_backward_ms=f"{train_s * 1e3:.3f}",
         backward_share=f"{share:.2f}",
         backward_TFLOPs=f"{backward_flops / (train_s - forward_grad_s) / 1e12:.1f}",
     ))
     benchmark.extra_info.update(dict(
-        shape=shape.name, num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_tokens=num_tokens, dtype="bfloat16", backend=backend,
-        forward_s=forward_inference_s, forward_grad_mode_s=forward_grad_s, forward_backward_s=train_s,
+        shape=shape.name, num_experts=shape.num_experts, top_k=shape.top_k,
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_tokens=num_tokens, dtype="bfloat16", backend=backend,
+        forward_s=forward_inference_s, forward_grad_mode_s=forward_grad_s,
+        forward_backward_s=train_s,
         backward_share=share, backward_flops=backward_flops,
     ))
-    benchmark.pedantic(lambda: (forward_and_backward(), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)
+    benchmark.pedantic(lambda: (forward_and_backward(), torch.cuda.synchronize()), rounds=5,
+                       warmup_rounds=1)

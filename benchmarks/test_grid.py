@@ -1,4 +1,5 @@
-"""The expert layer over the full grid: 4 shapes x M in {1 .. 16384}, against the floor and transformers.
+"""The expert layer over the full grid: 4 shapes x M in {1 .. 16384}, against the floor and
+transformers.
 
 Each case times the layer from (hidden states, top-k ids, top-k weights) to the finalized output,
 everything included (expand, both GEMMs, activation, finalize): CUDA-graph replay for M <= 256,
@@ -7,7 +8,8 @@ from HBM. Beside it: the floor max(bytes / B, FLOPs / F) with B and F measured i
 routing's own time (softmax top-k of the same random logits), the graph-replay time at every
 size (the GPU side alone, without Python launch costs), transformers' `grouped_mm` and
 `batched_mm` on the same weights, the GPU time of each stage (torch.profiler: expand / up / down /
-finalize / other), and the launch configuration used. Every case first checks its output against the float32 reference.
+finalize / other), and the launch configuration used. Every case first checks its output against
+the float32 reference.
 
     pytest benchmarks/test_grid.py -m gpu --benchmark-only --bench-table grid.md
 """
@@ -53,7 +55,8 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def peer_times(shape, w13, w2, inputs, num_tokens) -> dict[str, float]:
-    """transformers' experts on the same weights and inputs; NaN where batched_mm would gather too much."""
+    """transformers' experts on the same weights and inputs; NaN where batched_mm would gather too
+    much."""
     times = {}
     for implementation in ("grouped_mm", "batched_mm"):
         gathered = num_tokens * shape.top_k * 3 * shape.hidden_size * shape.intermediate_size * 2
@@ -63,10 +66,12 @@ def peer_times(shape, w13, w2, inputs, num_tokens) -> dict[str, float]:
         experts = transformers_experts(shape, w13, w2, implementation)
 
         def peer(i):
-            return experts(inputs.hidden_states[i], inputs.topk_ids[i].long(), inputs.topk_weights[i])
+            return experts(inputs.hidden_states[i], inputs.topk_ids[i].long(),
+                           inputs.topk_weights[i])
 
         with torch.no_grad():
-            times[implementation] = time_step(peer, VARIANTS, graphable=num_tokens <= GRAPH_MAX_TOKENS
+            times[implementation] = time_step(peer, VARIANTS,
+                                              graphable=num_tokens <= GRAPH_MAX_TOKENS
                                               and implementation == "batched_mm")[0]
     return times
 
@@ -80,9 +85,11 @@ def test_grid(benchmark, shape, num_tokens, ceilings, record):
     graphable = num_tokens <= GRAPH_MAX_TOKENS
 
     def ours(i):
-        return fused_experts(inputs.hidden_states[i], w13, w2, inputs.topk_ids[i], inputs.topk_weights[i])
+        return fused_experts(inputs.hidden_states[i], w13, w2, inputs.topk_ids[i],
+                             inputs.topk_weights[i])
 
-    ref = fused_experts_torch(inputs.hidden_states[0], w13, w2, inputs.topk_ids[0], inputs.topk_weights[0])
+    ref = fused_experts_torch(inputs.hidden_states[0], w13, w2, inputs.topk_ids[0],
+                              inputs.topk_weights[0])
     rel_err = relative_error(ours(0), ref)
     del ref
     assert rel_err < 1e-2, f"{shape.name} M={num_tokens}: bf16 relative error {rel_err:.2e}"
@@ -93,7 +100,8 @@ def test_grid(benchmark, shape, num_tokens, ceilings, record):
     # work. A graph replay of the same calls shows the GPU side alone.
     graph_s = ours_s if graphable else time_graph_replays(capture_graph(ours, VARIANTS), VARIANTS)
     logits = [torch.randn(num_tokens, shape.num_experts, device="cuda") for _ in range(VARIANTS)]
-    routing_s, _ = time_step(lambda i: route(logits[i], RoutingSpec(shape.top_k)), VARIANTS, graphable)
+    routing_s, _ = time_step(lambda i: route(logits[i], RoutingSpec(shape.top_k)), VARIANTS,
+                             graphable)
     stages = stage_times(ours, VARIANTS)
     peers = peer_times(shape, w13, w2, inputs, num_tokens)
 
@@ -101,29 +109,38 @@ def test_grid(benchmark, shape, num_tokens, ceilings, record):
     flops = layer_flops(shape, num_tokens)
     floor = floor_seconds(bytes_moved, flops, ceilings)
     best_peer = min(t for t in peers.values() if t == t)
-    config = choose_config(num_tokens, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                           torch.device("cuda"), torch.bfloat16)
+    config = choose_config(num_tokens, shape.top_k, shape.num_experts, shape.hidden_size,
+                           shape.intermediate_size, torch.device("cuda"), torch.bfloat16)
     record(TABLE, dict(
-        shape=shape.name, M=num_tokens, ours_us=f"{ours_s * 1e6:.1f}", timing=mode, floor_us=f"{floor * 1e6:.1f}",
-        floor_frac=f"{floor / ours_s:.2f}", graph_us=f"{graph_s * 1e6:.1f}", graph_frac=f"{floor / graph_s:.2f}",
-        bound="memory" if bytes_moved / ceilings.bandwidth >= flops / ceilings.matmul_flops else "compute",
+        shape=shape.name, M=num_tokens, ours_us=f"{ours_s * 1e6:.1f}", timing=mode,
+        floor_us=f"{floor * 1e6:.1f}",
+        floor_frac=f"{floor / ours_s:.2f}", graph_us=f"{graph_s * 1e6:.1f}",
+        graph_frac=f"{floor / graph_s:.2f}",
+        bound=("memory" if bytes_moved / ceilings.bandwidth >= flops / ceilings.matmul_flops
+               else "compute"),
         routing_us=f"{routing_s * 1e6:.1f}",
         grouped_mm_us=f"{peers['grouped_mm'] * 1e6:.1f}",
-        batched_mm_us=f"{peers['batched_mm'] * 1e6:.1f}" if peers["batched_mm"] == peers["batched_mm"] else "-",
+        batched_mm_us=(f"{peers['batched_mm'] * 1e6:.1f}"
+                       if peers["batched_mm"] == peers["batched_mm"] else "-"),
         vs_best_peer=f"{best_peer / ours_s:.2f}x",
-        stages_us=" / ".join(f"{stages.get(name, 0.0) * 1e6:.1f}" for name in ("expand", "up", "down", "finalize", "other")),
+        stages_us=" / ".join(f"{stages.get(name, 0.0) * 1e6:.1f}"
+                             for name in ("expand", "up", "down", "finalize", "other")),
         rel_err=f"{rel_err:.1e}", config=config.describe(),
     ))
     benchmark.extra_info.update(dict(
-        shape=shape.name, num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size, num_tokens=num_tokens, dtype="bfloat16", backend="triton",
-        timing=mode, ours_s=ours_s, graph_s=graph_s, floor_s=floor, roofline_fraction=floor / ours_s,
+        shape=shape.name, num_experts=shape.num_experts, top_k=shape.top_k,
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_tokens=num_tokens, dtype="bfloat16", backend="triton",
+        timing=mode, ours_s=ours_s, graph_s=graph_s, floor_s=floor,
+        roofline_fraction=floor / ours_s,
         routing_s=routing_s,
-        grouped_mm_s=peers["grouped_mm"], batched_mm_s=peers["batched_mm"], config=config.describe(),
+        grouped_mm_s=peers["grouped_mm"], batched_mm_s=peers["batched_mm"],
+        config=config.describe(),
         stage_s=stages,
     ))
     if graphable:
         graph = capture_graph(ours, VARIANTS)
-        benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=20, warmup_rounds=2)
+        benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=20,
+                           warmup_rounds=2)
     else:
         benchmark.pedantic(lambda: (ours(0), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)

@@ -38,7 +38,8 @@ from moe_triton.tools.bench import (
 VARIANTS = 4
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096, 16384]
 GRAPH_MAX_TOKENS = 256
-BATCHED_MAX_TOKENS = 1024  # transformers' batched form runs one (token, slot) pair per program: a decode path
+# transformers' batched form runs one (token, slot) pair per program: a decode path
+BATCHED_MAX_TOKENS = 1024
 FORMATS = {"block": WeightFormat.fp8_block(128, 128), "channel": WeightFormat.fp8_channel(),
            "tensor": WeightFormat.fp8_tensor()}
 CASES = ([(shape, "block") for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)]
@@ -46,7 +47,8 @@ CASES = ([(shape, "block") for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V
 TABLE = "FP8 experts over the grid (e4m3 weights, bf16 activations in and out, SiLU-gated)"
 
 
-@functools.lru_cache(maxsize=1)  # one case's weights at a time: DeepSeek-V3's bf16 experts alone are 22.5 GB
+# one case's weights at a time: DeepSeek-V3's bf16 experts alone are 22.5 GB
+@functools.lru_cache(maxsize=1)
 def weights(shape: LayerShape, fmt_name: str) -> tuple[ExpertWeights, ExpertWeights]:
     torch.cuda.empty_cache()
     native = ExpertWeights(*random_experts(shape, torch.bfloat16, "cuda"))
@@ -59,20 +61,23 @@ def relative_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def transformers_fp8_times(shape, fp8: ExpertWeights, inputs, num_tokens, fmt_name,
                            reference: torch.Tensor) -> dict[str, float | str]:
-    """transformers' fp8 grouped_mm / batched_mm experts forwards on the same FP8 weights (each first
-    checked against `reference`, our bf16 layer's output), or why they did not run."""
-    why = fp8_peer.available() if fmt_name == "block" else "transformers' FP8 experts are block-scaled only"
+    """transformers' fp8 grouped_mm / batched_mm experts forwards on the same FP8 weights (each
+    first checked against `reference`, our bf16 layer's output), or why they did not run."""
+    why = (fp8_peer.available() if fmt_name == "block"
+           else "transformers' FP8 experts are block-scaled only")
     if why is not None:
         return {"grouped": why, "batched": why}
     times = {}
-    forwards = fp8_peer.fp8_experts_forwards(fp8.w13, fp8.w13_scale, fp8.w2, fp8.w2_scale, (128, 128))
+    forwards = fp8_peer.fp8_experts_forwards(fp8.w13, fp8.w13_scale, fp8.w2, fp8.w2_scale,
+                                             (128, 128))
     for name, forward in (("grouped", forwards.grouped_mm), ("batched", forwards.batched_mm)):
         if name == "batched" and num_tokens > BATCHED_MAX_TOKENS:
             times[name] = f"not timed past {BATCHED_MAX_TOKENS} tokens"
             continue
 
         def peer(i):
-            return forward(inputs.hidden_states[i], inputs.topk_ids[i].long(), inputs.topk_weights[i])
+            return forward(inputs.hidden_states[i], inputs.topk_ids[i].long(),
+                           inputs.topk_weights[i])
 
         try:
             with torch.no_grad():
@@ -89,7 +94,8 @@ def scale_bytes(shape: LayerShape, fp8: ExpertWeights) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", TOKENS)
-@pytest.mark.parametrize("shape,fmt_name", CASES, ids=lambda v: v.name if isinstance(v, LayerShape) else v)
+@pytest.mark.parametrize("shape,fmt_name", CASES,
+                         ids=lambda v: v.name if isinstance(v, LayerShape) else v)
 def test_grid_fp8(benchmark, shape, fmt_name, num_tokens, ceilings, record):
     if fmt_name != "block" and num_tokens not in (1, 4, 64, 256, 4096):
         pytest.skip("per-channel and per-tensor run at a few sizes")
@@ -106,25 +112,29 @@ def test_grid_fp8(benchmark, shape, fmt_name, num_tokens, ceilings, record):
 
     reference = bf16(0)
     rel_rms = relative_rms(ours(0), reference)
-    assert rel_rms < 0.1, f"{shape.name} {fmt_name} M={num_tokens}: relative RMS {rel_rms:.3f} vs bf16"
+    assert rel_rms < 0.1, (
+        f"{shape.name} {fmt_name} M={num_tokens}: relative RMS {rel_rms:.3f} vs bf16")
 
     ours_s, mode = time_step(ours, VARIANTS, graphable)
     graph_s = ours_s if graphable else time_graph_replays(capture_graph(ours, VARIANTS), VARIANTS)
     bf16_s, _ = time_step(bf16, VARIANTS, graphable)
     peers = transformers_fp8_times(shape, fp8, inputs, num_tokens, fmt_name, reference)
 
-    bytes_moved = sum(layer_bytes(shape, ids, 1, scale_bytes(shape, fp8)) for ids in inputs.topk_ids) / VARIANTS
+    bytes_moved = sum(layer_bytes(shape, ids, 1, scale_bytes(shape, fp8))
+                      for ids in inputs.topk_ids) / VARIANTS
     flops = layer_flops(shape, num_tokens)
     floor = floor_seconds(bytes_moved, flops, ceilings, fp8=True)
     peer_s = [peers[name] for name in ("grouped", "batched") if isinstance(peers.get(name), float)]
-    config = choose_config(num_tokens, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                           torch.device("cuda"), torch.float8_e4m3fn)
+    config = choose_config(num_tokens, shape.top_k, shape.num_experts, shape.hidden_size,
+                           shape.intermediate_size, torch.device("cuda"), torch.float8_e4m3fn)
     fmt = lambda t: f"{t * 1e6:.1f}" if isinstance(t, float) else "-"  # noqa: E731
     record(TABLE, dict(
         shape=shape.name, format=fmt_name, M=num_tokens, ours_us=f"{ours_s * 1e6:.1f}", timing=mode,
-        floor_us=f"{floor * 1e6:.1f}", floor_frac=f"{floor / ours_s:.2f}", graph_us=f"{graph_s * 1e6:.1f}",
+        floor_us=f"{floor * 1e6:.1f}", floor_frac=f"{floor / ours_s:.2f}",
+        graph_us=f"{graph_s * 1e6:.1f}",
         graph_frac=f"{floor / graph_s:.2f}",
-        bound="memory" if bytes_moved / ceilings.bandwidth >= flops / ceilings.fp8_matmul_flops else "compute",
+        bound=("memory" if bytes_moved / ceilings.bandwidth >= flops / ceilings.fp8_matmul_flops
+               else "compute"),
         bf16_us=f"{bf16_s * 1e6:.1f}", vs_bf16=f"{bf16_s / ours_s:.2f}x",
         tf_fp8_grouped_us=fmt(peers["grouped"]), tf_fp8_batched_us=fmt(peers["batched"]),
         tf_rel_rms=peers.get("grouped_rel_rms", "-"),
@@ -133,13 +143,17 @@ def test_grid_fp8(benchmark, shape, fmt_name, num_tokens, ceilings, record):
     ))
     benchmark.extra_info.update(dict(
         shape=shape.name, format=fmt_name, num_experts=shape.num_experts, top_k=shape.top_k,
-        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size, num_tokens=num_tokens,
-        dtype="float8_e4m3fn", backend="triton", timing=mode, ours_s=ours_s, graph_s=graph_s, floor_s=floor,
-        roofline_fraction=floor / ours_s, bf16_s=bf16_s, transformers_fp8=str(peers), config=config.describe(),
+        hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_tokens=num_tokens,
+        dtype="float8_e4m3fn", backend="triton", timing=mode, ours_s=ours_s, graph_s=graph_s,
+        floor_s=floor,
+        roofline_fraction=floor / ours_s, bf16_s=bf16_s, transformers_fp8=str(peers),
+        config=config.describe(),
         fp8_matmul_flops=ceilings.fp8_matmul_flops,
     ))
     if graphable:
         graph = capture_graph(ours, VARIANTS)
-        benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=20, warmup_rounds=2)
+        benchmark.pedantic(lambda: (graph.replay(), torch.cuda.synchronize()), rounds=20,
+                           warmup_rounds=2)
     else:
         benchmark.pedantic(lambda: (ours(0), torch.cuda.synchronize()), rounds=5, warmup_rounds=1)

@@ -24,8 +24,10 @@ def command_a_plus_like():
     from moe_triton.models.cohere2_moe import Cohere2MoeForCausalLM
 
     config = Cohere2MoeConfig(vocab_size=1024, num_hidden_layers=LAYERS, num_shared_experts=1,
-                              layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=4096)
-    with torch.device("cuda"), default_dtype(torch.bfloat16):  # ~41 GB of bf16 weights: never build them in fp32
+                              layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                              sliding_window=4096)
+    # ~41 GB of bf16 weights: never build them in fp32
+    with torch.device("cuda"), default_dtype(torch.bfloat16):
         model = random_init_(Cohere2MoeForCausalLM(config)).eval()
     yield model
     del model
@@ -41,11 +43,13 @@ def test_parallel_block_overlap(benchmark, command_a_plus_like, batch, record):
         model.use_overlap = overlap
         model.setup(max_batch=batch, max_seq=512, batch_sizes=(batch,))
         inputs = {"token_ids": torch.randint(0, 1024, (batch,), device="cuda"),
-                  "positions": torch.full((batch,), 100, device="cuda"), "slots": torch.arange(batch, device="cuda")}
+                  "positions": torch.full((batch,), 100, device="cuda"),
+                  "slots": torch.arange(batch, device="cuda")}
         times[overlap] = event_median_seconds(lambda: model.graphs.run(inputs))
     record(f"decode step, {LAYERS} Command-A-Plus-like parallel blocks (bf16, graphs)", dict(
         batch=batch, serial_us=f"{times[False] * 1e6:.0f}", overlap_us=f"{times[True] * 1e6:.0f}",
         speedup=f"{times[False] / times[True]:.3f}x"))
-    benchmark.extra_info.update(batch=batch, serial_s=times[False], overlap_s=times[True], dtype="bfloat16",
-                                backend="triton", model="command-a-plus-like")
-    benchmark.pedantic(lambda: (model.graphs.run(inputs), torch.cuda.synchronize()), rounds=20, warmup_rounds=2)
+    benchmark.extra_info.update(batch=batch, serial_s=times[False], overlap_s=times[True],
+                                dtype="bfloat16", backend="triton", model="command-a-plus-like")
+    benchmark.pedantic(lambda: (model.graphs.run(inputs), torch.cuda.synchronize()), rounds=20,
+                       warmup_rounds=2)

@@ -13,7 +13,8 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
 Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
 per layer per decode step.
 
-    python -m pytest benchmarks/test_model_step.py -m gpu --benchmark-only --bench-table model-step.md
+    python -m pytest benchmarks/test_model_step.py -m gpu --benchmark-only
+        --bench-table model-step.md
 """
 import pytest
 import torch
@@ -40,11 +41,13 @@ def free(model) -> None:
 
 
 def decode_setup(model, batch: int, context: int) -> dict[str, torch.Tensor]:
-    """A fresh cache and graph for `batch` sequences; the inputs of one decode step at position context - 1."""
+    """A fresh cache and graph for `batch` sequences; the inputs of one decode step at position
+    context - 1."""
     free(model)  # the previous cache first: at batch 64 and 8k context the cache alone is ~52 GB
     model.setup(max_batch=batch, max_seq=context + 8, batch_sizes=(batch,))
     return {"token_ids": torch.randint(0, model.config.vocab_size, (batch,), device="cuda"),
-            "positions": torch.full((batch,), context - 1, device="cuda"), "slots": torch.arange(batch, device="cuda")}
+            "positions": torch.full((batch,), context - 1, device="cuda"),
+            "slots": torch.arange(batch, device="cuda")}
 
 
 def kernels_per_step(step) -> int:
@@ -66,7 +69,8 @@ def test_decode_step(benchmark, model, context, ceilings, record):
         floor_s = decode_step_bytes(config, batch, context) / ceilings.bandwidth
         kernels = kernels_per_step(lambda: model.graphs.run(inputs))
         record("Qwen3-30B-A3B-shaped decode step, 48 layers, bf16, through graphs", dict(
-            context=context, batch=batch, step_us=f"{step_s * 1e6:.0f}", floor_us=f"{floor_s * 1e6:.0f}",
+            context=context, batch=batch, step_us=f"{step_s * 1e6:.0f}",
+            floor_us=f"{floor_s * 1e6:.0f}",
             floor_frac=f"{floor_s / step_s:.2f}", tokens_per_s=f"{batch / step_s:.0f}",
             kernels_per_layer=f"{kernels / layers:.1f}"))
     free(model)
@@ -80,9 +84,11 @@ def test_prefill(benchmark, model, record):
         model.setup(max_batch=1, max_seq=tokens, batch_sizes=(1,))
         ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
         with torch.no_grad():
-            seconds = event_median_seconds(lambda: model.prefill_last(ids), iterations=5)  # as generate() prefills
+            # as generate() prefills
+            seconds = event_median_seconds(lambda: model.prefill_last(ids), iterations=5)
         record("Qwen3-30B-A3B-shaped prefill, one sequence, bf16 (eager)", dict(
-            tokens=tokens, prefill_ms=f"{seconds * 1e3:.1f}", tokens_per_s=f"{tokens / seconds:.0f}"))
+            tokens=tokens, prefill_ms=f"{seconds * 1e3:.1f}",
+            tokens_per_s=f"{tokens / seconds:.0f}"))
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)
 
@@ -101,11 +107,14 @@ def test_decode_step_profile(benchmark, model, batch, record):
     for event in kernels:
         by_name.setdefault(event.name[:60], []).append(event.time_range.elapsed_us())
     busy_us = sum(sum(times) for times in by_name.values())
-    table = f"Where a decode step goes: batch {batch}, context 1k, one replay ({step_s * 1e6:.0f} us a step)"
+    table = (f"Where a decode step goes: batch {batch}, context 1k, one replay "
+             f"({step_s * 1e6:.0f} us a step)")
     for name, times in sorted(by_name.items(), key=lambda item: -sum(item[1])):
-        record(table, dict(kernel=name, per_layer=f"{len(times) / layers:.2f}", us_per_step=f"{sum(times):.0f}",
+        record(table, dict(kernel=name, per_layer=f"{len(times) / layers:.2f}",
+                           us_per_step=f"{sum(times):.0f}",
                            share=f"{sum(times) / (step_s * 1e6):.1%}"))
-    record(table, dict(kernel="(idle between kernels)", per_layer="-", us_per_step=f"{step_s * 1e6 - busy_us:.0f}",
+    record(table, dict(kernel="(idle between kernels)", per_layer="-",
+                       us_per_step=f"{step_s * 1e6 - busy_us:.0f}",
                        share=f"{1 - busy_us / (step_s * 1e6):.1%}"))
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)

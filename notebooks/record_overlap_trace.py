@@ -29,8 +29,9 @@ BATCHES = (1, 4, 16, 64)
 def build_model():
     from transformers import Cohere2MoeConfig
 
-    config = Cohere2MoeConfig(vocab_size=1024, hidden_size=4096, intermediate_size=8192, num_attention_heads=32,
-                              num_key_value_heads=8, head_dim=128, num_hidden_layers=4, num_experts=8,
+    config = Cohere2MoeConfig(vocab_size=1024, hidden_size=4096, intermediate_size=8192,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              num_hidden_layers=4, num_experts=8,
                               num_experts_per_tok=2, num_shared_experts=1, sliding_window=4096,
                               layer_types=["sliding_attention"] * 3 + ["full_attention"])
     with torch.device("cuda"), default_dtype(torch.bfloat16):
@@ -52,8 +53,9 @@ def kernels_of(fn) -> tuple[list[dict], float]:
     kernels = [e for e in events if e.get("cat") == "kernel"]
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
-    return ([dict(name=e["name"][:80], stream=e["args"].get("stream"), start_us=round(e["ts"] - start, 2),
-                  dur_us=round(e["dur"], 2)) for e in sorted(kernels, key=lambda e: e["ts"])], end - start)
+    return ([dict(name=e["name"][:80], stream=e["args"].get("stream"),
+                  start_us=round(e["ts"] - start, 2), dur_us=round(e["dur"], 2))
+             for e in sorted(kernels, key=lambda e: e["ts"])], end - start)
 
 
 def main(path: str, commit: str) -> None:
@@ -64,22 +66,29 @@ def main(path: str, commit: str) -> None:
             model.use_overlap = overlap
             model.setup(max_batch=batch, max_seq=512, batch_sizes=(batch,))
             inputs = {"token_ids": torch.randint(0, 1024, (batch,), device="cuda"),
-                      "positions": torch.full((batch,), 200, device="cuda"), "slots": torch.arange(batch, device="cuda")}
+                      "positions": torch.full((batch,), 200, device="cuda"),
+                      "slots": torch.arange(batch, device="cuda")}
             kernels, span = kernels_of(lambda: model.graphs.run(inputs))
-            runs.append(dict(mode="decode", batch=batch, overlap=overlap, span_us=round(span, 1), kernels=kernels))
+            runs.append(dict(mode="decode", batch=batch, overlap=overlap, span_us=round(span, 1),
+                             kernels=kernels))
             print(f"decode batch {batch} overlap {overlap}: {span:.0f} us", flush=True)
     ids = torch.randint(0, 1024, (1, 512), device="cuda")
-    slots, positions = torch.zeros(1, dtype=torch.int64, device="cuda"), torch.arange(512, device="cuda")[None]
-    for overlap in (False, True):  # prefill with the branches forced onto the streams (not the shipped path)
+    slots, positions = (torch.zeros(1, dtype=torch.int64, device="cuda"),
+                        torch.arange(512, device="cuda")[None])
+    # prefill with the branches forced onto the streams (not the shipped path)
+    for overlap in (False, True):
         batch = Batch(ForwardMode.PREFILL, positions, slots, overlap=overlap)
         kernels, span = kernels_of(lambda: model.model(ids, batch, model.cache))
-        runs.append(dict(mode="prefill", batch=1, tokens=512, overlap=overlap, span_us=round(span, 1), kernels=kernels))
+        runs.append(dict(mode="prefill", batch=1, tokens=512, overlap=overlap,
+                         span_us=round(span, 1), kernels=kernels))
         print(f"prefill 512 overlap {overlap}: {span:.0f} us", flush=True)
     meta = dict(recorded=datetime.date.today().isoformat(), commit=commit,
                 device=torch.cuda.get_device_name(), torch=torch.__version__,
-                model=dict(hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+                model=dict(hidden=config.hidden_size, heads=config.num_attention_heads,
+                           kv_heads=config.num_key_value_heads,
                            experts=config.num_experts, top_k=config.num_experts_per_tok,
-                           intermediate=config.intermediate_size, shared_experts=config.num_shared_experts,
+                           intermediate=config.intermediate_size,
+                           shared_experts=config.num_shared_experts,
                            layers=config.num_hidden_layers, dtype="bfloat16"))
     with open(path, "w") as f:
         json.dump(dict(meta=meta, runs=runs), f)
