@@ -1,11 +1,7 @@
-"""Stage 4, activation: [M, 2I] gate_up rows -> [M, I] (gated) or [M, I] -> [M, I] (non-gated).
+"""Stage 4, activation: gate_up [M, 2I] -> [M, I] (gated) or [M, I] -> [M, I] (non-gated).
 
-The activation is data (an `Activation` spec), not flags. The same `_apply_activation` Triton
-function is used by the standalone kernel below and by the first expert GEMM's fused epilogue
-(expert_gemm.py), so the two cannot drift apart; the standalone kernel is kept and tested.
-
-Gated layouts follow transformers' `gate_up_proj`: the gate is the first half of the 2I columns,
-the up projection the second half.
+Gated rows follow transformers' `gate_up_proj`: gate = the first I columns, up = the last I. The
+standalone kernel and the first expert GEMM's epilogue call the same `_apply_activation`.
 """
 from __future__ import annotations
 
@@ -24,7 +20,7 @@ class ActivationKind(enum.Enum):
     GELU_AND_MUL = 1  # gelu(gate) * up, exact erf gelu (transformers "gelu")
     GELU_TANH_AND_MUL = 2  # tanh-approximated gelu (transformers "gelu_pytorch_tanh")
     RELU2 = 3  # relu(x)^2, non-gated (NemotronH experts)
-    CLAMPED_SWIGLU = 4  # MiniMax-M3: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l)
+    CLAMPED_SWIGLU = 4  # MiniMax-M3: (clamp(up, -l, l) + 1) g sigmoid(alpha g), g = min(gate, l)
 
 
 @dataclass(frozen=True)
@@ -38,8 +34,8 @@ class Activation:
         return self.kind is not ActivationKind.RELU2
 
     def kernel_args(self) -> dict:
-        """The constexprs `_apply_activation` takes, by the names the kernels give them."""
-        return dict(ACT_KIND=self.kind.value, ACT_LIMIT=float(self.swiglu_limit), ACT_ALPHA=float(self.swiglu_alpha))
+        return dict(ACT_KIND=self.kind.value, ACT_LIMIT=float(self.swiglu_limit),
+                    ACT_ALPHA=float(self.swiglu_alpha))
 
     @classmethod
     def from_hidden_act(cls, hidden_act: str) -> "Activation":
@@ -53,7 +49,8 @@ class Activation:
             "relu2": ActivationKind.RELU2,
         }
         if hidden_act not in kinds:
-            raise ValueError(f"hidden_act={hidden_act!r} is not supported; use one of {sorted(kinds)}")
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; "
+                             f"use one of {sorted(kinds)}")
         return cls(kinds[hidden_act])
 
 
@@ -61,7 +58,7 @@ SILU_AND_MUL = Activation(ActivationKind.SILU_AND_MUL)
 
 
 def activation_torch(gate_up: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """Reference in float32: shape (M, 2I) -> (M, I) for gated kinds, (M, I) -> (M, I) otherwise."""
+    """Reference of `activate`, in float32."""
     x = gate_up.float()
     kind = activation.kind
     if kind is ActivationKind.RELU2:
@@ -78,14 +75,15 @@ def activation_torch(gate_up: torch.Tensor, activation: Activation) -> torch.Ten
     return (up + 1.0) * gate * torch.sigmoid(gate * activation.swiglu_alpha)
 
 
-def activation_backward_torch(gate_up: torch.Tensor, grad: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """The gradient of `activation_torch` at gate_up (M, 2I) or (M, I), given its output's (M, I); float32."""
+def activation_backward_torch(gate_up: torch.Tensor, grad: torch.Tensor,
+                              activation: Activation) -> torch.Tensor:
+    """The gradient of `activation_torch` at gate_up, given its output's (M, I); float32."""
     x, dy = gate_up.float(), grad.float()
     kind = activation.kind
     if kind is ActivationKind.RELU2:
         return 2 * torch.relu(x) * dy  # [M, I]
     gate, up = x.chunk(2, dim=-1)  # [M, I] each
-    if kind is ActivationKind.CLAMPED_SWIGLU:  # the clamps pass gradient inside their bounds, as torch's do
+    if kind is ActivationKind.CLAMPED_SWIGLU:  # clamps pass gradient inside their bounds (as torch)
         limit, alpha = activation.swiglu_limit, activation.swiglu_alpha
         g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)  # [M, I]
         s = torch.sigmoid(alpha * g)  # [M, I]
@@ -101,7 +99,8 @@ def activation_backward_torch(gate_up: torch.Tensor, grad: torch.Tensor, activat
     else:  # GELU_TANH_AND_MUL
         c, k = 0.7978845608028654, 0.044715
         t = torch.tanh(c * (gate + k * gate * gate * gate))  # [M, I]
-        act, dact = 0.5 * gate * (1 + t), 0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * k * gate * gate)
+        act, dact = (0.5 * gate * (1 + t),
+                     0.5 * (1 + t) + 0.5 * gate * (1 - t * t) * c * (1 + 3 * k * gate * gate))
     return torch.cat([dy * up * dact, dy * act], dim=-1)  # [M, 2I]
 
 
@@ -147,25 +146,32 @@ def _activation_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def activate(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL, *, out: torch.Tensor | None = None):
-    """Apply `activation` row-wise: shape (M, 2I) -> (M, I) when gated, (M, I) -> (M, I) otherwise."""
+def activate(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL, *,
+             out: torch.Tensor | None = None):
+    """Apply `activation` row-wise: (M, 2I) -> (M, I) when gated, (M, I) -> (M, I) otherwise."""
     if gate_up.dim() != 2 or not gate_up.dtype.is_floating_point:
-        raise ValueError(f"gate_up must be a 2-D floating tensor (M, 2I) or (M, I), got {tuple(gate_up.shape)} {gate_up.dtype}")
+        raise ValueError(f"gate_up must be a 2-D floating tensor (M, 2I) or (M, I), "
+                         f"got {tuple(gate_up.shape)} {gate_up.dtype}")
     if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:
-        raise ValueError("gate_up must have unit stride along its last dimension; pass gate_up.contiguous()")
+        raise ValueError("gate_up must have unit stride along its last dimension; "
+                         "pass gate_up.contiguous()")
     M, N = gate_up.shape
     if activation.gated and N % 2:
-        raise ValueError(f"gate_up has {N} columns; a gated activation needs an even count [gate | up]")
+        raise ValueError(f"gate_up has {N} columns; "
+                         "a gated activation needs an even count [gate | up]")
     I = N // 2 if activation.gated else N
     if out is None:
         out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)  # [M, I]
-    elif out.shape != (M, I) or out.dtype != gate_up.dtype or out.device != gate_up.device or out.stride(1) != 1:
-        raise ValueError(f"out must be a ({M}, {I}) {gate_up.dtype} tensor on {gate_up.device} with unit last stride")
+    elif (out.shape != (M, I) or out.dtype != gate_up.dtype or out.device != gate_up.device
+          or out.stride(1) != 1):
+        raise ValueError(f"out must be a ({M}, {I}) {gate_up.dtype} tensor on {gate_up.device} "
+                         "with unit last stride")
     if M == 0 or I == 0:
         return out
     BLOCK_M, BLOCK_I = 16, min(256, triton.next_power_of_2(I))
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(I, BLOCK_I))
-    fixed = dict(M=M, I=I, stride_x_m=gate_up.stride(0), stride_out_m=out.stride(0), GATED=activation.gated,
-                 BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I, **activation.kernel_args())
+    fixed = dict(M=M, I=I, stride_x_m=gate_up.stride(0), stride_out_m=out.stride(0),
+                 GATED=activation.gated, BLOCK_M=BLOCK_M, BLOCK_I=BLOCK_I,
+                 **activation.kernel_args())
     BoundLaunch(_activation_kernel, grid, fixed)(x_ptr=gate_up, out_ptr=out)
     return out

@@ -1,19 +1,9 @@
-"""Stage 2, expand: order the (token, slot) pairs by expert into a block-padded layout.
+"""Stage 2, expand: topk_ids [T, K] -> ExpertLayout, the (token, slot) pairs grouped by expert.
 
-    topk_ids [T, K] -> ExpertLayout: rows grouped by expert, each expert's segment padded to a
-                       multiple of block_m, so every GEMM tile of block_m rows reads one expert.
-
-The gather of hidden-state rows is *fused into the first expert GEMM's loads* (expert_gemm.py
-reads row `sorted_pair_ids[r] // K` of hidden_states), so no [M, H] copy of the activations is
-ever written. The stage boundary stays here: this module decides which row holds which pair.
-
-Filtered-expert convention: an id outside [0, E) (e.g. -1, or E and above as transformers'
-expert-parallel sentinel) marks a pair that contributes nothing; it takes no row and its
-`pair_to_row` is -1. No id value can cause an out-of-bounds access.
-
-The order within an expert is the pair order (stable), which the torch reference reproduces
-exactly; buffers have worst-case sizes fixed by (T, K, E, block_m), so the stage launches the
-same kernels with the same grid for any routing and can be captured in a CUDA graph.
+Segments are padded to block_m rows (a GEMM tile reads one expert), stable within an expert; the
+first GEMM's loads gather hidden-state rows (no [M, H] copy). An id outside [0, E) (-1, or >= E:
+the EP sentinel) is filtered: no row, pair_to_row -1, never out of bounds. Buffer sizes are worst
+cases of (T, K, E, block_m): one grid for any routing (CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -34,16 +24,13 @@ from .launch import BoundLaunch
 
 class LayoutKind(enum.Enum):
     SORTED = "sorted"  # expand's layout: pairs grouped by expert, segments padded to block_m rows
-    PER_PAIR = "per_pair"  # no sort at all: row block b holds pair b alone, in its first row (decode)
+    PER_PAIR = "per_pair"  # no sort: row block b holds pair b alone, in its first row (decode)
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Where each (token, slot) pair lives in the row space the expert GEMMs work in.
-
-    P = T * K pairs; R = max_rows rows; B = R / block_m row blocks. The SORTED fields are None in
-    a PER_PAIR layout, whose map is implicit: pair p sits at row p * block_m when its id is valid.
-    """
+    """Where each (token, slot) pair lives in the expert GEMMs' rows: P = T * K pairs, R = max_rows
+    rows, B = R / block_m blocks. PER_PAIR has no SORTED fields: pair p is at row p * block_m."""
 
     kind: LayoutKind
     block_m: int
@@ -51,11 +38,11 @@ class ExpertLayout:
     num_experts: int  # E: an id outside [0, E) is filtered
     num_pairs: int  # P, also the padding sentinel in sorted_pair_ids
     topk_ids: torch.Tensor  # [P] int32/int64: the routing, flattened (a view, never copied)
-    sorted_pair_ids: torch.Tensor | None = None  # [R] int32: the pair at row r, or P for a padding row
-    pair_to_row: torch.Tensor | None = None  # [P] int32: row of pair p, or -1 for a filtered pair
-    block_expert: torch.Tensor | None = None  # [B] int32: expert of row block b, or -1 past the rows in use
-    expert_offsets: torch.Tensor | None = None  # [E + 1] int32: first row of expert e; [E] = rows in use
-    num_rows: torch.Tensor | None = None  # [1] int32: rows in use (= expert_offsets[E]), read on device only
+    sorted_pair_ids: torch.Tensor | None = None  # [R] int32: pair at row r, P for a padding row
+    pair_to_row: torch.Tensor | None = None  # [P] int32: row of pair p, -1 for a filtered pair
+    block_expert: torch.Tensor | None = None  # [B] int32: expert of block b, -1 past rows in use
+    expert_offsets: torch.Tensor | None = None  # [E + 1] int32: first row of e; [E] = rows in use
+    num_rows: torch.Tensor | None = None  # [1] int32: expert_offsets[E], read on device only
 
     @property
     def max_rows(self) -> int:
@@ -65,16 +52,14 @@ class ExpertLayout:
 
 
 def per_pair_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
-    """The decode layout: no kernel runs; each pair is its own GEMM tile (best when few pairs share
-    an expert, e.g. one token, whose K experts are distinct)."""
+    """The decode layout, no kernel: each pair its own GEMM tile (best when few share an expert)."""
     T, K = topk_ids.shape
-    return ExpertLayout(LayoutKind.PER_PAIR, block_m, K, num_experts, T * K, topk_ids.contiguous().view(-1))
+    return ExpertLayout(LayoutKind.PER_PAIR, block_m, K, num_experts, T * K,
+                        topk_ids.contiguous().view(-1))
 
 
 @dataclass(frozen=True)
 class PerPairPlan:
-    """The decode layout's plan: nothing to launch (`per_pair_layout`)."""
-
     num_experts: int  # E
     block_m: int
 
@@ -82,8 +67,9 @@ class PerPairPlan:
         return per_pair_layout(topk_ids, self.num_experts, self.block_m)
 
 
-def layout_like(kind: LayoutKind, num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpertLayout:
-    """A layout of (T, K, E, block_m) with meta tensors (sizes, no data): what plans are built from."""
+def layout_like(kind: LayoutKind, num_tokens: int, top_k: int, num_experts: int,
+                block_m: int) -> ExpertLayout:
+    """A (T, K, E, block_m) layout of meta tensors (sizes, no data): what plans are built from."""
     P = num_tokens * top_k
 
     def meta(n: int) -> torch.Tensor:
@@ -92,12 +78,12 @@ def layout_like(kind: LayoutKind, num_tokens: int, top_k: int, num_experts: int,
     if kind is LayoutKind.PER_PAIR:
         return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P))
     R = max_rows(P, num_experts, block_m)
-    return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P), meta(R), meta(P), meta(R // block_m),
-                        meta(num_experts + 1), meta(1))
+    return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P), meta(R), meta(P),
+                        meta(R // block_m), meta(num_experts + 1), meta(1))
 
 
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Worst case of sum_e ceil(count_e / block_m) * block_m, at most min(E, P) experts non-empty."""
+    """Worst case of sum_e ceil(count_e / block_m) * block_m; at most min(E, P) experts are used."""
     rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     return triton.cdiv(rows, block_m) * block_m
 
@@ -109,8 +95,7 @@ def _block_p(num_experts: int) -> int:
 
 @dataclass(frozen=True)
 class ExpandPlan:
-    """`expand` for one (T, K, E, block_m): the buffer sizes and the launches bound once
-    (launch.py); a call allocates the layout's buffers and launches."""
+    """`expand` for one (T, K, E, block_m): buffer sizes and launches bound once."""
 
     top_k: int  # K
     num_experts: int  # E
@@ -124,40 +109,38 @@ class ExpandPlan:
     def __call__(self, topk_ids: torch.Tensor) -> ExpertLayout:
         P, E, R, B = self.num_pairs, self.num_experts, self.max_rows, self.max_rows // self.block_m
         scratch = self.num_blocks * E if len(self.launches) == 3 else 0
-        # One allocation for every buffer (on the host an allocation costs half a launch), the
-        # per-block scratch of the three-kernel path last: [R], [P], [B], [E + 1], [1], [blocks * E] twice.
-        buffers = torch.empty(R + P + B + E + 2 + 2 * scratch, dtype=torch.int32, device=topk_ids.device)
-        sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows, block_counts, block_prefix = (
-            buffers.split_with_sizes((R, P, B, E + 1, 1, scratch, scratch)))
+        # One allocation (on the host one costs half a launch), the three-kernel path's scratch
+        # last: [R], [P], [B], [E + 1], [1], [blocks * E] twice.
+        buffers = torch.empty(R + P + B + E + 2 + 2 * scratch, dtype=torch.int32,
+                              device=topk_ids.device)
+        (sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows, block_counts,
+         block_prefix) = buffers.split_with_sizes((R, P, B, E + 1, 1, scratch, scratch))
         topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
-        layout = ExpertLayout(LayoutKind.SORTED, self.block_m, self.top_k, E, P, topk_ids.view(-1), sorted_pair_ids,
-                              pair_to_row, block_expert, expert_offsets, num_rows)
-        written = dict(expert_offsets_ptr=expert_offsets, num_rows_ptr=num_rows, sorted_pair_ids_ptr=sorted_pair_ids,
-                       block_expert_ptr=block_expert)
+        layout = ExpertLayout(LayoutKind.SORTED, self.block_m, self.top_k, E, P, topk_ids.view(-1),
+                              sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows)
+        written = dict(expert_offsets_ptr=expert_offsets, num_rows_ptr=num_rows,
+                       sorted_pair_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert)
         if len(self.launches) == 1:
             self.launches[0](topk_ids_ptr=topk_ids, pair_to_row_ptr=pair_to_row, **written)
         elif self.launches:
             histogram, offsets, scatter = self.launches
             histogram(topk_ids_ptr=topk_ids, block_counts_ptr=block_counts)
             offsets(block_counts_ptr=block_counts, block_prefix_ptr=block_prefix, **written)
-            scatter(topk_ids_ptr=topk_ids, block_prefix_ptr=block_prefix, expert_offsets_ptr=expert_offsets,
-                    sorted_pair_ids_ptr=sorted_pair_ids, pair_to_row_ptr=pair_to_row)
+            scatter(topk_ids_ptr=topk_ids, block_prefix_ptr=block_prefix,
+                    expert_offsets_ptr=expert_offsets, sorted_pair_ids_ptr=sorted_pair_ids,
+                    pair_to_row_ptr=pair_to_row)
         else:
             expert_offsets.zero_()
             num_rows.zero_()
         return layout
 
 
-# One program runs the whole stage for a single block of pairs (P <= 64 at E = 128, <= 1024 at
-# E = 8): GPU time equal or lower than the three kernels' on the H200 (DeepSeek-V3 M=4 5.6 vs 7.1
-# us, Mixtral M=64 7.5 vs 11.1), and two launches fewer. With more blocks its serial passes cost
-# more than the launches save (Qwen3 M=16, 2 blocks: 12.1 vs 8.5 us; DeepSeek-V3 M=16, 4 blocks:
-# 18.7 vs 10.2; docs/grid/grid-5ad3ae6.md against grid-8e63f5b.md).
+# One program runs the stage for a single block of pairs (P <= 64 at E = 128, <= 1024 at E = 8):
+# measured no slower than the three kernels there, slower beyond (docs/PERFORMANCE.md, issue 26).
 ONE_PROGRAM_BLOCKS = 1
 
 
 def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpandPlan:
-    """The plan of `expand` for topk_ids of shape (num_tokens, top_k)."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m <= 0 or block_m & (block_m - 1):
@@ -171,32 +154,38 @@ def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> 
         launches = ()
     elif num_blocks <= ONE_PROGRAM_BLOCKS:
         launches = (BoundLaunch(_expand_one_program_kernel, (1,), dict(
-            num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD,
-            BLOCK_M=block_m, CHUNK=chunk)),)
+            num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P,
+            E_PAD=E_PAD, BLOCK_M=block_m, CHUNK=chunk)),)
     else:
         launches = (
-            BoundLaunch(_expert_histogram_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
-            BoundLaunch(_expert_offsets_kernel, (1,), dict(num_blocks=num_blocks, num_m_blocks=R // block_m,
-                                                           num_pairs=P, E=E, BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk)),
-            BoundLaunch(_scatter_pairs_kernel, (num_blocks,), dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+            BoundLaunch(_expert_histogram_kernel, (num_blocks,),
+                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+            BoundLaunch(_expert_offsets_kernel, (1,),
+                        dict(num_blocks=num_blocks, num_m_blocks=R // block_m, num_pairs=P, E=E,
+                             BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk)),
+            BoundLaunch(_scatter_pairs_kernel, (num_blocks,),
+                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
         )
     return ExpandPlan(top_k, E, block_m, P, R, num_blocks, launches)
 
 
 def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
-    """Sort the pairs of `topk_ids`, shape (T, K), by expert into segments padded to `block_m` rows."""
+    """Sort the (T, K) pairs of `topk_ids` by expert into segments padded to `block_m` rows."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), "
+                         f"got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     T, K = topk_ids.shape
     return plan_expand(T, K, num_experts, block_m)(topk_ids)
 
 
-def expand_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
+def expand_torch(topk_ids: torch.Tensor, num_experts: int,
+                 block_m: int) -> dict[str, torch.Tensor]:
     """Reference: the same layout built with torch ops (stable order); rows in use only."""
     flat = topk_ids.reshape(-1).long()  # [P]
     P = flat.numel()
     valid = (flat >= 0) & (flat < num_experts)
-    sorted_pair_ids, pair_to_row, block_expert, offsets = [], torch.full((P,), -1, dtype=torch.long), [], [0]
+    sorted_pair_ids, pair_to_row, block_expert, offsets = (
+        [], torch.full((P,), -1, dtype=torch.long), [], [0])
     for e in range(num_experts):
         pairs = torch.nonzero(valid & (flat == e)).flatten()  # [count_e]
         padded = triton.cdiv(pairs.numel(), block_m) * block_m

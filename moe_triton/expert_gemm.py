@@ -1,40 +1,13 @@
-"""Stage 3, expert GEMM: grouped GEMM over the expert-sorted row space of an `ExpertLayout`.
+"""Stage 3, expert GEMM: out[r] = a[row(r)] @ w[expert(r)].T for each row r in use, shape (R, N).
 
-    out[r, :] = a[row(r), :] @ w[expert(r)].T        for every row r in use, shape (R, N)
-
-`w` is in transformers' layout, (E, N, C): N output features, C the contraction width (the GEMM's
-reduction dimension; K is reserved for top-k). w13 = gate_up_proj (E, 2I, H) and w2 = down_proj
-(E, H, I). Strides are taken as given, so a transposed (E, C, N) view works too. Operands are
-bf16/fp16 (fp32 accepted for tests) or FP8 e4m3 with float32 scales; accumulation is float32.
-
-Optional fusions, all expressed as data:
-- gather (first GEMM): `a` is hidden_states (T, H) and row r reads token sorted_pair_ids[r] // K;
-  otherwise `a` is already in the (R, C) row space (second GEMM).
-- activation epilogue (first GEMM): the tile applies the `Activation` before its store. When gated,
-  it accumulates the gate columns n and the up columns I + n side by side and writes
-  act(gate) * up, shape (R, I): the [R, 2I] intermediate is never written. activation.py keeps
-  the standalone kernel, and both call the same `_apply_activation`.
-- FP8 (`Fp8Scales`): e4m3 operands on the tensor cores. A scale constant along C (per token, per
-  output row) multiplies the finished sum once; one that changes along C (a per-group activation
-  scale, a weight block scale) multiplies each C step's partial product when BLOCK_C divides its
-  group. Groups narrower than the step (blocks under 32 columns: an 8-bit tl.dot needs K >= 32 on
-  SM90) scale the tiles instead: both are dequantized to float32 in registers and meet in a
-  float32-accurate dot (3xTF32 on a GPU; `ScaleAlongC.IN_STEP`). With `out_dtype=float8_e4m3fn`
-  the epilogue also quantizes its activated tile per row (one scale per row and BLOCK_N columns)
-  and returns (out, out_scales): the second GEMM's input, quantized without a pass of its own.
-- NaN in an FP8 operand or scale reaches the output as the float32 dequantized reference has it:
-  the epilogue's row scales keep NaN (quantize.py), and an e4m3 NaN (0x7f) in a tile makes its
-  rows / columns of the product NaN (compiled, the tensor cores' NaN handling does it, which
-  test_fp8's GPU tests check; the interpreter's dot reads 0x7f as 480, so there the kernel does
-  it from the bits, `NAN_BITS`).
-- split-C, the usual split-K (second GEMM at decode): with `config.split_c = S > 1` the reduction
-  over C is cut into S slices, one program each, so a handful of rows still spreads the weight
-  stream over every SM. Each slice stores float32 partial sums, shape (S, R, N), which finalize
-  sums in slice order (bit-stable, no atomics). The first GEMM is never split: its activation
-  needs the whole sum, and the H200 sweep measured every split of it slower (docs/sweep-split-k-*).
-
-Padding rows (sentinel pair id) are neither read nor written: their output rows hold garbage,
-which nothing downstream reads.
+w has transformers' layout (E, N, C), C the contraction (K is top-k); strides are taken as given.
+Operands are bf16/fp16 (fp32 for tests) or FP8 e4m3 with float32 scales (`ScaleAlongC`); float32
+accumulation. Fusions are data: the gather (row r reads token sorted_pair_ids[r] // K), the gated
+activation epilogue (gate columns n and up columns I + n side by side: the [R, 2I] intermediate is
+never written), an FP8 output quantized per (row, BLOCK_N columns), and split-C (float32 partials
+(S, R, N) that finalize sums in slice order, bit-stable; never the first GEMM, whose activation
+needs the whole sum and which measured slower split: docs/PERFORMANCE.md). NaN in an FP8 operand
+or scale reaches the output as in the float32 reference. Padding rows are neither read nor written.
 """
 from __future__ import annotations
 
@@ -55,19 +28,16 @@ from .quantize import fp8_scale, nan_max, quantize_tile
 from .weights import FP8_DTYPE
 
 
-class ScaleAlongC(enum.Enum):
-    """Where a scale applies, by whether it changes along the contraction C."""
-
+class ScaleAlongC(enum.Enum):  # where a scale applies, by whether it changes along C
     NONE = 0  # unscaled operand
     PER_STEP = 1  # changes along C in groups of whole steps (per-group activations, weight blocks)
     PER_SUM = 2  # constant along C (per token, per output row): the finished sum
-    IN_STEP = 3  # changes within a step (groups narrower than BLOCK_C): the dequantized tile
+    IN_STEP = 3  # within a step (groups < BLOCK_C; an 8-bit dot needs K >= 32 on SM90): the tiles
 
 
 @dataclass(frozen=True, eq=False)
 class Fp8Scales:
     """The float32 multipliers that dequantize one GEMM's FP8 operands."""
-
     a: torch.Tensor  # [rows of a, G]: row r's scale for columns [g * a_group, (g + 1) * a_group)
     a_group: int  # columns of a per scale (>= C: one scale per row)
     w: torch.Tensor  # [E, N_w / block_n, C / block_c] per block, or [E, N_w] per output row
@@ -85,19 +55,21 @@ class Fp8Scales:
         return ScaleAlongC.IN_STEP if self.w_block[1] % block_c else ScaleAlongC.PER_STEP
 
     def kernel_args(self, c: int, block_c: int) -> dict:
-        """The expert GEMM kernel's scale arguments, for a contraction of c columns in block_c steps."""
         a_strides = (self.a.stride(0), self.a.stride(-1) if self.a.dim() > 1 else 0)
-        w_strides = self.w.stride() if self.w.dim() == 3 else (*self.w.stride(), 0)  # per row: one "block" column
+        # per row: one "block" column
+        w_strides = self.w.stride() if self.w.dim() == 3 else (*self.w.stride(), 0)
         w_block_n, w_block_c = self.w_block or (1, 1)
-        return dict(A_SCALE=self.a_along_c(c, block_c).value, W_SCALE=self.w_along_c(block_c).value,
-                    A_GROUP=self.a_group, W_BLOCK_N=w_block_n, W_BLOCK_C=w_block_c, NAN_BITS=interpreter_enabled(),
-                    w_scale_up_offset=self.w_up_offset, stride_as_m=a_strides[0], stride_as_g=a_strides[1],
+        return dict(A_SCALE=self.a_along_c(c, block_c).value,
+                    W_SCALE=self.w_along_c(block_c).value,
+                    A_GROUP=self.a_group, W_BLOCK_N=w_block_n, W_BLOCK_C=w_block_c,
+                    NAN_BITS=interpreter_enabled(), w_scale_up_offset=self.w_up_offset,
+                    stride_as_m=a_strides[0], stride_as_g=a_strides[1],
                     stride_ws_e=w_strides[0], stride_ws_n=w_strides[1], stride_ws_c=w_strides[2])
 
 
-# The kernel arguments of unscaled operands and of a GEMM without an activation epilogue.
-UNSCALED = dict(A_SCALE=0, W_SCALE=0, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1, NAN_BITS=False, w_scale_up_offset=0,
-                stride_as_m=0, stride_as_g=0, stride_ws_e=0, stride_ws_n=0, stride_ws_c=0)
+UNSCALED = dict(A_SCALE=0, W_SCALE=0, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1, NAN_BITS=False,
+                w_scale_up_offset=0, stride_as_m=0, stride_as_g=0, stride_ws_e=0, stride_ws_n=0,
+                stride_ws_c=0)
 NO_EPILOGUE = dict(ACT_KIND=-1, ACT_LIMIT=0.0, ACT_ALPHA=0.0)
 
 
@@ -111,10 +83,9 @@ def _dot(a, w, acc, IEEE_FP32: tl.constexpr):
 @triton.jit
 def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
           IEEE_FP32: tl.constexpr):
-    """acc + a @ w for one C step. FP8 products start a fresh tensor-core sum each step and are added
-    in float32: Hopper accumulates FP8 products in fewer bits than float32 (Triton keeps that by
-    default on SM90), which over C = 2048 drifted 1.4% from float32 on the H200; a per-step
-    promotion (DeepSeek-V3's, every 128 values) keeps the drift to one step's worth."""
+    """acc + a @ w for one C step. FP8 products start a fresh tensor-core sum each step, added in
+    float32: Hopper accumulates FP8 in fewer bits than float32 (Triton keeps that on SM90); this
+    per-step promotion (DeepSeek-V3's) bounds the drift (docs/PERFORMANCE.md, issue 26)."""
     if A_SCALE + W_SCALE == 0:
         return _dot(a, w, acc, IEEE_FP32)
     if (A_SCALE == 3) | (W_SCALE == 3):  # groups inside the step: scale the tiles, then the dot
@@ -124,7 +95,7 @@ def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.conste
             a_tile = a_tile * a_scale
         if W_SCALE == 3:
             w_tile = w_tile * w_scale
-        part = tl.dot(a_tile, w_tile, input_precision="tf32x3")  # float32-accurate: the reference's
+        part = tl.dot(a_tile, w_tile, input_precision="tf32x3")  # float32-accurate
     else:
         part = tl.dot(a, w)
     # a scale that changes with the step applies to this step's product
@@ -139,7 +110,7 @@ def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.conste
 
 @triton.jit
 def _e4m3_nan(tile, axis: tl.constexpr):
-    """1 where a row (axis 1) or column (axis 0) of an e4m3 tile holds a NaN (0x7f, 0xff), else 0."""
+    # 1 where a row (axis 1) or column (axis 0) of an e4m3 tile holds a NaN (0x7f, 0xff), else 0
     return tl.max(((tile.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F).to(tl.int32), axis=axis)
 
 
@@ -152,7 +123,7 @@ def _expert_gemm_kernel(
     N, C, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
     stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
-    W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view, else pointers
+    W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
@@ -203,24 +174,24 @@ def _expert_gemm_kernel(
     w_tile = (w_ptr + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n
               + (c_start + offs_c)[:, None] * stride_w_c)
     a_scale_row = a_scale_ptr + a_rows * stride_as_m  # [BLOCK_M]
-    w_scale_rows = w_scale_ptr + expert * stride_ws_e + (offs_n // W_BLOCK_N) * stride_ws_n  # [BLOCK_N]
+    w_scale_rows = (w_scale_ptr + expert * stride_ws_e
+                    + (offs_n // W_BLOCK_N) * stride_ws_n)  # [BLOCK_N]
     n_ok = offs_n < N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    nan_rows = tl.zeros([BLOCK_M], dtype=tl.int32)  # NAN_BITS: rows of a / columns of w with a NaN
+    nan_rows = tl.zeros([BLOCK_M], dtype=tl.int32)  # NAN_BITS: rows of a / columns of w with NaN
     nan_cols = tl.zeros([BLOCK_N], dtype=tl.int32)
     nan_cols_up = tl.zeros([BLOCK_N], dtype=tl.int32)
-    # Descriptor tiles may run past this expert's N rows into the next expert (or into the up
-    # half): those columns are garbage and are masked at the store. C tails are zero-filled.
+    # Descriptor tiles may run past this expert's N rows (next expert, up half): garbage columns,
+    # masked at the store. C tails are zero-filled.
     w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)
     for step in range(first_step, last_step):
         c_first = step * BLOCK_C
         c_ok = offs_c < C - c_first
         a = tl.load(a_tile, mask=is_real[:, None] & c_ok[None, :], other=0.0)
         w_mask = c_ok[:, None] & n_ok[None, :]
-        # The step's FP8 scales: one per row of a / column of w (PER_STEP), one per tile element
-        # (IN_STEP), none for scales constant along C (0.0, unread)
+        # FP8 scales: per row of a / column of w (PER_STEP), per element (IN_STEP), else unread
         a_scale = 0.0
         w_scale = 0.0
         w_up_scale = 0.0
@@ -229,7 +200,8 @@ def _expert_gemm_kernel(
             a_scale = tl.load(a_scales, mask=is_real, other=0.0)
         elif A_SCALE == 3:
             a_scales = a_scale_row[:, None] + ((c_first + offs_c) // A_GROUP)[None, :] * stride_as_g
-            a_scale = tl.load(a_scales, mask=is_real[:, None] & c_ok[None, :], other=0.0)  # [BM, BC]
+            a_scale = tl.load(a_scales, mask=is_real[:, None] & c_ok[None, :],
+                              other=0.0)  # [BM, BC]
         if W_SCALE == 1:
             w_scales = w_scale_rows + (c_first // W_BLOCK_C) * stride_ws_c  # [BLOCK_N]
             w_scale = tl.load(w_scales, mask=n_ok, other=0.0)
@@ -262,7 +234,7 @@ def _expert_gemm_kernel(
         a_tile += BLOCK_C * stride_a_c
         w_tile += BLOCK_C * stride_w_c
 
-    if NAN_BITS:  # the interpreter's dot reads e4m3 NaN as 480: put back the NaN a GPU's sums carry
+    if NAN_BITS:  # the interpreter's dot reads e4m3 NaN as 480: restore a GPU's NaN
         acc = tl.where((nan_rows[:, None] | nan_cols[None, :]) > 0, float("nan"), acc)
         acc_up = tl.where((nan_rows[:, None] | nan_cols_up[None, :]) > 0, float("nan"), acc_up)
 
@@ -273,10 +245,12 @@ def _expert_gemm_kernel(
     if W_SCALE == 2:
         acc *= tl.load(w_scale_rows, mask=n_ok, other=0.0)[None, :]
         if FUSED_GATE:
-            acc_up *= tl.load(w_scale_rows + w_scale_up_offset * stride_ws_n, mask=n_ok, other=0.0)[None, :]
+            acc_up *= tl.load(w_scale_rows + w_scale_up_offset * stride_ws_n, mask=n_ok,
+                              other=0.0)[None, :]
     if ACT_KIND >= 0:
         acc = _apply_activation(acc, acc_up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
-    out = out_ptr + tl.program_id(1) * stride_out_split + rows[:, None].to(tl.int64) * stride_out_m + offs_n[None, :]
+    out = (out_ptr + tl.program_id(1) * stride_out_split + rows[:, None].to(tl.int64) * stride_out_m
+           + offs_n[None, :])
     out_mask = is_real[:, None] & n_ok[None, :]
     if OUT_FP8:  # columns past N (a descriptor tile's overrun) must not enter the row's max
         scale = fp8_scale(nan_max(tl.where(n_ok[None, :], tl.abs(acc), 0.0), 1))  # [BLOCK_M]
@@ -287,9 +261,8 @@ def _expert_gemm_kernel(
 
 
 def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
-    """A TMA descriptor over w viewed as (E * N, C). Weights do not move between calls, so each
-    weight tensor keeps its descriptors (one per tile shape) while it lives at the same address,
-    and drops them when it dies; the launcher still encodes the descriptor at every launch."""
+    """A TMA descriptor over w as (E * N, C), cached per tile shape while w lives at one address
+    (weights do not move); the launcher still encodes it at every launch."""
     block = (config.block_n, config.block_c)
     key = id(w)
     entry = _DESCRIPTORS.get(key)
@@ -300,14 +273,13 @@ def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
     if descriptor is None:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        # Over a view of a detached alias: a view of w itself would keep w alive (its _base), and
-        # with it this cache entry, for as long as the process lives.
-        descriptor = entry[2][block] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]), list(block))
+        # Over a detached alias: a view of w itself would keep w (its _base) and this entry alive.
+        descriptor = entry[2][block] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]),
+                                                                    list(block))
     return descriptor
 
 
-# id(w) -> (weak reference to w, its address, {tile: descriptor}); a descriptor holds a view of w's
-# storage, never w itself, so a dead w's entry is dropped by its reference's callback.
+# id(w) -> (weakref to w, its address, {tile: descriptor}); a dead w's entry drops by the callback.
 _DESCRIPTORS: dict[int, tuple] = {}
 
 
@@ -318,14 +290,13 @@ def _takes_descriptor(w: torch.Tensor, config: GemmConfig) -> bool:
 
 def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor) -> None:
     if a.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
-        raise ValueError(f"FP8 scales were given but a is {a.dtype} and w is {w.dtype}; both must be {FP8_DTYPE}")
+        raise ValueError(f"FP8 scales were given but a is {a.dtype} and w is {w.dtype}; "
+                         f"both must be {FP8_DTYPE}")
 
 
 @dataclass(frozen=True)
 class ExpertGemmPlan:
-    """`expert_gemm` for one signature (shapes, strides, dtypes, layout sizes, config, fusions):
-    checked once, its launch bound (launch.py); a call allocates the output and launches.
-    Valid for any tensors with the metadata of those it was planned from."""
+    """`expert_gemm` for one signature: valid for any tensors with the metadata planned from."""
 
     out_shape: tuple[int, ...]  # [R, N_out], or [S, R, N] float32 split-C partials
     out_dtype: torch.dtype
@@ -334,10 +305,10 @@ class ExpertGemmPlan:
     descriptor: bool  # weights through a TMA descriptor
     launch: BoundLaunch | None  # None: no row blocks or no output columns, nothing to compute
 
-    def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout, a_scale: torch.Tensor | None = None,
-                 w_scale: torch.Tensor | None = None, out: torch.Tensor | None = None):
-        """(out, out_scales): out_scales None unless the output is FP8; a_scale / w_scale are the
-        FP8 operands' scales (those of the planned `Fp8Scales`)."""
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout,
+                 a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None):
+        """(out, out_scales), out_scales None unless FP8 out; a_scale / w_scale as planned."""
         out, out_scales = self.outputs(a.device, out)
         if self.launch is not None:
             w_desc = _weight_descriptor(w, self.config) if self.descriptor else w
@@ -345,28 +316,30 @@ class ExpertGemmPlan:
         return out, out_scales
 
     def outputs(self, device, out: torch.Tensor | None = None):
-        """A call's fresh (out, out_scales); on the meta device, the stand-ins a next stage plans from."""
+        """Fresh (out, out_scales); on the meta device, what a next stage plans from."""
         if out is None:
-            out = torch.empty(self.out_shape, dtype=self.out_dtype, device=device)  # [S, R, N] or [R, N_out]
+            out = torch.empty(self.out_shape, dtype=self.out_dtype,
+                              device=device)  # [S, R, N] or [R, N_out]
         out_scales = None
         if self.out_scales_shape is not None:
-            out_scales = torch.empty(self.out_scales_shape, dtype=torch.float32, device=device)  # [R, N_out / BLOCK_N]
+            out_scales = torch.empty(self.out_scales_shape, dtype=torch.float32,
+                                     device=device)  # [R, N_out / BLOCK_N]
         return out, out_scales
 
 
 def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out, out_scales) -> dict:
-    """The kernel's tensor arguments of one call, by name."""
-    # A PER_PAIR layout has no sorted buffers: the kernel reads only topk_ids there, and only the
-    # sorted buffers otherwise, so the unused pointers may alias whatever tensor is at hand.
+    # PER_PAIR reads only topk_ids, SORTED only the sorted buffers: unused pointers alias any tensor
     if layout.kind is LayoutKind.PER_PAIR:
         sorted_pair_ids = block_expert = num_rows = layout.topk_ids
     else:
-        sorted_pair_ids, block_expert, num_rows = layout.sorted_pair_ids, layout.block_expert, layout.num_rows
+        sorted_pair_ids, block_expert, num_rows = (layout.sorted_pair_ids, layout.block_expert,
+                                                   layout.num_rows)
     if a_scale is None:  # unread without FP8
         a_scale, w_scale = out, out
     return dict(a_ptr=a, w_ptr=w, w_desc=w_desc, out_ptr=out, sorted_pair_ids_ptr=sorted_pair_ids,
                 block_expert_ptr=block_expert, num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids,
-                a_scale_ptr=a_scale, w_scale_ptr=w_scale, out_scale_ptr=out_scales if out_scales is not None else out)
+                a_scale_ptr=a_scale, w_scale_ptr=w_scale,
+                out_scale_ptr=out_scales if out_scales is not None else out)
 
 
 def plan_expert_gemm(
@@ -380,12 +353,12 @@ def plan_expert_gemm(
     scales: Fp8Scales | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> ExpertGemmPlan:
-    """The plan of `expert_gemm(a, w, layout, config, ...)`: see there."""
     if config.block_m != layout.block_m:
-        raise ValueError(f"config.block_m={config.block_m} must equal the layout's block_m={layout.block_m}")
+        raise ValueError(f"config.block_m={config.block_m} must equal the layout's "
+                         f"block_m={layout.block_m}")
     if config.split_c > 1 and (activation is not None or out_dtype == FP8_DTYPE):
-        raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation or an FP8 output "
-                         "needs the whole sum: split only the second GEMM")
+        raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation "
+                         "or an FP8 output needs the whole sum: split only the second GEMM")
     if scales is not None:
         _check_scales(scales, a, w)
     E, N, C = w.shape
@@ -395,7 +368,8 @@ def plan_expert_gemm(
     out_dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
     R = layout.max_rows
     num_m_blocks = R // layout.block_m
-    out_shape, out_strides = ((split_c, R, N), (R * N, N)) if split_c > 1 else ((R, n_out), (0, n_out))
+    out_shape, out_strides = (((split_c, R, N), (R * N, N)) if split_c > 1
+                              else ((R, n_out), (0, n_out)))
     if split_c > 1:
         out_dtype = torch.float32
     out_scales_shape = (R, triton.cdiv(n_out, config.block_n)) if out_dtype == FP8_DTYPE else None
@@ -403,11 +377,14 @@ def plan_expert_gemm(
     if num_m_blocks == 0 or n_out == 0:
         return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, None)
     fixed = dict(
-        N=n_out, C=C, E=E, num_pairs=layout.num_pairs, num_m_blocks=num_m_blocks, up_offset=n_out * w.stride(1),
-        w_rows_per_expert=N, stride_a_m=a.stride(0), stride_a_c=a.stride(1), stride_w_e=w.stride(0),
-        stride_w_n=w.stride(1), stride_w_c=w.stride(2), stride_out_m=out_strides[1], stride_out_split=out_strides[0],
+        N=n_out, C=C, E=E, num_pairs=layout.num_pairs, num_m_blocks=num_m_blocks,
+        up_offset=n_out * w.stride(1), w_rows_per_expert=N,
+        stride_a_m=a.stride(0), stride_a_c=a.stride(1),
+        stride_w_e=w.stride(0), stride_w_n=w.stride(1), stride_w_c=w.stride(2),
+        stride_out_m=out_strides[1], stride_out_split=out_strides[0],
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
-        W_DESC=descriptor, PER_PAIR=layout.kind is LayoutKind.PER_PAIR, GATHER_TOP_K=layout.top_k if gather else 0,
+        W_DESC=descriptor, PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
+        GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=w.dtype == torch.float32,
         **(scales.kernel_args(C, config.block_c) if scales is not None else UNSCALED),
         **(activation.kernel_args() if activation is not None else NO_EPILOGUE),
@@ -430,27 +407,22 @@ def expert_gemm(
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
 ):
-    """Grouped GEMM in the row space of `layout`: shape (R, N), or (R, N / 2) with a gated activation.
-
-    `a` is hidden_states, shape (T, C), when `gather`, else rows in layout order, shape (R, C).
-    `w` has shape (E, N, C). Shapes are validated by the caller (pipeline.run_experts). FP8
-    operands come with their `scales`; `out_dtype` (default: a's dtype, or bf16 for FP8 operands)
-    set to float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)). `out`, when given, must
-    be contiguous with the output's shape and dtype.
-
-    Split-C (`config.split_c` = S > 1) returns float32 partial sums, shape (S, R, N), for finalize
-    to sum; it takes no activation (the first GEMM is never split).
-    """
-    plan = plan_expert_gemm(a, w, layout, config, gather=gather, activation=activation, scales=scales,
-                            out_dtype=out_dtype)
+    """a (T, C) if `gather` else (R, C), w (E, N, C) -> (R, N), or (R, N / 2) when gated.
+    Shapes are checked by the caller (pipeline.run_experts). out_dtype defaults to a's (FP8: bf16);
+    float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)); split_c > 1: float32 (S, R, N)."""
+    plan = plan_expert_gemm(a, w, layout, config, gather=gather, activation=activation,
+                            scales=scales, out_dtype=out_dtype)
     if out is not None and (tuple(out.shape) != plan.out_shape or out.dtype != plan.out_dtype
                             or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous {plan.out_dtype} tensor of shape {plan.out_shape}, got "
-                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
-    out, out_scales = plan(a, w, layout, *((scales.a, scales.w) if scales is not None else ()), out=out)
+        raise ValueError(f"out must be a contiguous {plan.out_dtype} tensor of shape "
+                         f"{plan.out_shape}, got {out.dtype} {tuple(out.shape)} with strides "
+                         f"{out.stride()}")
+    out, out_scales = plan(a, w, layout, *((scales.a, scales.w) if scales is not None else ()),
+                           out=out)
     return (out, out_scales) if out_scales is not None else out
 
 
-def expert_gemm_torch(a: torch.Tensor, w: torch.Tensor, row_tokens: torch.Tensor, row_experts: torch.Tensor):
+def expert_gemm_torch(a: torch.Tensor, w: torch.Tensor, row_tokens: torch.Tensor,
+                      row_experts: torch.Tensor):
     """Reference: out[r] = a[row_tokens[r]] @ w[row_experts[r]].T in float32, for the given rows."""
     return torch.einsum("rc,rnc->rn", a.float()[row_tokens], w.float()[row_experts])

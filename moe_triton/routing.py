@@ -1,24 +1,10 @@
-"""Routing, stage 1: router logits -> top-k expert ids and weights.
+"""Stage 1, routing: logits [T, E] -> topk_ids [T, K] int32, topk_weights [T, K] float32.
 
-    [Router] -> Dispatch -> Permute-Experts-Unpermute -> Combine
-    logits [T, E] --route--> topk_ids [T, K] int32, topk_weights [T, K] float32
-
-T = num_tokens, E = num_experts, K = top_k. Everything is computed in float32 whatever the logits'
-dtype. A `RoutingSpec` says how experts are scored and chosen; `route` runs it as one Triton kernel
-and `route_torch` is the pure-torch reference. The named wrappers at the bottom each stand for one
-transformers router.
-
-Ids in a row are distinct, in [0, E), ordered by descending selection key (as torch.topk
-sorted=True); ties go to the smaller expert index.
-
-NaN logits never crash and never yield an out-of-range or repeated id: a NaN selection key ranks
-below every number (even -inf), so a row picks its best non-NaN experts first and fills up with
-the smallest remaining indices. Softmax over a row holding any NaN is NaN everywhere (as in
-torch), so such a row routes to experts 0..K-1. Weights are NaN wherever a chosen score is NaN.
-
-Renormalisation divides by (sum + 1e-20), NemotronH's guard against 0 / 0. For the other routers
-(no epsilon) this is bit-identical in float32 whenever the sum exceeds ~2e-13, i.e. unless every
-chosen sigmoid score underflows below that.
+One Triton kernel per `RoutingSpec` (`route`), a torch reference (`route_torch`), one wrapper per
+transformers router; all in float32. A row's ids are distinct, in [0, E), by descending key (as
+torch.topk sorted=True), ties to the smaller index. A NaN key ranks below -inf, so NaN never yields
+a bad or repeated id (a softmax row holding NaN is all NaN and routes to experts 0..K-1). The
+renormalising + 1e-20 (NemotronH's 0 / 0 guard) changes float32 results only for sums < ~2e-13.
 """
 import enum
 import math
@@ -51,40 +37,48 @@ class RoutingSpec:
     scoring: Scoring = Scoring.SOFTMAX
     select_on: SelectOn = SelectOn.SCORES
     renormalize: bool = False  # divide the k weights by their sum
-    # Grouped top-k (NemotronH / DeepSeek-V3): experts split into n_group contiguous groups, a
-    # group scores the sum of its 2 best selection keys, only the topk_group best groups compete.
+    # grouped top-k (DeepSeek-V3): n_group contiguous groups, scored by their 2 best keys, and
+    # only the topk_group best groups compete
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0  # multiplies the final weights, after renormalisation
-    correction_bias: bool = False  # a per-expert bias added to the scores for selection only (weights stay unbiased)
-    router_in_float32: bool = False  # the router GEMM runs in float32 (NemotronH); read by the layer
+    correction_bias: bool = False  # per-expert bias on the scores, for selection only
+    router_in_float32: bool = False  # router GEMM in float32 (NemotronH); read by the layer
 
     def __post_init__(self):
         if not isinstance(self.scoring, Scoring) or not isinstance(self.select_on, SelectOn):
-            raise ValueError(f"RoutingSpec.scoring / select_on must be Scoring / SelectOn members, got {self}")
+            raise ValueError(f"RoutingSpec.scoring / select_on must be Scoring / SelectOn members, "
+                             f"got {self}")
         for name in ("top_k", "n_group", "topk_group"):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool):
                 raise ValueError(f"RoutingSpec.{name} must be an integer, got {value!r}")
-            object.__setattr__(self, name, int(value))  # a numpy integer becomes a plain int (a kernel constexpr)
+            object.__setattr__(self, name, int(value))  # numpy integer -> int (a kernel constexpr)
         factor = self.routed_scaling_factor
-        if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not math.isfinite(factor):
-            raise ValueError(f"RoutingSpec.routed_scaling_factor must be a finite number, got {factor!r}")
+        if (not isinstance(factor, numbers.Real) or isinstance(factor, bool)
+                or not math.isfinite(factor)):
+            raise ValueError(f"RoutingSpec.routed_scaling_factor must be a finite number, "
+                             f"got {factor!r}")
         if self.top_k < 1:
             raise ValueError(f"RoutingSpec.top_k must be >= 1, got {self.top_k}")
         if self.n_group < 1:
-            raise ValueError(f"RoutingSpec.n_group must be >= 1 (1 disables grouping), got {self.n_group}")
+            raise ValueError(f"RoutingSpec.n_group must be >= 1 (1 disables grouping), "
+                             f"got {self.n_group}")
         if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"RoutingSpec.topk_group must lie in [1, n_group={self.n_group}], got {self.topk_group}")
+            raise ValueError(f"RoutingSpec.topk_group must lie in [1, n_group={self.n_group}], "
+                             f"got {self.topk_group}")
         if self.correction_bias and self.select_on is not SelectOn.SCORES:
-            raise ValueError("RoutingSpec.correction_bias is added to scores; it needs select_on=SelectOn.SCORES")
+            raise ValueError("RoutingSpec.correction_bias is added to scores; "
+                             "it needs select_on=SelectOn.SCORES")
 
     def kernel_args(self) -> dict:
-        """The routing kernel's arguments this spec decides."""
-        return dict(TOP_K=self.top_k, K_PAD=triton.next_power_of_2(self.top_k), SIGMOID=self.scoring is Scoring.SIGMOID,
-                    SELECT_ON_LOGITS=self.select_on is SelectOn.LOGITS, HAS_BIAS=self.correction_bias,
-                    RENORMALIZE=self.renormalize, N_GROUP=self.n_group, G_PAD=triton.next_power_of_2(self.n_group),
-                    TOPK_GROUP=self.topk_group, routed_scaling_factor=float(self.routed_scaling_factor))
+        return dict(TOP_K=self.top_k, K_PAD=triton.next_power_of_2(self.top_k),
+                    SIGMOID=self.scoring is Scoring.SIGMOID,
+                    SELECT_ON_LOGITS=self.select_on is SelectOn.LOGITS,
+                    HAS_BIAS=self.correction_bias,
+                    RENORMALIZE=self.renormalize, N_GROUP=self.n_group,
+                    G_PAD=triton.next_power_of_2(self.n_group), TOPK_GROUP=self.topk_group,
+                    routed_scaling_factor=float(self.routed_scaling_factor))
 
 
 @dataclass(frozen=True)
@@ -121,7 +115,8 @@ def _route_kernel(
     logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr,
     num_tokens, num_experts, stride_logits_t, stride_logits_e, routed_scaling_factor,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    SIGMOID: tl.constexpr, SELECT_ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    SIGMOID: tl.constexpr, SELECT_ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
     N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
@@ -129,7 +124,8 @@ def _route_kernel(
     row_ok = rows[:, None] < num_tokens
     col_ok = cols < num_experts
     offsets = rows[:, None].to(tl.int64) * stride_logits_t + cols * stride_logits_e
-    x = tl.load(logits_ptr + offsets, mask=row_ok & col_ok, other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
+    x = tl.load(logits_ptr + offsets, mask=row_ok & col_ok,
+                other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
     x = tl.where(col_ok, x, float("-inf"))  # padded experts: softmax weight 0, sigmoid 0
 
     if SELECT_ON_LOGITS:
@@ -154,7 +150,8 @@ def _route_kernel(
             in_group = available & (group == g)
             first, first_col = _take_max(key, in_group, cols, E_PAD)  # [BLOCK_T]
             second, _ = _take_max(key, in_group & (cols != first_col[:, None]), cols, E_PAD)
-            group_scores = tl.where(gcols == g, (first + second)[:, None], group_scores)  # [BLOCK_T, G_PAD]
+            group_scores = tl.where(gcols == g, (first + second)[:, None],
+                                    group_scores)  # [BLOCK_T, G_PAD]
         group_free = tl.broadcast_to(gcols < N_GROUP, [BLOCK_T, G_PAD])
         in_kept = tl.zeros([BLOCK_T, E_PAD], tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
@@ -179,11 +176,13 @@ def _route_kernel(
         if SIGMOID:
             topk_weights = tl.sigmoid(topk_weights)
         else:
-            e = tl.exp(topk_weights - tl.max(tl.where(k_ok, topk_weights, float("-inf")), axis=1)[:, None])
+            e = tl.exp(topk_weights
+                       - tl.max(tl.where(k_ok, topk_weights, float("-inf")), axis=1)[:, None])
             e = tl.where(k_ok, e, 0.0)
             topk_weights = e / tl.sum(e, axis=1)[:, None]
     if RENORMALIZE:
-        topk_weights = topk_weights / (tl.sum(tl.where(k_ok, topk_weights, 0.0), axis=1)[:, None] + 1e-20)
+        topk_weights = topk_weights / (tl.sum(tl.where(k_ok, topk_weights, 0.0), axis=1)[:, None]
+                                       + 1e-20)
     topk_weights = topk_weights * routed_scaling_factor
 
     out_offsets = rows[:, None] * TOP_K + kcols
@@ -191,31 +190,30 @@ def _route_kernel(
     tl.store(topk_weights_ptr + out_offsets, topk_weights, mask=row_ok & k_ok)
 
 
-def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
-    """The router GEMM: hidden_states (T, H) @ gate_weight (E, H).T -> logits (T, E), in float32 when
-    the spec asks (NemotronH), else in the router's dtype."""
+def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
+                  spec: RoutingSpec) -> torch.Tensor:
+    """hidden_states (T, H) @ gate_weight (E, H).T -> logits (T, E), float32 if the spec says."""
     if spec.router_in_float32:
         return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
     return torch.nn.functional.linear(hidden_states.to(gate_weight.dtype), gate_weight)
 
 
-def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: RouteConfig | None = None):
-    """Route logits of shape (T, E) to (topk_ids (T, K) int32, topk_weights (T, K) float32).
-
-    `out` is an optional preallocated (topk_ids, topk_weights) pair (static CUDA-graph buffers),
-    `config` an explicit tile choice (tests); both are written and returned. Under torch.compile
-    or torch.export, and when the logits require grad in grad mode, this is the registered op
-    `torch.ops.moe_triton.route` (fresh outputs only; its backward differentiates topk_weights_torch).
-    """
+def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None,
+          config: RouteConfig | None = None):
+    """logits (T, E) -> (topk_ids (T, K) int32, topk_weights (T, K) float32), into `out` if given
+    (CUDA-graph buffers); `config` overrides tiles (tests). Under torch.compile / torch.export, or
+    with grad needed, it is the op torch.ops.moe_triton.route (fresh outputs; backward below)."""
     if torch.compiler.is_compiling():
         if out is not None or config is not None:
-            raise ValueError("route(out=..., config=...) writes caller buffers / overrides tiles eagerly; under "
-                             "torch.compile or torch.export call it without them (outputs are fresh)")
+            raise ValueError("route(out=..., config=...) writes caller buffers / overrides tiles "
+                             "eagerly; under torch.compile or torch.export call it without them "
+                             "(outputs are fresh)")
         return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
-    if checks.grad_needed(logits):  # the op, whose backward is registered below
+    if checks.grad_needed(logits):
         if out is not None or config is not None:
-            raise ValueError("route(out=..., config=...) has no backward; with gradients needed (grad mode on, the "
-                             "logits requiring grad) call it without them, or under torch.no_grad()")
+            raise ValueError("route(out=..., config=...) has no backward; with gradients needed "
+                             "(grad mode on, the logits requiring grad) call it without them, or "
+                             "under torch.no_grad()")
         _check_inputs(logits, spec, correction_bias, None)
         checks.not_capturing("route")
         return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
@@ -229,8 +227,7 @@ def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None, config: 
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """`route` for one signature (the logits' metadata, the spec, the tiles): its launch bound once
-    (launch.py); a call allocates the outputs (unless given) and launches."""
+    """`route` for one signature (the logits' metadata, the spec, the tiles), launch bound once."""
 
     num_tokens: int  # T
     top_k: int  # K
@@ -239,26 +236,32 @@ class RoutePlan:
     def __call__(self, logits, correction_bias, out):
         if out is None:
             out = (
-                torch.empty(self.num_tokens, self.top_k, dtype=torch.int32, device=logits.device),  # [T, K]
-                torch.empty(self.num_tokens, self.top_k, dtype=torch.float32, device=logits.device),  # [T, K]
+                torch.empty(self.num_tokens, self.top_k, dtype=torch.int32,
+                            device=logits.device),  # [T, K]
+                torch.empty(self.num_tokens, self.top_k, dtype=torch.float32,
+                            device=logits.device),  # [T, K]
             )
         if self.launch is not None:
-            bias = correction_bias if correction_bias is not None else out[1]  # never read when HAS_BIAS is off
-            self.launch(logits_ptr=logits, bias_ptr=bias, topk_ids_ptr=out[0], topk_weights_ptr=out[1])
+            # never read when HAS_BIAS is off
+            bias = correction_bias if correction_bias is not None else out[1]
+            self.launch(logits_ptr=logits, bias_ptr=bias, topk_ids_ptr=out[0],
+                        topk_weights_ptr=out[1])
         return out
 
 
-def plan_route(logits: torch.Tensor, spec: RoutingSpec, config: RouteConfig | None = None) -> RoutePlan:
+def plan_route(logits: torch.Tensor, spec: RoutingSpec,
+               config: RouteConfig | None = None) -> RoutePlan:
     """The plan of `route(logits, spec, config=config)` for checked arguments."""
     num_tokens, num_experts = logits.shape
     if num_tokens == 0:
         return RoutePlan(0, spec.top_k, None)
     config = config or route_config(num_tokens, num_experts)
     fixed = dict(num_tokens=num_tokens, num_experts=num_experts, stride_logits_t=logits.stride(0),
-                 stride_logits_e=logits.stride(1), E_PAD=triton.next_power_of_2(num_experts), **spec.kernel_args(),
-                 **config.kernel_args())
+                 stride_logits_e=logits.stride(1), E_PAD=triton.next_power_of_2(num_experts),
+                 **spec.kernel_args(), **config.kernel_args())
     grid = (triton.cdiv(num_tokens, config.block_t),)
-    return RoutePlan(num_tokens, spec.top_k, BoundLaunch(_route_kernel, grid, fixed, config.launch_options()))
+    return RoutePlan(num_tokens, spec.top_k,
+                     BoundLaunch(_route_kernel, grid, fixed, config.launch_options()))
 
 
 _PLANS = PlanCache()
@@ -270,15 +273,16 @@ _SCORING, _SELECT_ON = list(Scoring), list(SelectOn)
 
 
 def _spec_fields(spec: RoutingSpec) -> tuple:
-    """A RoutingSpec as the op's plain arguments (its bias flag travels as the bias tensor itself)."""
-    return (spec.top_k, _SCORING.index(spec.scoring), _SELECT_ON.index(spec.select_on), spec.renormalize,
-            spec.n_group, spec.topk_group, float(spec.routed_scaling_factor))
+    """A RoutingSpec as the op's plain arguments (its bias flag travels as the bias tensor)."""
+    return (spec.top_k, _SCORING.index(spec.scoring), _SELECT_ON.index(spec.select_on),
+            spec.renormalize, spec.n_group, spec.topk_group, float(spec.routed_scaling_factor))
 
 
 def _spec_of(correction_bias, top_k, scoring, select_on, renormalize, n_group, topk_group,
              routed_scaling_factor) -> RoutingSpec:
-    return RoutingSpec(top_k, _SCORING[scoring], _SELECT_ON[select_on], renormalize, n_group, topk_group,
-                       routed_scaling_factor, correction_bias=correction_bias is not None)
+    return RoutingSpec(top_k, _SCORING[scoring], _SELECT_ON[select_on], renormalize, n_group,
+                       topk_group, routed_scaling_factor,
+                       correction_bias=correction_bias is not None)
 
 
 def _route_fake(logits, correction_bias, top_k, *spec):
@@ -292,12 +296,12 @@ def _route_setup_context(ctx, inputs, output):
 
 
 def _route_backward(ctx, grad_ids, grad_weights):
-    # The weights are a smooth function of the logits at the chosen ids (the bias only steers the
-    # choice): torch differentiates their reference formula.
+    # the weights are smooth in the logits at the chosen ids (the bias only steers the choice)
     logits, topk_ids = ctx.saved_tensors
     with torch.enable_grad():
         x = logits.detach().requires_grad_()
-        (grad_logits,) = torch.autograd.grad(topk_weights_torch(x, topk_ids, ctx.spec), x, grad_weights)
+        (grad_logits,) = torch.autograd.grad(topk_weights_torch(x, topk_ids, ctx.spec), x,
+                                             grad_weights)
     return grad_logits, None, None, None, None, None, None, None, None
 
 
@@ -316,50 +320,65 @@ LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def _check_inputs(logits, spec, correction_bias, out):
     if not isinstance(spec, RoutingSpec):
         raise ValueError(f"spec must be a RoutingSpec, got {type(spec).__name__}")
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES:
+    if (not isinstance(logits, torch.Tensor) or logits.dim() != 2
+            or logits.dtype not in LOGIT_DTYPES):
         raise ValueError(f"logits must be a 2-D tensor of shape (T, E) in one of {LOGIT_DTYPES}; "
                          f"got {_describe(logits)}")
     if not triton_can_run_on(logits.device):
-        raise ValueError(f"the routing kernel cannot run on {logits.device}: move the logits to a CUDA device, "
-                         f"{interpreter_hint()}, or use route_torch (the torch backend)")
+        raise ValueError(f"the routing kernel cannot run on {logits.device}: move the logits to a "
+                         f"CUDA device, {interpreter_hint()}, or use route_torch "
+                         "(the torch backend)")
     num_tokens, num_experts = logits.shape
     if num_experts < 1:
-        raise ValueError("logits must have at least one expert column (E >= 1); got shape (T, 0)")
+        raise ValueError("logits must have at least one expert column (E >= 1); "
+                         "got shape (T, 0)")
     if spec.top_k > num_experts:
-        raise ValueError(f"top_k={spec.top_k} exceeds the number of experts E={num_experts}; lower top_k")
+        raise ValueError(f"top_k={spec.top_k} exceeds the number of experts E={num_experts}; "
+                         "lower top_k")
     if spec.n_group > 1:
         if num_experts % spec.n_group:
             raise ValueError(f"n_group={spec.n_group} must divide E={num_experts}")
         if num_experts // spec.n_group < 2:
-            raise ValueError(f"n_group={spec.n_group} leaves groups of {num_experts // spec.n_group} expert; "
-                             "groups are scored by their 2 best experts, so use n_group <= E // 2")
+            raise ValueError(f"n_group={spec.n_group} leaves groups of "
+                             f"{num_experts // spec.n_group} expert; groups are scored by their 2 "
+                             "best experts, so use n_group <= E // 2")
         if spec.top_k > spec.topk_group * (num_experts // spec.n_group):
-            raise ValueError(f"top_k={spec.top_k} exceeds the {spec.topk_group * (num_experts // spec.n_group)} experts "
-                             f"in topk_group={spec.topk_group} groups; raise topk_group or lower top_k")
+            raise ValueError(f"top_k={spec.top_k} exceeds the "
+                             f"{spec.topk_group * (num_experts // spec.n_group)} experts in "
+                             f"topk_group={spec.topk_group} groups; raise topk_group or lower "
+                             "top_k")
     if (correction_bias is not None) != spec.correction_bias:
-        raise ValueError(f"correction_bias is {'given' if correction_bias is not None else 'missing'} but "
-                         f"RoutingSpec.correction_bias={spec.correction_bias}: pass the bias tensor exactly when the "
-                         "spec says the router has one")
+        raise ValueError(f"correction_bias is "
+                         f"{'given' if correction_bias is not None else 'missing'} but "
+                         f"RoutingSpec.correction_bias={spec.correction_bias}: pass the bias "
+                         "tensor exactly when the spec says the router has one")
     if correction_bias is not None:
-        if (not isinstance(correction_bias, torch.Tensor) or correction_bias.shape != (num_experts,)
-                or not correction_bias.dtype.is_floating_point or correction_bias.device != logits.device
+        if (not isinstance(correction_bias, torch.Tensor)
+                or correction_bias.shape != (num_experts,)
+                or not correction_bias.dtype.is_floating_point
+                or correction_bias.device != logits.device
                 or not correction_bias.is_contiguous()):
-            raise ValueError(f"correction_bias must be a contiguous floating-point tensor of shape ({num_experts},) "
-                             f"on {logits.device}; got {_describe(correction_bias)}")
+            raise ValueError(f"correction_bias must be a contiguous floating-point tensor of shape "
+                             f"({num_experts},) on {logits.device}; "
+                             f"got {_describe(correction_bias)}")
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise ValueError("out must be a (topk_ids, topk_weights) pair")
-        for name, buf, dtype in (("out[0] (topk_ids)", out[0], torch.int32), ("out[1] (topk_weights)", out[1], torch.float32)):
-            if (not isinstance(buf, torch.Tensor) or buf.shape != (num_tokens, spec.top_k) or buf.dtype != dtype
-                    or buf.device != logits.device or not buf.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape ({num_tokens}, {spec.top_k}) "
-                                 f"on {logits.device}; got {_describe(buf)}")
+        for name, buf, dtype in (("out[0] (topk_ids)", out[0], torch.int32),
+                                 ("out[1] (topk_weights)", out[1], torch.float32)):
+            if (not isinstance(buf, torch.Tensor) or buf.shape != (num_tokens, spec.top_k)
+                    or buf.dtype != dtype or buf.device != logits.device
+                    or not buf.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape "
+                                 f"({num_tokens}, {spec.top_k}) on {logits.device}; "
+                                 f"got {_describe(buf)}")
 
 
 def _describe(t):
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
-    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}" + ("" if t.is_contiguous() else " (non-contiguous)")
+    return (f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+            + ("" if t.is_contiguous() else " (non-contiguous)"))
 
 
 def route_torch(logits, spec: RoutingSpec, correction_bias=None):
@@ -375,19 +394,20 @@ def route_torch(logits, spec: RoutingSpec, correction_bias=None):
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
         kept = torch.zeros_like(group_scores, dtype=torch.bool)
         kept.scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, True)  # [T, G]
-        key = key.masked_fill(~kept.repeat_interleave(num_experts // spec.n_group, dim=1), float("-inf"))
+        key = key.masked_fill(~kept.repeat_interleave(num_experts // spec.n_group, dim=1),
+                              float("-inf"))
     topk_ids = key.topk(spec.top_k, dim=-1).indices  # [T, K]
     return topk_ids.to(torch.int32), topk_weights_torch(x, topk_ids, spec)
 
 
 def topk_weights_torch(logits, topk_ids, spec: RoutingSpec):
-    """The weights of the chosen experts (T, K) float32, from the logits (T, E) by the spec's rule;
-    differentiable in the logits (the backward of `route` differentiates this)."""
+    """Weights (T, K) float32 of the chosen experts from logits (T, E); route's backward."""
     x = logits.float()  # [T, E]
     topk_ids = topk_ids.long()
     if spec.select_on is SelectOn.LOGITS:
         chosen = x.gather(1, topk_ids)  # [T, K]
-        topk_weights = chosen.sigmoid() if spec.scoring is Scoring.SIGMOID else chosen.softmax(dim=-1)
+        topk_weights = (chosen.sigmoid() if spec.scoring is Scoring.SIGMOID
+                        else chosen.softmax(dim=-1))
     else:
         scores = x.sigmoid() if spec.scoring is Scoring.SIGMOID else x.softmax(dim=-1)  # [T, E]
         topk_weights = scores.gather(1, topk_ids)  # [T, K]
@@ -397,30 +417,32 @@ def topk_weights_torch(logits, topk_ids, spec: RoutingSpec):
 
 
 def softmax_topk(logits, top_k, renormalize=False, *, out=None):
-    """transformers `Qwen3MoeTopKRouter`: softmax over all E, top-k, `norm_topk_prob` renormalises."""
-    return route(logits, RoutingSpec(top_k, Scoring.SOFTMAX, SelectOn.SCORES, renormalize), out=out)
+    """transformers `Qwen3MoeTopKRouter`: softmax over E, top-k, `norm_topk_prob` renormalises."""
+    return route(logits, RoutingSpec(top_k, Scoring.SOFTMAX, SelectOn.SCORES, renormalize),
+                 out=out)
 
 
 def topk_softmax(logits, top_k, *, out=None):
-    """transformers `Cohere2MoeTopKRouter`, `expert_selection_fn="softmax"`: top-k logits, softmax over the k."""
+    """transformers `Cohere2MoeTopKRouter` (selection "softmax"): top-k logits, softmax of the k."""
     return route(logits, RoutingSpec(top_k, Scoring.SOFTMAX, SelectOn.LOGITS), out=out)
 
 
 def topk_sigmoid(logits, top_k, renormalize=False, *, out=None):
-    """transformers `Cohere2MoeTopKRouter`, `expert_selection_fn="sigmoid"`: top-k logits, sigmoid of the k."""
-    return route(logits, RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.LOGITS, renormalize), out=out)
+    """transformers `Cohere2MoeTopKRouter` (selection "sigmoid"): top-k logits, sigmoid of the k."""
+    return route(logits, RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.LOGITS, renormalize),
+                 out=out)
 
 
 def biased_sigmoid_topk(logits, correction_bias, top_k, *, out=None):
-    """transformers `MiniMaxM2TopKRouter` / `MiniMaxM3VLTopKRouter`: sigmoid scores, top-k on scores +
-    `e_score_correction_bias`, weights are the unbiased scores of the chosen experts, renormalised."""
-    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize=True, correction_bias=True)
+    """transformers `MiniMaxM2TopKRouter` / `MiniMaxM3VLTopKRouter`: top-k of sigmoid + bias."""
+    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize=True,
+                       correction_bias=True)
     return route(logits, spec, correction_bias, out=out)
 
 
-def grouped_topk(logits, correction_bias, top_k, n_group, topk_group, renormalize, routed_scaling_factor, *, out=None):
-    """transformers `NemotronHTopkRouter` (DeepSeek-V3 style): biased sigmoid scores, keep the
-    topk_group groups with the best sum of 2 scores, top-k within them, renormalise, then scale."""
-    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize, n_group, topk_group, routed_scaling_factor,
-                       correction_bias=True)
+def grouped_topk(logits, correction_bias, top_k, n_group, topk_group, renormalize,
+                 routed_scaling_factor, *, out=None):
+    """transformers `NemotronHTopkRouter` (DeepSeek-V3): grouped top-k of sigmoid + bias, scaled."""
+    spec = RoutingSpec(top_k, Scoring.SIGMOID, SelectOn.SCORES, renormalize, n_group, topk_group,
+                       routed_scaling_factor, correction_bias=True)
     return route(logits, spec, correction_bias, out=out)
