@@ -1,4 +1,5 @@
-"""What pytest needs here: the interpreter switch and the shared fixtures (the GPU skip: ../conftest.py).
+"""What pytest needs here: the interpreter switch and the shared fixtures (the GPU skip:
+../conftest.py).
 
 CPU runs execute every Triton kernel under the interpreter (TRITON_INTERPRET=1, set here before
 triton is imported). A test that needs CUDA carries `@pytest.mark.gpu` and lives in the test file of
@@ -31,12 +32,14 @@ def no_launch(monkeypatch):
     """Any stage kernel launched during the test (every one goes through a BoundLaunch) fails it."""
     from moe_triton.launch import BoundLaunch
 
-    monkeypatch.setattr(BoundLaunch, "__call__", lambda *a, **k: pytest.fail("a kernel was launched"))
+    monkeypatch.setattr(BoundLaunch, "__call__",
+                        lambda *a, **k: pytest.fail("a kernel was launched"))
 
 
 @pytest.fixture(scope="module")
 def qwen3_checkpoint(tmp_path_factory):
-    """A tiny random Qwen3-MoE saved in the Hub layout (the distributed model tests load it sharded)."""
+    """A tiny random Qwen3-MoE saved in the Hub layout (the distributed model tests load it
+    sharded)."""
     path = tmp_path_factory.mktemp("qwen3_moe")
     randomize_(tiny_qwen3_moe().eval(), seed=1).save_pretrained(path)
     return str(path)

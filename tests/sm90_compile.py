@@ -80,7 +80,8 @@ def compile_case(case: dict) -> str:
     ids = (torch.arange(T * K) % E).reshape(T, K).int()
     before = len(compiled)
     topk_weights = torch.rand(T, K)
-    LayerPlan.build(x, weights, ids, topk_weights, SILU_AND_MUL, config, None)(x, weights, ids, topk_weights)
+    LayerPlan.build(x, weights, ids, topk_weights, SILU_AND_MUL, config, None)(
+        x, weights, ids, topk_weights)
     return f"{fmt} T={T}: {config.describe()}: {len(compiled) - before} new kernels compiled"
 
 

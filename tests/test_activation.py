@@ -4,14 +4,21 @@ import pytest
 import torch
 from helpers import assert_close
 
-from moe_triton.activation import Activation, ActivationKind, activate, activation_backward_torch, activation_torch
+from moe_triton.activation import (
+    Activation,
+    ActivationKind,
+    activate,
+    activation_backward_torch,
+    activation_torch,
+)
 
 KINDS = [
     Activation(ActivationKind.SILU_AND_MUL),
     Activation(ActivationKind.GELU_AND_MUL),
     Activation(ActivationKind.GELU_TANH_AND_MUL),
     Activation(ActivationKind.RELU2),
-    Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=1.5, swiglu_alpha=1.702),  # limit inside the data range
+    # limit inside the data range
+    Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=1.5, swiglu_alpha=1.702),
 ]
 
 
@@ -28,7 +35,8 @@ def test_activate(activation, M, I, dtype, poisoned_empty):
 @pytest.mark.parametrize("activation", KINDS, ids=lambda a: a.kind.name)
 def test_activation_backward(activation):
     g = torch.Generator().manual_seed(activation.kind.value)
-    x = (torch.randn(33, 2 * 40 if activation.gated else 40, generator=g) * 3).requires_grad_()  # clamps hit
+    # clamps hit
+    x = (torch.randn(33, 2 * 40 if activation.gated else 40, generator=g) * 3).requires_grad_()
     grad = torch.randn(33, 40, generator=g)
     (expected,) = torch.autograd.grad(activation_torch(x, activation), x, grad)
     assert_close(activation_backward_torch(x.detach(), grad, activation), expected, torch.float32)

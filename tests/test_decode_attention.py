@@ -30,7 +30,8 @@ def make_case(B, Hq, Hkv, D, S, dtype, device="cpu", seed=0):
         keys[slots[b], :, :n] = torch.randn(Hkv, n, D, generator=g)
         values[slots[b], :, :n] = torch.randn(Hkv, n, D, generator=g)
     q = torch.randn(B, Hq, D, generator=g)
-    return [t.to(device, dtype) for t in (q, keys, values)] + [slots.to(device), positions.to(device)]
+    return [t.to(device, dtype) for t in (q, keys, values)] + [slots.to(device),
+                                                               positions.to(device)]
 
 
 def poison_outside_window(keys, values, slots, positions, window):
@@ -48,7 +49,8 @@ def test_decode_attention(B, Hq, Hkv, D, S, window, dtype):
         poison_outside_window(keys, values, slots, positions, window)
     out = decode_attention(q, keys, values, slots, positions, D**-0.5, window)
     assert out.shape == (B, Hq, D) and out.dtype == dtype
-    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window), dtype)
+    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window),
+                 dtype)
 
 
 def test_the_reference_is_sdpa_over_the_context():
@@ -58,7 +60,8 @@ def test_the_reference_is_sdpa_over_the_context():
     for b in range(B):
         n = int(positions[b]) + 1
         k, v = keys[slots[b], :, :n], values[slots[b], :, :n]  # [Hkv, n, D]
-        sdpa = F.scaled_dot_product_attention(q[b, :, None], k, v, scale=0.3, enable_gqa=True)[:, 0]  # [Hq, D]
+        # [Hq, D]
+        sdpa = F.scaled_dot_product_attention(q[b, :, None], k, v, scale=0.3, enable_gqa=True)[:, 0]
         torch.testing.assert_close(ref[b], sdpa, rtol=1e-5, atol=1e-5)
 
 
@@ -71,9 +74,9 @@ def test_an_empty_batch_launches_nothing():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_rows_outside_the_cache_read_nothing_and_come_out_nan(dtype, device):
-    """Slots outside [0, slots + 1) and positions outside [0, S) (what a graph replays unchecked): the
-    cache sits in the middle of a buffer of random values, so a read past it would give a finite row.
-    (bf16 on CPU: the torch reference.)"""
+    """Slots outside [0, slots + 1) and positions outside [0, S) (what a graph replays unchecked):
+    the cache sits in the middle of a buffer of random values, so a read past it would give a finite
+    row. (bf16 on CPU: the torch reference.)"""
     B, Hq, Hkv, D, S, num_slots = 6, 4, 2, 16, 12, 4
     g = torch.Generator().manual_seed(5)
     q = torch.randn(B, Hq, D, generator=g).to(device, dtype)
@@ -83,15 +86,19 @@ def test_rows_outside_the_cache_read_nothing_and_come_out_nan(dtype, device):
     caches = []
     for _ in range(2):  # keys, values: each the middle third of a random buffer
         buffer = torch.randn(3 * num_slots * Hkv * S * D, generator=g).to(device, dtype)
-        caches.append(buffer[buffer.numel() // 3: 2 * buffer.numel() // 3].view(num_slots, Hkv, S, D))
+        caches.append(
+            buffer[buffer.numel() // 3: 2 * buffer.numel() // 3].view(num_slots, Hkv, S, D))
     keys, values = caches
     out = decode_attention(q, keys, values, slots, positions, D**-0.5)
     reference = decode_attention_torch(q, keys, values, slots, positions, D**-0.5)
     assert out[outside].isnan().all() and reference[outside].isnan().all()
-    assert_close(out[valid], decode_attention_torch(q[valid], keys, values, slots[valid], positions[valid], D**-0.5),
+    assert_close(out[valid],
+                 decode_attention_torch(q[valid], keys, values, slots[valid], positions[valid],
+                                        D**-0.5),
                  dtype)
-    assert torch.equal(reference[valid], decode_attention_torch(q[valid], keys, values, slots[valid],
-                                                                positions[valid], D**-0.5))
+    assert torch.equal(reference[valid],
+                       decode_attention_torch(q[valid], keys, values, slots[valid],
+                                              positions[valid], D**-0.5))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -109,11 +116,13 @@ def test_bad_input_is_refused_before_launch(bad, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("B,Hq,Hkv,D,S,window", CASES + [(1, 32, 4, 128, 4096, None), (8, 32, 4, 128, 1104, None),
-                                                          (2, 16, 8, 128, 2048, 512)])
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,window",
+                         CASES + [(1, 32, 4, 128, 4096, None), (8, 32, 4, 128, 1104, None),
+                                  (2, 16, 8, 128, 2048, 512)])
 def test_decode_attention_on_the_gpu(B, Hq, Hkv, D, S, window, dtype):
     q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype, "cuda")
     if window:
         poison_outside_window(keys, values, slots, positions, window)
     out = decode_attention(q, keys, values, slots, positions, D**-0.5, window)
-    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window), dtype)
+    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window),
+                 dtype)

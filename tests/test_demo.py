@@ -22,7 +22,8 @@ from moe_triton.tools.demo import (
 
 def run_cli(*args, tmp_path, env_extra=None):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "moe_triton", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "moe_triton", *args], capture_output=True,
+                          text=True, env=env,
                           timeout=600)
 
 
@@ -34,30 +35,36 @@ def test_demo_runs_end_to_end_and_matches_transformers(tmp_path):
     assert "experts format: unquantized (on triton)" in out
     assert "tokens match transformers' generate: yes" in out
     assert "generate" in out and "prefill" in out
-    assert "[1/4] loading" in out and "[4/4] generating the same tokens with transformers" in out  # no silent phases
+    # no silent phases
+    assert "[1/4] loading" in out and "[4/4] generating the same tokens with transformers" in out
     assert (tmp_path / "cache" / "moe-triton").exists()  # built once, cached
 
 
 def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tmp_path):
-    """--quant fp8: the built-in model written as an FP8 checkpoint, its experts on the Triton FP8 kernels
-    (interpreted, float16), within FP8's logit error of transformers on the dequantized checkpoint. Then
-    --model on that checkpoint: float32 on CPU, the experts dequantized by the torch reference, so the
-    greedy tokens equal transformers' exactly."""
+    """--quant fp8: the built-in model written as an FP8 checkpoint, its experts on the Triton FP8
+    kernels (interpreted, float16), within FP8's logit error of transformers on the dequantized
+    checkpoint. Then --model on that checkpoint: float32 on CPU, the experts dequantized by the
+    torch reference, so the greedy tokens equal transformers' exactly."""
     result = run_cli("demo", "--quant", "fp8", "--tokens", "4", "--batch", "1", tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
-    assert "experts backend: triton" in out and "experts format: fp8 e4m3, 16x16 block scales" in out
-    assert "relative error" in out and "(FP8 bound 0.05): ok" in out and "tokens equal to transformers' generate" in out
+    assert ("experts backend: triton" in out
+            and "experts format: fp8 e4m3, 16x16 block scales" in out)
+    assert ("relative error" in out and "(FP8 bound 0.05): ok" in out
+            and "tokens equal to transformers' generate" in out)
     checkpoint = tmp_path / "cache" / "moe-triton" / "cohere2-moe-tiny-random-fp8-v1"
-    result = run_cli("demo", "--model", str(checkpoint), "--tokens", "4", "--batch", "1", tmp_path=tmp_path)
+    result = run_cli("demo", "--model", str(checkpoint), "--tokens", "4", "--batch", "1",
+                     tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "experts format: fp8 e4m3, 16x16 block scales, dynamic per-token-group activations (on torch)" in result.stdout
+    assert ("experts format: fp8 e4m3, 16x16 block scales, "
+            "dynamic per-token-group activations (on torch)") in result.stdout
     assert "tokens match transformers' generate: yes" in result.stdout
 
 
 def test_demo_agrees_with_transformers_when_sequences_stop_at_eos(tmp_path):
-    """A checkpoint whose generation_config.json names eos ids that the demo's two prompts hit early, at
-    different steps: the demo's generate stops them as transformers' does, and it says so."""
+    """A checkpoint whose generation_config.json names eos ids that the demo's two prompts hit
+    early, at different steps: the demo's generate stops them as transformers' does, and it says
+    so."""
     import torch
     from helpers import FAMILIES, eos_for_early_stops, randomize_
 
@@ -66,9 +73,11 @@ def test_demo_agrees_with_transformers_when_sequences_stop_at_eos(tmp_path):
     make, seed = FAMILIES["minimax_m2"]
     torch.manual_seed(0)
     reference = randomize_(make().eval(), seed=seed)
-    options = DemoOptions(model=tmp_path, backend="torch", tokens=12)  # torch experts: the demo's cheapest run
+    # torch experts: the demo's cheapest run
+    options = DemoOptions(model=tmp_path, backend="torch", tokens=12)
     g = torch.Generator().manual_seed(1)  # the demo's prompts
-    prompts = torch.randint(0, reference.config.vocab_size, (options.batch, options.prompt_length), generator=g)
+    prompts = torch.randint(0, reference.config.vocab_size, (options.batch, options.prompt_length),
+                            generator=g)
     free = reference.generate(prompts, max_new_tokens=options.tokens, do_sample=False)
     eos, stops = eos_for_early_stops(free, options.prompt_length)
     assert None not in stops, stops
@@ -76,14 +85,17 @@ def test_demo_agrees_with_transformers_when_sequences_stop_at_eos(tmp_path):
     reference.save_pretrained(tmp_path)
     lines = []
     assert run_demo(options, print_=lines.append) == 0, lines
-    assert f"tokens match transformers' generate: yes (2 x {max(stops) + 1} tokens, stopped at EOS)" in lines
+    assert (f"tokens match transformers' generate: yes (2 x {max(stops) + 1} tokens, "
+            "stopped at EOS)") in lines
 
 
 @pytest.mark.parametrize("setup,match", [
     (lambda d: None, "not a checkpoint directory"),
-    (lambda d: (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}'),
+    (lambda d: (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], '
+                                              '"model_type": "llama"}'),
      "unsupported architecture"),
-    (lambda d: (d / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", '
+    (lambda d: (d / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], '
+                                              '"model_type": "qwen3_moe", '
                                               '"quantization_config": {"quant_method": "awq"}}'),
      "quant_method='awq': expected 'fp8'"),
 ])
@@ -91,22 +103,26 @@ def test_demo_errors_are_one_line(tmp_path, setup, match):
     model = tmp_path / "model"
     model.mkdir()
     setup(model)
-    result = run_cli("demo", "--model", str(model), tmp_path=tmp_path, env_extra={"TRITON_INTERPRET": "1"})
+    result = run_cli("demo", "--model", str(model), tmp_path=tmp_path,
+                     env_extra={"TRITON_INTERPRET": "1"})
     assert result.returncode == 2
     assert match in result.stderr and "Traceback" not in result.stderr
-    assert len([line for line in result.stderr.splitlines() if line.startswith("moe-triton demo:")]) == 1
+    assert len([line for line in result.stderr.splitlines()
+                if line.startswith("moe-triton demo:")]) == 1
 
 
 def test_demo_quant_fp8_with_a_model_is_refused_in_one_line(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    result = run_cli("demo", "--quant", "fp8", "--model", str(model), tmp_path=tmp_path, env_extra={"TRITON_INTERPRET": "1"})
+    result = run_cli("demo", "--quant", "fp8", "--model", str(model), tmp_path=tmp_path,
+                     env_extra={"TRITON_INTERPRET": "1"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--quant fp8 builds the built-in model in FP8" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert ("--quant fp8 builds the built-in model in FP8" in result.stderr
+            and len(result.stderr.strip().splitlines()) == 1)
 
 
-# ---- the cache (issue 25 item 13) and the reference's packages (item 12) ---------------------------
+# ---- the cache (issue 25 item 13) and the reference's packages (item 12) -------------------------
 
 def interrupt(*args, **kwargs):
     raise KeyboardInterrupt  # Ctrl-C
@@ -119,7 +135,8 @@ def test_an_interrupted_build_leaves_nothing_and_the_next_demo_runs(tmp_path, mo
     import transformers.modeling_utils
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", interrupt)  # save_pretrained's
+    # save_pretrained's
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", interrupt)
     with pytest.raises(KeyboardInterrupt):
         build_demo_checkpoint(cache_dir())
     assert list(cache_dir().parent.iterdir()) == []  # no half checkpoint, no temporary directory
@@ -154,7 +171,8 @@ def test_an_incomplete_cache_says_how_to_rebuild_it(tmp_path):
     (path / "config.json").write_text("{}")
     result = run_cli("demo", tmp_path=tmp_path, env_extra={"TRITON_INTERPRET": "1"})
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"rm -rf {path}) and run again" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert (f"rm -rf {path}) and run again" in result.stderr
+            and len(result.stderr.strip().splitlines()) == 1)
 
 
 FP8_CONFIG = {"architectures": ["Cohere2MoeForCausalLM"], "model_type": "cohere2_moe",
@@ -187,14 +205,16 @@ def test_the_fp8_demo_wants_accelerate_before_step_1(tmp_path, monkeypatch, quan
 
 
 def test_the_fp8_demo_without_accelerate_exits_2_in_one_line(tmp_path):
-    hide = "import sys; sys.modules['accelerate'] = None; from moe_triton.tools.cli import main; sys.exit(main())"
+    hide = ("import sys; sys.modules['accelerate'] = None; "
+            "from moe_triton.tools.cli import main; sys.exit(main())")
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", hide, "demo", "--quant", "fp8"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", hide, "demo", "--quant", "fp8"],
+                            capture_output=True, text=True,
                             env=env, timeout=600)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        "moe-triton demo: ValueError: the FP8 demo's reference (transformers on the dequantized checkpoint) "
-        "needs the package accelerate: pip install accelerate"]
+        "moe-triton demo: ValueError: the FP8 demo's reference (transformers on the dequantized "
+        "checkpoint) needs the package accelerate: pip install accelerate"]
     assert not (tmp_path / "cache").exists()
 
 
@@ -207,5 +227,7 @@ def test_demo_quant_fp8_on_the_gpu(tmp_path):
     print(result.stdout)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "experts backend: triton" in out and "experts format: fp8 e4m3, 16x16 block scales" in out
-    assert "(FP8 bound 0.05): ok" in out and "generate, overlap off" in out and "decode: CUDA graphs" in out
+    assert ("experts backend: triton" in out
+            and "experts format: fp8 e4m3, 16x16 block scales" in out)
+    assert ("(FP8 bound 0.05): ok" in out and "generate, overlap off" in out
+            and "decode: CUDA graphs" in out)

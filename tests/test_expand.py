@@ -33,7 +33,8 @@ def test_expand(T, E, K, block_m, seed, one_program, poisoned_empty, monkeypatch
 
 def test_expand_int64_ids_never_wrap_into_range():
     E = 4
-    ids = torch.tensor([[2**32 + 1, 1], [-(2**33), 3]], dtype=torch.int64)  # low 32 bits of 2**32 + 1 are 1
+    # low 32 bits of 2**32 + 1 are 1
+    ids = torch.tensor([[2**32 + 1, 1], [-(2**33), 3]], dtype=torch.int64)
     layout = expand(ids, E, 16)
     assert layout.pair_to_row.tolist()[0] == -1 and layout.pair_to_row.tolist()[2] == -1
     assert torch.equal(layout.pair_to_row, expand_torch(ids, E, 16)["pair_to_row"])

@@ -27,16 +27,21 @@ def rows_in_use(layout):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.RELU2)],
+@pytest.mark.parametrize("activation",
+                         [None, Activation(ActivationKind.SILU_AND_MUL),
+                          Activation(ActivationKind.RELU2)],
                          ids=lambda a: a.kind.name if a else "plain")
-@pytest.mark.parametrize("T,E,K,N,K_in", [(1, 1, 1, 16, 16), (3, 4, 2, 66, 40), (17, 8, 8, 50, 961), (64, 8, 2, 961, 72)])
+@pytest.mark.parametrize("T,E,K,N,K_in",
+                         [(1, 1, 1, 16, 16), (3, 4, 2, 66, 40), (17, 8, 8, 50, 961),
+                          (64, 8, 2, 961, 72)])
 def test_expert_gemm_gather(T, E, K, N, K_in, activation, dtype, poisoned_empty):
     torch.manual_seed(T + N)
     x = torch.randn(T, K_in).to(dtype)
     gated = activation is not None and activation.gated
     w = (torch.randn(E, 2 * N if gated else N, K_in) / K_in**0.5).to(dtype)
     layout = expand(random_ids(T, K, E, seed=T).int(), E, 16)
-    out = expert_gemm(x, w, layout, GemmConfig(16, 32, 32, group_m=2), gather=True, activation=activation)
+    out = expert_gemm(x, w, layout, GemmConfig(16, 32, 32, group_m=2), gather=True,
+                      activation=activation)
     row_ids, tokens, experts = rows_in_use(layout)
     expected = expert_gemm_torch(x, w, tokens, experts)
     if activation is not None:
@@ -50,7 +55,8 @@ def test_expert_gemm_row_space_and_transposed_weights(dtype, poisoned_empty):
     T, E, K, N, K_in = 17, 4, 2, 40, 33
     layout = expand(random_ids(T, K, E, seed=5).int(), E, 16)
     a = torch.randn(layout.max_rows, K_in).to(dtype)
-    w_t = (torch.randn(E, K_in, N) / K_in**0.5).to(dtype)  # stored transposed, used as a (E, N, K_in) view
+    # stored transposed, used as a (E, N, K_in) view
+    w_t = (torch.randn(E, K_in, N) / K_in**0.5).to(dtype)
     out = expert_gemm(a, w_t.transpose(1, 2), layout, GemmConfig(16, 32, 16), gather=False)
     row_ids, _, experts = rows_in_use(layout)
     assert_close(out[row_ids], expert_gemm_torch(a, w_t.transpose(1, 2), row_ids, experts), dtype)
@@ -59,12 +65,14 @@ def test_expert_gemm_row_space_and_transposed_weights(dtype, poisoned_empty):
 def test_expert_gemm_rejects_mismatched_block_m():
     layout = expand(random_ids(3, 1, 2, 0).int(), 2, 32)
     with pytest.raises(ValueError, match="block_m"):
-        expert_gemm(torch.randn(3, 16), torch.randn(2, 16, 16), layout, GemmConfig(16, 32, 32), gather=True)
+        expert_gemm(torch.randn(3, 16), torch.randn(2, 16, 16), layout, GemmConfig(16, 32, 32),
+                    gather=True)
 
 
 @pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL)],
                          ids=lambda a: a.kind.name if a else "plain")
-@pytest.mark.parametrize("N,K_in", [(40, 32), (33, 64)])  # N not a multiple of block_n: tiles spill into the next expert
+# N not a multiple of block_n: tiles spill into the next expert
+@pytest.mark.parametrize("N,K_in", [(40, 32), (33, 64)])
 def test_expert_gemm_tma_weights(N, K_in, activation, poisoned_empty):
     torch.manual_seed(N)
     T, E, K = 17, 4, 2
@@ -90,7 +98,8 @@ def test_weight_descriptors_live_as_long_as_their_weights():
     w = torch.randn(4, 64, 32)
     first = expert_gemm_module._weight_descriptor(w, config)
     assert expert_gemm_module._weight_descriptor(w, config) is first
-    assert expert_gemm_module._weight_descriptor(w, GemmConfig(16, 32, 32, tma_weights=True)) is not first
+    assert (expert_gemm_module._weight_descriptor(w, GemmConfig(16, 32, 32, tma_weights=True))
+            is not first)
     w.data = torch.randn(4, 64, 32)  # a parameter's storage replaced in place (e.g. module.half())
     moved = expert_gemm_module._weight_descriptor(w, config)
     assert moved is not first and moved.base.data_ptr() == w.data_ptr()
@@ -120,30 +129,37 @@ def test_the_specs_emit_the_kernel_arguments():
     """The launch takes the activation's, the tile config's and the FP8 scales' own arguments."""
     from moe_triton.expert_gemm import plan_expert_gemm
 
-    a, w, scales, _, _ = fp8_operands(5, 3, 48, 64, 16, WeightFormat.fp8_block(16, 16), True, seed=9)
+    a, w, scales, _, _ = fp8_operands(5, 3, 48, 64, 16, WeightFormat.fp8_block(16, 16), True,
+                                      seed=9)
     activation = Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.5)
     config = GemmConfig(16, 32, 32, group_m=2, num_warps=2, num_stages=2)
     layout = expand(random_ids(5, 2, 3, seed=2).int(), 3, 16)
     plan = plan_expert_gemm(a, w, layout, config, gather=True, activation=activation, scales=scales,
                             out_dtype=torch.float8_e4m3fn)
     fixed = plan.launch.fixed
-    for emitted in (activation.kernel_args(), config.kernel_args(), scales.kernel_args(64, config.block_c)):
+    for emitted in (activation.kernel_args(), config.kernel_args(),
+                    scales.kernel_args(64, config.block_c)):
         assert emitted.items() <= fixed.items()
-    assert (fixed["ACT_LIMIT"], fixed["A_SCALE"], fixed["W_BLOCK_N"]) == (0.5, ScaleAlongC.IN_STEP.value, 16)
+    assert ((fixed["ACT_LIMIT"], fixed["A_SCALE"], fixed["W_BLOCK_N"])
+            == (0.5, ScaleAlongC.IN_STEP.value, 16))
     assert plan.launch.options == config.launch_options() == dict(num_warps=2, num_stages=2)
 
 
 @pytest.mark.parametrize("a_group,w_format,block_c,tma,gated", [
-    (16, WeightFormat.fp8_block(16, 16), 32, False, True),  # the demo's 16 x 16 blocks: both in the step
+    # the demo's 16 x 16 blocks: both in the step
+    (16, WeightFormat.fp8_block(16, 16), 32, False, True),
     (16, WeightFormat.fp8_block(16, 16), 32, True, True),
     (16, WeightFormat.fp8_block(16, 16), 32, False, False),
     (16, WeightFormat.fp8_block(16, 16), 64, False, True),
-    (32, WeightFormat.fp8_block(16, 16), 32, False, False),  # the second GEMM's: a per step, w in it
+    # the second GEMM's: a per step, w in it
+    (32, WeightFormat.fp8_block(16, 16), 32, False, False),
     (32, WeightFormat.fp8_block(16, 16), 32, True, False),
     (16, WeightFormat.fp8_channel(), 32, False, True),  # a inside the step, w per output row
     (None, WeightFormat.fp8_block(32, 16), 32, False, True),  # a per row, w inside the step
-], ids=["a16-w16x16-step32", "a16-w16x16-step32-tma", "a16-w16x16-step32-plain", "a16-w16x16-step64",
-        "a32-w16x16-step32-plain", "a32-w16x16-step32-plain-tma", "a16-channel-step32", "row-w32x16-step32"])
+], ids=["a16-w16x16-step32", "a16-w16x16-step32-tma", "a16-w16x16-step32-plain",
+        "a16-w16x16-step64",
+        "a32-w16x16-step32-plain", "a32-w16x16-step32-plain-tma", "a16-channel-step32",
+        "row-w32x16-step32"])
 def test_fp8_scale_groups_narrower_than_the_step(a_group, w_format, block_c, tma, gated,
                                                  poisoned_empty):
     """An 8-bit tl.dot needs K >= 32 on SM90, so groups of 16 columns are scaled within a 32- or

@@ -35,7 +35,8 @@ def calls(monkeypatch):
     return fake_flashinfer.install(monkeypatch)
 
 
-def make_layer(backend, *, platform=SM100, routing=RoutingSpec(2, renormalize=True), activation=SILU_AND_MUL,
+def make_layer(backend, *, platform=SM100, routing=RoutingSpec(2, renormalize=True),
+               activation=SILU_AND_MUL,
                I=96, H=128, E=8, context=ModelContext(), seed=0):
     layer = FusedMoE(E, routing.top_k, H, I, routing=routing, activation=activation,
                      placement=Placement(backend, context, platform=platform), dtype=torch.bfloat16)
@@ -51,7 +52,8 @@ def make_layer(backend, *, platform=SM100, routing=RoutingSpec(2, renormalize=Tr
 def check_against_torch(layer, **kwargs):
     """`layer` (prepared) against the same weights on the torch reference backend."""
     reference = make_layer("torch", platform=Platform("cpu"), **kwargs)
-    x = torch.randn(7, layer.gate_weight.shape[1], generator=torch.Generator().manual_seed(9)).bfloat16()
+    x = torch.randn(7, layer.gate_weight.shape[1],
+                    generator=torch.Generator().manual_seed(9)).bfloat16()
     with torch.no_grad():
         assert_close(layer(x), reference(x).float(), torch.bfloat16)
 
@@ -66,11 +68,13 @@ def test_up_gate_swaps_the_halves_for_flashinfer():
 @pytest.mark.parametrize("I", [96, 128, 200], ids=lambda i: f"I{i}")
 @pytest.mark.parametrize("activation", [SILU_AND_MUL, RELU2], ids=lambda a: a.kind.name)
 @pytest.mark.parametrize("backend,kernel,multiple", [
-    (FUSED, "trtllm_bf16_moe", 128), (ROUTED, "trtllm_bf16_routed_moe", 128), (CUTLASS, "cutlass_fused_moe", 16)])
+    (FUSED, "trtllm_bf16_moe", 128), (ROUTED, "trtllm_bf16_routed_moe", 128),
+    (CUTLASS, "cutlass_fused_moe", 16)])
 def test_layer_on_flashinfer_matches_torch(backend, kernel, multiple, activation, I, calls):
     layer = make_layer(backend, activation=activation, I=I)
     layer.prepare_weights()
-    assert layer.down_proj.shape[2] == -(-I // multiple) * multiple  # padded per the resolved backend
+    # padded per the resolved backend
+    assert layer.down_proj.shape[2] == -(-I // multiple) * multiple
     assert layer.runner.prepared.intermediate_size == layer.down_proj.shape[2]
     check_against_torch(layer, activation=activation, I=I)
     assert [name for name, _ in calls] == [kernel]
@@ -80,7 +84,8 @@ def test_layer_on_flashinfer_matches_torch(backend, kernel, multiple, activation
     (RoutingSpec(2, Scoring.SOFTMAX), "Default"),
     (RoutingSpec(2, Scoring.SOFTMAX, renormalize=True), "Renormalize"),
     (RoutingSpec(2, Scoring.SOFTMAX, SelectOn.LOGITS), "Renormalize"),  # Cohere2 softmax
-    (RoutingSpec(2, Scoring.SIGMOID, SelectOn.LOGITS, renormalize=True), "SigmoidRenorm"),  # Cohere2 sigmoid
+    # Cohere2 sigmoid
+    (RoutingSpec(2, Scoring.SIGMOID, SelectOn.LOGITS, renormalize=True), "SigmoidRenorm"),
     (RoutingSpec(3, Scoring.SIGMOID), "Sigmoid"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_fused_router_computes_our_routing(routing, method, calls):
@@ -89,7 +94,8 @@ def test_fused_router_computes_our_routing(routing, method, calls):
     check_against_torch(layer, routing=routing)
     (name, kwargs), = calls
     assert kwargs["routing_method_type"] == fake_flashinfer.RoutingMethodType[method]
-    assert kwargs["norm_topk_prob"] == routing.renormalize and kwargs["routing_logits"].dtype == torch.float32
+    assert (kwargs["norm_topk_prob"] == routing.renormalize
+            and kwargs["routing_logits"].dtype == torch.float32)
 
 
 def test_routed_path_takes_our_biased_sigmoid_topk(calls):
@@ -109,7 +115,8 @@ def test_nvfp4_experts_use_the_fp4_entry_points(backend, kernel, activation, cal
     layer = make_layer(backend, activation=activation, context=NVFP4)
     layer.prepare_weights()
     assert layer.runner.prepared.quant is QuantFormat.NVFP4
-    assert set(layer.runner.prepared.weights) >= {"gemm1_weights_scale", "gemm2_weights_scale", "output2_scale_scalar"}
+    assert set(layer.runner.prepared.weights) >= {"gemm1_weights_scale", "gemm2_weights_scale",
+                                                  "output2_scale_scalar"}
     check_against_torch(layer, activation=activation)  # the checker computes on the bf16 originals
     assert [name for name, _ in calls] == [kernel]
 
@@ -123,7 +130,8 @@ def test_cutlass_runs_on_sm90(calls):
 
 def test_prepare_hands_flashinfer_up_then_gate():
     w13, w2 = torch.randn(4, 256, 128).bfloat16(), torch.randn(4, 128, 128).bfloat16()
-    experts = prepare_experts("TrtllmBf16Config", w13, w2, SILU_AND_MUL, QuantFormat.NONE, fake_flashinfer.modules())
+    experts = prepare_experts("TrtllmBf16Config", w13, w2, SILU_AND_MUL, QuantFormat.NONE,
+                              fake_flashinfer.modules())
     prepared = fake_flashinfer.PREPARED[id(experts.weights["gemm1_weights"])]
     assert torch.equal(prepared.w1, torch.cat([w13[:, 128:], w13[:, :128]], dim=1).float())
     assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == (4, 128, 128)
@@ -132,11 +140,13 @@ def test_prepare_hands_flashinfer_up_then_gate():
 def test_prepare_rejects_what_flashinfer_cannot_take():
     fi = fake_flashinfer.modules()
     with pytest.raises(ValueError, match="bfloat16"):
-        prepare_experts("CutlassBf16Config", torch.randn(2, 32, 16), torch.randn(2, 16, 16), SILU_AND_MUL,
+        prepare_experts("CutlassBf16Config", torch.randn(2, 32, 16), torch.randn(2, 16, 16),
+                        SILU_AND_MUL,
                         QuantFormat.NONE, fi)
     with pytest.raises(ValueError, match="GELU_AND_MUL"):
         prepare_experts("CutlassBf16Config", torch.randn(2, 32, 16).bfloat16(),
-                        torch.randn(2, 16, 16).bfloat16(), Activation(ActivationKind.GELU_AND_MUL), QuantFormat.NONE, fi)
+                        torch.randn(2, 16, 16).bfloat16(), Activation(ActivationKind.GELU_AND_MUL),
+                        QuantFormat.NONE, fi)
 
 
 def test_forward_before_prepare_weights_fails_loudly(calls):
@@ -151,7 +161,8 @@ def test_empty_batch_and_wrong_dtype(calls):
     with torch.no_grad():  # inference: in grad mode the layer refuses (the next test)
         assert layer(torch.randn(0, 128).bfloat16()).shape == (0, 128)
         with pytest.raises(ValueError, match="bfloat16"):
-            layer.runner.experts(torch.randn(3, 128), layer.expert_weights(), torch.zeros(3, 2, dtype=torch.int32),
+            layer.runner.experts(torch.randn(3, 128), layer.expert_weights(),
+                                 torch.zeros(3, 2, dtype=torch.int32),
                                  torch.ones(3, 2))
     assert calls == []
 

@@ -7,8 +7,9 @@ is exact and whose casts we do not use), against two independent float32 computa
   boundary: one 2^-3 step of one element, reaching an output through w2 weights of ~1/sqrt(I) of
   the row, stays well under EMULATION_TOL of max|ref|; the rest is the fp16 output's rounding.
 - the dequantized reference: float32 weights as the FP8 weights stand for, unquantized activations.
-  FP8 rounds each of x, w13, h and w2 by at most 2^-4 relative (uniform: RMS 2^-4 / sqrt(3) = 0.036);
-  four independent roundings give a relative RMS error near 2 * 0.036 = 0.072, bounded by FP8_RMS_TOL.
+  FP8 rounds each of x, w13, h and w2 by at most 2^-4 relative (uniform: RMS 2^-4 / sqrt(3) =
+  0.036); four independent roundings give a relative RMS error near 2 * 0.036 = 0.072, bounded by
+  FP8_RMS_TOL.
 """
 import functools
 import json
@@ -42,20 +43,24 @@ from moe_triton.quantize import dequantize_fp8_torch, quantize_fp8_torch
 
 EMULATION_TOL = 1e-2  # of max|emulation|: summation order (see above)
 # On Hopper the tensor cores sum FP8 products in fewer bits than float32 within each 128-wide step
-# (expert_gemm.py promotes to float32 between steps): the kernel's intermediate then lands on the other
-# side of an e4m3 rounding boundary more often than summation order alone would make it, each such
-# value moving its outputs by one e4m3 step times a w2 weight. Over millions of outputs the worst one
-# moves further, the typical one does not: the max bound widens on the GPU, the RMS bound stays.
+# (expert_gemm.py promotes to float32 between steps): the kernel's intermediate then lands on the
+# other side of an e4m3 rounding boundary more often than summation order alone would make it, each
+# such value moving its outputs by one e4m3 step times a w2 weight. Over millions of outputs the
+# worst one moves further, the typical one does not: the max bound widens on the GPU, the RMS bound
+# stays.
 GPU_EMULATION_MAX_TOL, GPU_EMULATION_RMS_TOL = 3e-2, 1e-2
 FP8_RMS_TOL = 0.1  # relative RMS error against the dequantized float32 reference (see above)
-FORMATS = {"block128": WeightFormat.fp8_block(128, 128), "block32x32": WeightFormat.fp8_block(32, 32),
+FORMATS = {"block128": WeightFormat.fp8_block(128, 128),
+           "block32x32": WeightFormat.fp8_block(32, 32),
            "block16x16": WeightFormat.fp8_block(16, 16),  # narrower than a C step: scaled within it
            "channel": WeightFormat.fp8_channel(), "tensor": WeightFormat.fp8_tensor(),
            "tensor-static": WeightFormat.fp8_tensor(static_input=True)}
-CPU_CONFIG = {layout: MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32), layout) for layout in LayoutKind}
+CPU_CONFIG = {layout: MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32), layout)
+              for layout in LayoutKind}
 
 
-def fp8_layer(fmt, T, E=6, K=2, H=72, I=61, activation=SILU_AND_MUL, seed=0, filtered=False, native_nan=None,
+def fp8_layer(fmt, T, E=6, K=2, H=72, I=61, activation=SILU_AND_MUL, seed=0, filtered=False,
+              native_nan=None,
               device="cpu", dtype=torch.float16):
     """Random FP8 experts in `fmt` and a call's inputs; `native_nan`: an index of w13 set to NaN
     before quantization."""
@@ -64,13 +69,16 @@ def fp8_layer(fmt, T, E=6, K=2, H=72, I=61, activation=SILU_AND_MUL, seed=0, fil
     w13 = torch.randn(E, rows, H, generator=g) / H**0.5
     if native_nan is not None:
         w13[native_nan] = float("nan")
-    native = ExpertWeights(w13.to(device), (torch.randn(E, H, I, generator=g) / I**0.5).to(device), activation.gated)
+    native = ExpertWeights(w13.to(device), (torch.randn(E, H, I, generator=g) / I**0.5).to(device),
+                           activation.gated)
     weights = native.to_format(WeightFormat.fp8_tensor() if fmt.static_input else fmt)
     if fmt.static_input:  # a calibrated scale: the largest |x| expected, over 448
-        weights = ExpertWeights(weights.w13, weights.w2, weights.gated, fmt, weights.w13_scale, weights.w2_scale,
+        weights = ExpertWeights(weights.w13, weights.w2, weights.gated, fmt, weights.w13_scale,
+                                weights.w2_scale,
                                 torch.tensor([3.5 / 448], device=device))
     x = torch.randn(T, H, generator=g).to(device, dtype)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int() if T else torch.empty(0, K).int()
+    ids = (torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int() if T
+           else torch.empty(0, K).int())
     if filtered and T:
         ids[0, 0], ids[-1, -1] = -1, E  # both sentinels: contribute nothing
     return x, weights, ids.to(device), torch.rand(T, K, generator=g).to(device)
@@ -96,16 +104,19 @@ def check(out, x, weights, ids, topk_weights, block_n, activation=SILU_AND_MUL):
         return
     emulated = emulation(x, weights, ids, topk_weights, block_n, activation)
     assert (out.float() - emulated).abs().max() <= EMULATION_TOL * emulated.abs().max()
-    reference = fused_experts_torch(x, *weights.dequantized(), ids, topk_weights, activation=activation)
-    if not reference.any():  # every pair filtered (T = 1 with both sentinels): exactly nothing comes out
+    reference = fused_experts_torch(x, *weights.dequantized(), ids, topk_weights,
+                                    activation=activation)
+    # every pair filtered (T = 1 with both sentinels): exactly nothing comes out
+    if not reference.any():
         assert not out.any()
         return
     rms = ((out.float() - reference).square().mean() / reference.square().mean()).sqrt()
     assert rms <= FP8_RMS_TOL, f"relative RMS error {rms:.3f}"
 
 
-@pytest.mark.parametrize("T,layout", [(0, LayoutKind.SORTED), (1, LayoutKind.PER_PAIR), (3, LayoutKind.PER_PAIR),
-                                      (17, LayoutKind.SORTED)], ids=str)
+@pytest.mark.parametrize("T,layout",
+                         [(0, LayoutKind.SORTED), (1, LayoutKind.PER_PAIR),
+                          (3, LayoutKind.PER_PAIR), (17, LayoutKind.SORTED)], ids=str)
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_fp8_experts(name, T, layout, poisoned_empty):
     x, weights, ids, topk_weights = fp8_layer(FORMATS[name], T, filtered=True, seed=T)
@@ -114,11 +125,13 @@ def test_fp8_experts(name, T, layout, poisoned_empty):
 
 
 @pytest.mark.parametrize("activation", [Activation(ActivationKind.RELU2),
-                                        Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5)],
+                                        Activation(ActivationKind.CLAMPED_SWIGLU,
+                                                   swiglu_limit=0.5)],
                          ids=lambda a: a.kind.name)
 def test_fp8_activations(activation, poisoned_empty):
     x, weights, ids, topk_weights = fp8_layer(FORMATS["block128"], 9, activation=activation, seed=4)
-    out = run_experts(x, weights, ids, topk_weights, activation=activation, config=CPU_CONFIG[LayoutKind.SORTED])
+    out = run_experts(x, weights, ids, topk_weights, activation=activation,
+                      config=CPU_CONFIG[LayoutKind.SORTED])
     check(out, x, weights, ids, topk_weights, 32, activation)
 
 
@@ -136,7 +149,8 @@ def test_fp8_bad_input_raises_before_launch(no_launch):
         run_experts(x.float(), weights, ids, topk_weights)
     narrow = MoEConfig(GemmConfig(16, 32, 16), GemmConfig(16, 32, 32))
     _check_fp8_config(narrow, torch.device("cpu"))  # the interpreter takes 16-wide steps
-    with pytest.raises(ValueError, match=r"config.up.block_c=16: FP8 GEMMs on a GPU step at least 32 columns"):
+    with pytest.raises(ValueError,
+                       match=r"config.up.block_c=16: FP8 GEMMs on a GPU step at least 32 columns"):
         _check_fp8_config(narrow, torch.device("cuda"))  # an 8-bit tl.dot does not compile there
 
 
@@ -144,7 +158,8 @@ def test_fp8_steps_wider_than_the_scale_groups(poisoned_empty):
     """64-wide steps over 32-wide weight blocks and activation groups (the up GEMM) and over the up
     GEMM's 32-column output groups (the down GEMM): each group is scaled within the step."""
     x, weights, ids, topk_weights = fp8_layer(FORMATS["block32x32"], 9, seed=6)
-    out = run_experts(x, weights, ids, topk_weights, config=MoEConfig(GemmConfig(16, 32, 64), GemmConfig(16, 32, 64)))
+    out = run_experts(x, weights, ids, topk_weights,
+                      config=MoEConfig(GemmConfig(16, 32, 64), GemmConfig(16, 32, 64)))
     check(out, x, weights, ids, topk_weights, block_n=32)
 
 
@@ -258,9 +273,11 @@ def fp8_module(backend="auto", fmt=FORMATS["block128"], platform=None, dtype=tor
 def load_random_fp8(layer, seed=0):
     x, weights, _, _ = fp8_layer(layer.weight_format, 1, seed=seed)
     with torch.no_grad():
-        layer.gate_weight.copy_(torch.randn(layer.gate_weight.shape, generator=torch.Generator().manual_seed(seed)))
+        layer.gate_weight.copy_(torch.randn(layer.gate_weight.shape,
+                                            generator=torch.Generator().manual_seed(seed)))
         for name, tensor in (("gate_up_proj", weights.w13), ("down_proj", weights.w2),
-                             ("gate_up_proj_scale", weights.w13_scale), ("down_proj_scale", weights.w2_scale)):
+                             ("gate_up_proj_scale", weights.w13_scale),
+                             ("down_proj_scale", weights.w2_scale)):
             getattr(layer, name).copy_(tensor)
     layer.prepare_weights()
     return layer
@@ -268,7 +285,8 @@ def load_random_fp8(layer, seed=0):
 
 def test_fp8_layer_defaults_to_the_torch_reference_on_cpu_and_runs_triton_on_request():
     auto, triton = load_random_fp8(fp8_module()), load_random_fp8(fp8_module("triton"))
-    assert auto.backend == "torch" and "float32 torch reference, dequantized" in auto.resolution.reason
+    assert (auto.backend == "torch"
+            and "float32 torch reference, dequantized" in auto.resolution.reason)
     assert triton.backend == "triton" and triton.gate_up_proj.dtype == torch.float8_e4m3fn
     x = torch.randn(5, 72, generator=torch.Generator().manual_seed(1)).half()
     with torch.no_grad():
@@ -278,20 +296,22 @@ def test_fp8_layer_defaults_to_the_torch_reference_on_cpu_and_runs_triton_on_req
 
 
 def test_fp8_layer_in_float32_runs_on_the_dequantizing_torch_reference():
-    """A float32 model of an FP8 checkpoint on CPU: the torch reference takes float32 activations (it
-    dequantizes; no FP8 GEMM), and computes exactly what the dequantized weights give."""
+    """A float32 model of an FP8 checkpoint on CPU: the torch reference takes float32 activations
+    (it dequantizes; no FP8 GEMM), and computes exactly what the dequantized weights give."""
     layer = load_random_fp8(fp8_module(dtype=torch.float32))
     assert layer.backend == "torch"
     x = torch.randn(5, 72, generator=torch.Generator().manual_seed(1))
     weights = layer.expert_weights()
     ids, topk_weights = route_torch(x @ layer.gate_weight.T, layer.routing)
     with torch.no_grad():
-        assert_close(layer(x), fused_experts_torch(x, *weights.dequantized(), ids, topk_weights), torch.float32)
+        assert_close(layer(x), fused_experts_torch(x, *weights.dequantized(), ids, topk_weights),
+                     torch.float32)
 
 
 @pytest.mark.parametrize("backend,platform,dtype,reason", [
     ("triton", Platform("cuda", (8, 0)), torch.bfloat16, "SM89 or newer"),
-    ("flashinfer_cutlass", Platform("cuda", (9, 0), "0.7.2.post1"), torch.bfloat16, "does not run fp8"),
+    ("flashinfer_cutlass", Platform("cuda", (9, 0), "0.7.2.post1"), torch.bfloat16,
+     "does not run fp8"),
     ("triton", Platform("cpu", interpreter=True), torch.float32, "not float32"),
 ])
 def test_fp8_layer_rejects_what_cannot_run_it_at_construction(backend, platform, dtype, reason):
@@ -300,7 +320,8 @@ def test_fp8_layer_rejects_what_cannot_run_it_at_construction(backend, platform,
 
 
 def test_fp8_on_an_older_gpu_auto_says_why():
-    with pytest.raises(ValueError, match="SM89 or newer"):  # auto's default, triton, cannot take it: fail closed
+    # auto's default, triton, cannot take it: fail closed
+    with pytest.raises(ValueError, match="SM89 or newer"):
         fp8_module("auto", platform=Platform("cuda", (8, 0)), dtype=torch.bfloat16)
 
 
@@ -309,7 +330,8 @@ def test_fp8_on_an_older_gpu_auto_says_why():
 GPU_TOKENS = [1, 4, 64, 512, 4096]
 
 
-@functools.lru_cache(maxsize=1)  # one shape's weights at a time: DeepSeek-V3's FP8 experts are 11 GB
+# one shape's weights at a time: DeepSeek-V3's FP8 experts are 11 GB
+@functools.lru_cache(maxsize=1)
 def gpu_weights(shape_name: str, fmt: WeightFormat) -> ExpertWeights:
     from moe_triton.tools.bench import GRID_SHAPES, random_experts
 
@@ -319,7 +341,8 @@ def gpu_weights(shape_name: str, fmt: WeightFormat) -> ExpertWeights:
 
 
 def emulation_by_expert(x, weights, ids, topk_weights, block_n):
-    """`emulation`, one expert's dequantized weights at a time (real shapes do not fit in float32 at once)."""
+    """`emulation`, one expert's dequantized weights at a time (real shapes do not fit in float32 at
+    once)."""
     out = torch.zeros(x.shape[0], weights.hidden_size, device=x.device)
     for e in torch.unique(ids[(ids >= 0) & (ids < weights.num_experts)]).tolist():
         mask = ids == e
@@ -330,8 +353,9 @@ def emulation_by_expert(x, weights, ids, topk_weights, block_n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", GPU_TOKENS)
-@pytest.mark.parametrize("shape_name,name", [(s, "block128") for s in ("Qwen3-30B-A3B", "Mixtral-8x7B", "DeepSeek-V3",
-                                                                         "E64-K4")]
+@pytest.mark.parametrize("shape_name,name",
+                         [(s, "block128")
+                          for s in ("Qwen3-30B-A3B", "Mixtral-8x7B", "DeepSeek-V3", "E64-K4")]
                          + [("Qwen3-30B-A3B", n)
                             for n in ("block16x16", "channel", "tensor", "tensor-static")])
 def test_fp8_experts_on_the_gpu(shape_name, name, T):
@@ -341,19 +365,22 @@ def test_fp8_experts_on_the_gpu(shape_name, name, T):
     shape, fmt = GRID_SHAPES[shape_name], FORMATS[name]
     weights = gpu_weights(shape_name, WeightFormat.fp8_tensor() if fmt.static_input else fmt)
     if fmt.static_input:
-        weights = ExpertWeights(weights.w13, weights.w2, True, fmt, weights.w13_scale, weights.w2_scale,
+        weights = ExpertWeights(weights.w13, weights.w2, True, fmt, weights.w13_scale,
+                                weights.w2_scale,
                                 torch.tensor([4.5 / 448], device="cuda"))
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
     x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
     out = run_experts(x, weights, ids, topk_weights)
-    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
+    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
+                           shape.intermediate_size,
                            torch.device("cuda"), torch.float8_e4m3fn,
                            fp8_group=fmt.block[1] if fmt.block else 128)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     emulated = emulation_by_expert(x, weights, ids, topk_weights, config.up.block_n)
     worst = ((out.float() - emulated).abs().max() / emulated.abs().max()).item()
     rms = ((out.float() - emulated).square().mean().sqrt() / emulated.square().mean().sqrt()).item()
-    print(f"\n{shape_name} {name} T={T}: max error {worst:.2e} of max|emulation|, relative RMS {rms:.2e}")
+    print(f"\n{shape_name} {name} T={T}: max error {worst:.2e} of max|emulation|, relative RMS "
+          f"{rms:.2e}")
     assert worst <= GPU_EMULATION_MAX_TOL and rms <= GPU_EMULATION_RMS_TOL, config.describe()
 
 
@@ -369,9 +396,11 @@ def test_fp8_graph_replay_equals_eager_and_outputs_are_fresh(T):
     outputs = {}
 
     def step(i):
-        outputs[i] = run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i], inputs.topk_weights[i])
+        outputs[i] = run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i],
+                                 inputs.topk_weights[i])
 
-    eager = [run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i], inputs.topk_weights[i])
+    eager = [run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i],
+                         inputs.topk_weights[i])
              for i in range(2)]
     graph = capture_graph(step, 2)
     graph.replay()
@@ -381,9 +410,11 @@ def test_fp8_graph_replay_equals_eager_and_outputs_are_fresh(T):
     assert outputs[0].data_ptr() != outputs[1].data_ptr()  # each call its own fresh output
     inputs_before = [t.clone() for t in (inputs.hidden_states[0], weights.w13, weights.w13_scale)]
     run_experts(inputs.hidden_states[0], weights, inputs.topk_ids[0], inputs.topk_weights[0])
-    for before, after in zip(inputs_before, (inputs.hidden_states[0], weights.w13, weights.w13_scale)):
-        assert torch.equal(before.view(torch.uint8) if before.dtype == torch.float8_e4m3fn else before,
-                           after.view(torch.uint8) if after.dtype == torch.float8_e4m3fn else after)
+    for before, after in zip(inputs_before,
+                             (inputs.hidden_states[0], weights.w13, weights.w13_scale)):
+        assert torch.equal(
+            before.view(torch.uint8) if before.dtype == torch.float8_e4m3fn else before,
+            after.view(torch.uint8) if after.dtype == torch.float8_e4m3fn else after)
 
 
 @pytest.mark.gpu
@@ -427,5 +458,6 @@ def test_fp8_config_under_32_columns_is_refused_on_the_gpu():
 
 @pytest.mark.gpu
 def test_fp8_layer_on_the_gpu_resolves_to_triton():
-    layer = FusedMoE(8, 2, 256, 128, weight_format=FORMATS["block128"], dtype=torch.bfloat16, device="cuda")
+    layer = FusedMoE(8, 2, 256, 128, weight_format=FORMATS["block128"], dtype=torch.bfloat16,
+                     device="cuda")
     assert layer.backend == "triton" and layer.gate_up_proj.dtype == torch.float8_e4m3fn

@@ -1,4 +1,5 @@
-"""graphs/: bucket choice, padding and slicing, capture-flag scoping, streams; replay == eager on GPU."""
+"""graphs/: bucket choice, padding and slicing, capture-flag scoping, streams; replay == eager on
+GPU."""
 import pytest
 import torch
 from helpers import assert_close
@@ -23,11 +24,13 @@ from moe_triton.graphs import (
 
 def test_default_batch_sizes_follow_the_serving_engines():
     sizes = default_batch_sizes()
-    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256 and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+    assert (sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256
+            and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:])))
     assert default_batch_sizes(12) == (1, 2, 4, 8)
 
 
-@pytest.mark.parametrize("batch,expected", [(1, 1), (3, 4), (8, 8), (9, 16), (17, 24), (256, 256), (257, None)])
+@pytest.mark.parametrize("batch,expected",
+                         [(1, 1), (3, 4), (8, 8), (9, 16), (17, 24), (256, 256), (257, None)])
 def test_bucket_for(batch, expected):
     assert bucket_for(batch, default_batch_sizes()) == expected
 
@@ -44,7 +47,8 @@ def test_capture_flag_is_scoped_and_cleared_on_errors():
     assert not is_capture_mode()
 
 
-@pytest.mark.parametrize("overlap,gathered", [(True, True), (False, True), (True, False), (False, False)])
+@pytest.mark.parametrize("overlap,gathered",
+                         [(True, True), (False, True), (True, False), (False, False)])
 def test_overlap_and_the_gathered_dispatch_are_two_switches(overlap, gathered):
     """A capture turns both on by default; either can be off without the other (or capturing)."""
     with capture_mode():
@@ -70,11 +74,13 @@ def affine_step(weight):
 
 def test_runner_without_cuda_runs_eagerly_with_the_same_results():
     weight = torch.randn(5, 3)
-    runner = DecodeGraphRunner(affine_step(weight), {"x": StaticInput((5,), torch.float32), "position": StaticInput()},
+    runner = DecodeGraphRunner(affine_step(weight),
+                               {"x": StaticInput((5,), torch.float32), "position": StaticInput()},
                                GraphConfig(enabled=False, show_progress=False))
     assert runner.capture().num_graphs == 0
     x, position = torch.randn(7, 5), torch.arange(7)
-    assert torch.equal(runner({"x": x, "position": position}), x @ weight + position.unsqueeze(-1).float())
+    assert torch.equal(runner({"x": x, "position": position}),
+                       x @ weight + position.unsqueeze(-1).float())
     empty = runner({"x": torch.empty(0, 5), "position": torch.empty(0, dtype=torch.int64)})
     assert empty.shape == (0, 3)
 
@@ -94,12 +100,14 @@ def test_runner_rejects_bad_batches(inputs, match):
 
 
 def slot_step(calls):
-    return lambda inputs: calls.append(inputs["slot"].clone()) or inputs["slot"].float()[:, None] * 2
+    return lambda inputs: (calls.append(inputs["slot"].clone())
+                           or inputs["slot"].float()[:, None] * 2)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bounded_inputs_are_checked_before_anything_is_copied_or_run(device):
-    """The caller's slots must lie in [0, 4); the pad value 4 (a dummy slot) only the runner writes."""
+    """The caller's slots must lie in [0, 4); the pad value 4 (a dummy slot) only the runner
+    writes."""
     calls = []
     runner = DecodeGraphRunner(slot_step(calls), {"slot": StaticInput(pad_value=4, bounds=(0, 4))},
                                GraphConfig(batch_sizes=(4,), show_progress=False), device)
@@ -107,11 +115,14 @@ def test_bounded_inputs_are_checked_before_anything_is_copied_or_run(device):
     calls.clear()
     before = {name: buffer.clone() for name, buffer in runner.static.items()}
     for bad, shown in (([0, 4], r"\[0, 4\]"), ([-1, 2, 3], r"\[-1, 3\]")):
-        with pytest.raises(ValueError, match=rf"input 'slot' must lie in \[0, 4\), got values in {shown}"):
+        with pytest.raises(ValueError,
+                           match=rf"input 'slot' must lie in \[0, 4\), got values in {shown}"):
             runner({"slot": torch.tensor(bad, device=device)})
     assert not calls and all(torch.equal(runner.static[n], b) for n, b in before.items())
-    assert torch.equal(runner({"slot": torch.tensor([3, 0], device=device)}).cpu(), torch.tensor([[6.0], [0.0]]))
-    assert torch.equal(runner.run({"slot": torch.tensor([4], device=device)}).cpu(), torch.tensor([[8.0]]))  # unchecked
+    assert torch.equal(runner({"slot": torch.tensor([3, 0], device=device)}).cpu(),
+                       torch.tensor([[6.0], [0.0]]))
+    assert torch.equal(runner.run({"slot": torch.tensor([4], device=device)}).cpu(),
+                       torch.tensor([[8.0]]))  # unchecked
     assert runner({"slot": torch.empty(0, dtype=torch.int64, device=device)}).shape == (0, 1)
 
 
@@ -153,7 +164,8 @@ def test_replay_equals_eager_for_every_bucket_and_padded_batch():
     stats = runner.capture()
     assert stats.num_graphs == 6 and stats.pool_bytes >= 0
     g = torch.Generator(device="cuda").manual_seed(1)
-    for batch in (1, 2, 3, 4, 5, 8, 13, 16, 24, 24, 30):  # padded sizes, a repeat, one past the largest (eager)
+    # padded sizes, a repeat, one past the largest (eager)
+    for batch in (1, 2, 3, 4, 5, 8, 13, 16, 24, 24, 30):
         ids = torch.randint(0, 512, (batch,), device="cuda", generator=g)
         assert_close(runner({"token_ids": ids}), step({"token_ids": ids}), torch.bfloat16)
     assert runner({"token_ids": torch.empty(0, dtype=torch.int64, device="cuda")}).shape == (0, 256)
@@ -176,7 +188,8 @@ def test_a_lockstep_runner_replays_its_one_bucket_for_every_batch_and_refuses_a_
         assert out.shape == (batch, 256)
         if batch:
             assert_close(out, step({"token_ids": ids}), torch.bfloat16)
-    assert len(calls) == captured_calls  # every batch, 0 included, was a replay: the step never ran eagerly
+    # every batch, 0 included, was a replay: the step never ran eagerly
+    assert len(calls) == captured_calls
     with pytest.raises(ValueError, match="larger than the 8 rows captured for this lockstep"):
         runner({"token_ids": torch.zeros(9, dtype=torch.int64, device="cuda")})
 
@@ -184,12 +197,14 @@ def test_a_lockstep_runner_replays_its_one_bucket_for_every_batch_and_refuses_a_
 @pytest.mark.gpu
 def test_back_to_back_replays_hold_no_stale_state():
     step = moe_stack_step()
-    runner = DecodeGraphRunner(step, {"token_ids": StaticInput()}, GraphConfig(batch_sizes=(8,), show_progress=False))
+    runner = DecodeGraphRunner(step, {"token_ids": StaticInput()},
+                               GraphConfig(batch_sizes=(8,), show_progress=False))
     runner.capture()
     first_ids = torch.arange(8, device="cuda")
     first = runner({"token_ids": first_ids})
     second = runner({"token_ids": first_ids + 100})
-    third = runner({"token_ids": first_ids[:5]})  # padded: rows 5..7 get the pad value, not stale ids
+    # padded: rows 5..7 get the pad value, not stale ids
+    third = runner({"token_ids": first_ids[:5]})
     assert not torch.equal(first, second)
     assert_close(first, step({"token_ids": first_ids}), torch.bfloat16)
     assert_close(second, step({"token_ids": first_ids + 100}), torch.bfloat16)
@@ -204,9 +219,11 @@ def test_capture_with_streams_forked_and_joined_inside():
 
     def step(inputs):
         x = inputs["x"]
-        main, side = run_branches(lambda: torch.tanh(x @ weight_main), lambda: torch.sigmoid(x @ weight_side),
+        main, side = run_branches(lambda: torch.tanh(x @ weight_main),
+                                  lambda: torch.sigmoid(x @ weight_side),
                                   role="alt")
-        main2, side2 = run_branches(lambda: main @ weight_side, lambda: side @ weight_main, role="alt_mlp")
+        main2, side2 = run_branches(lambda: main @ weight_side, lambda: side @ weight_main,
+                                    role="alt_mlp")
         return main2 + side2
 
     runner = DecodeGraphRunner(step, {"x": StaticInput((64,), torch.float32)},
@@ -230,4 +247,5 @@ def test_shared_role_streams_capture_in_less_memory_than_a_stream_per_layer():
 
     shared = branch_stack_capture_bytes(32, stream_per_layer=False)
     per_layer = branch_stack_capture_bytes(32, stream_per_layer=True)
-    assert shared < per_layer / 4, f"shared {shared / 2**20:.0f} MiB vs per-layer {per_layer / 2**20:.0f} MiB"
+    assert shared < per_layer / 4, (f"shared {shared / 2**20:.0f} MiB vs "
+                                    f"per-layer {per_layer / 2**20:.0f} MiB")

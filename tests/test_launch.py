@@ -51,11 +51,14 @@ def test_a_direct_launch_is_refused_where_the_specialization_does_not_fit(monkey
     launch._values = [None, None, N, 3.0, 256]
     launch._slots = {"x_ptr": (0, torch.float32, True), "out_ptr": (1, torch.float32, True)}
     aligned, out = x[:N], torch.zeros(N)
-    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) == [aligned.data_ptr(), out.data_ptr(), N, 3.0, 256]
-    assert launch._direct_values(dict(x_ptr=x[1:N + 1], out_ptr=out)) is None  # 4 bytes off: not 16-aligned
+    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) == [aligned.data_ptr(),
+                                                                       out.data_ptr(), N, 3.0, 256]
+    # 4 bytes off: not 16-aligned
+    assert launch._direct_values(dict(x_ptr=x[1:N + 1], out_ptr=out)) is None
     assert launch._direct_values(dict(x_ptr=aligned.half(), out_ptr=out)) is None  # another dtype
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) is None  # a profiler's hook must see it
+    # a profiler's hook must see it
+    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) is None
 
 
 # ---- on the GPU: the direct launch ---------------------------------------------------------------
@@ -119,7 +122,8 @@ def test_direct_launches_are_captured_by_cuda_graphs():
     torch.testing.assert_close(out, x * 3.0, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's lock; compiled launches need none")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter's lock; compiled launches need none")
 def test_threads_calling_the_kernels_at_once_get_what_one_thread_gets(qwen3_checkpoint):
     # The interpreter patches triton.language while a kernel runs: unserialized, two threads broke
     # each other's launches with InterpreterErrors.
@@ -128,7 +132,8 @@ def test_threads_calling_the_kernels_at_once_get_what_one_thread_gets(qwen3_chec
 
     E, H, I, K, T = 8, 32, 32, 2, 16
     g = torch.Generator().manual_seed(0)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(E, H, I, generator=g) / I**0.5
+    w13, w2 = (torch.randn(E, 2 * I, H, generator=g) / H**0.5,
+               torch.randn(E, H, I, generator=g) / I**0.5)
     cases = [(torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)) for _ in range(3)]
     models = [load_model(qwen3_checkpoint, dtype=torch.float32) for _ in range(2)]  # one cache each
     prompt = torch.randint(0, 97, (1, 5), generator=g)
@@ -159,7 +164,8 @@ def test_threads_calling_the_kernels_at_once_get_what_one_thread_gets(qwen3_chec
         assert all(torch.equal(a, b) for a, b in zip(outcome, expected, strict=True))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's lock; compiled launches need none")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the interpreter's lock; compiled launches need none")
 def test_every_launched_kernel_is_serialized_under_the_interpreter():
     import importlib
     import pkgutil
@@ -231,7 +237,10 @@ def test_ops_register_and_kernels_launch_in_launch_py_only():
 
     registering = re.compile(r"torch\.library\.(custom_op|triton_op)|\.register_(fake|autograd)\b")
     launching = re.compile(r"\w+_kernel\[[^\]]*\]\(")
-    offenders = [f"{path.name}:{number}" for path, text in _library_sources() if path.name != "launch.py"
+    offenders = [f"{path.name}:{number}"
+                 for path, text in _library_sources() if path.name != "launch.py"
                  for number, line in enumerate(text.splitlines(), 1)
-                 if not line.lstrip().startswith("#") and (registering.search(line) or launching.search(line))]
-    assert not offenders, f"register ops with launch.register_op, launch through BoundLaunch: {offenders}"
+                 if not line.lstrip().startswith("#")
+                 and (registering.search(line) or launching.search(line))]
+    assert not offenders, ("register ops with launch.register_op, launch through BoundLaunch: "
+                           f"{offenders}")

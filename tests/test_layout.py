@@ -8,21 +8,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # `python -m moe_triton` (moe_triton/__main__.py) is the command line's door, not library code.
-LIBRARY = [path for folder in ("moe_triton", "models", "graphs") for path in (ROOT / folder).rglob("*.py")
+LIBRARY = [path for folder in ("moe_triton", "models", "graphs")
+           for path in (ROOT / folder).rglob("*.py")
            if "tools" not in path.relative_to(ROOT).parts and path.name != "__main__.py"]
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, absolute or relative (resolved against the package it sits in)."""
+    """Every module `path` imports, absolute or relative (resolved against the package it sits
+    in)."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    package = package.replace("models", "moe_triton.models", 1) if package.startswith("models") else package
-    package = package.replace("graphs", "moe_triton.graphs", 1) if package.startswith("graphs") else package
+    package = (package.replace("models", "moe_triton.models", 1) if package.startswith("models")
+               else package)
+    package = (package.replace("graphs", "moe_triton.graphs", 1) if package.startswith("graphs")
+               else package)
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            base = (package.split(".")[: len(package.split(".")) - node.level + 1] if node.level
+                    else [])
             module = ".".join(base + ([node.module] if node.module else []))
             names.add(module)
             names.update(f"{module}.{alias.name}" for alias in node.names)
@@ -32,18 +37,22 @@ def imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_library_never_imports_the_tools_room(path):
     tools = sorted(name for name in imported_modules(path) if name.startswith("moe_triton.tools"))
-    assert not tools, f"{path.relative_to(ROOT)} imports {tools}: tools sit on top of the library, not inside it"
+    assert not tools, (f"{path.relative_to(ROOT)} imports {tools}: "
+                       "tools sit on top of the library, not inside it")
 
 
 def test_the_import_check_sees_relative_imports():
     assert "moe_triton.tools.bench" in imported_modules(ROOT / "moe_triton" / "tools" / "cli.py")
-    assert "moe_triton.runners.resolver.build_runner" in imported_modules(ROOT / "moe_triton" / "layer.py")
+    assert ("moe_triton.runners.resolver.build_runner"
+            in imported_modules(ROOT / "moe_triton" / "layer.py"))
 
 
 def test_the_layer_has_no_backend_or_format_branch():
     source = (ROOT / "moe_triton" / "layer.py").read_text()
-    for word in ("ExpertBackend", "flashinfer", "FLASHINFER", "TORCH", "TRITON", "fp8", "FP8", "WeightFormat."):
-        assert word not in source, f"layer.py names {word}: backend and format specifics belong in a runner"
+    for word in ("ExpertBackend", "flashinfer", "FLASHINFER", "TORCH", "TRITON", "fp8", "FP8",
+                 "WeightFormat."):
+        assert word not in source, (f"layer.py names {word}: "
+                                    "backend and format specifics belong in a runner")
 
 
 # ---- one direction through the house ------------------------------------------------------------
@@ -53,10 +62,12 @@ def test_the_layer_has_no_backend_or_format_branch():
 # __init__ (the public names) and __main__ sit above every layer.
 LAYERS = [
     ("foundation", ["moe_triton.platform", "moe_triton.launch", "moe_triton.graphs"]),
-    ("specs", ["moe_triton.weights", "moe_triton.checks", "moe_triton.quant_config", "moe_triton.context"]),
-    ("stages", ["moe_triton.activation", "moe_triton.routing", "moe_triton.expand", "moe_triton._expand_kernels",
-                "moe_triton.config", "moe_triton.quantize", "moe_triton.expert_gemm", "moe_triton.finalize",
-                "moe_triton.reference"]),
+    ("specs",
+     ["moe_triton.weights", "moe_triton.checks", "moe_triton.quant_config", "moe_triton.context"]),
+    ("stages",
+     ["moe_triton.activation", "moe_triton.routing", "moe_triton.expand",
+      "moe_triton._expand_kernels", "moe_triton.config", "moe_triton.quantize",
+      "moe_triton.expert_gemm", "moe_triton.finalize", "moe_triton.reference"]),
     ("pipeline", ["moe_triton.pipeline"]),
     ("parallel", ["moe_triton.parallel"]),
     ("placement", ["moe_triton.placement"]),
@@ -95,7 +106,8 @@ def imported_sources(path: Path, package: str) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            base = (package.split(".")[: len(package.split(".")) - node.level + 1] if node.level
+                    else [])
             module = ".".join(base + ([node.module] if node.module else []))
             names = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in SOURCES else module
                      for alias in node.names]
@@ -110,7 +122,8 @@ def imported_sources(path: Path, package: str) -> set[str]:
 
 
 def import_edges() -> dict[str, set[str]]:
-    """Our module -> the modules of ours it imports (names resolved to the module that defines them)."""
+    """Our module -> the modules of ours it imports (names resolved to the module that defines
+    them)."""
     edges = {}
     for module, path in SOURCES.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -124,11 +137,13 @@ def test_every_module_has_a_layer():
 
 
 def test_imports_flow_down_the_layers():
-    upward = [f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+    upward = [f"{source} ({LAYERS[layer_of(source)][0]}) imports {target} "
+              f"({LAYERS[layer_of(target)][0]})"
               for source, targets in import_edges().items() if source not in TOP
               for target in targets if target not in TOP and layer_of(target) > layer_of(source)]
     assert not upward, "imports against the layer order:\n" + "\n".join(sorted(upward))
-    into_top = sorted(f"{s} imports {t}" for s, ts in import_edges().items() if s not in TOP for t in ts if t in TOP)
+    into_top = sorted(f"{s} imports {t}"
+                      for s, ts in import_edges().items() if s not in TOP for t in ts if t in TOP)
     assert not into_top, f"library modules import the package's public face: {into_top}"
 
 
@@ -194,5 +209,7 @@ def test_the_package_shadows_none_of_its_modules():
     import moe_triton
 
     shadowed = [info.name for info in pkgutil.iter_modules(moe_triton.__path__)
-                if hasattr(moe_triton, info.name) and not inspect.ismodule(getattr(moe_triton, info.name))]
-    assert not shadowed, f"moe_triton.<name> is not the module of that name for {shadowed}: import it from its module"
+                if hasattr(moe_triton, info.name)
+                and not inspect.ismodule(getattr(moe_triton, info.name))]
+    assert not shadowed, (f"moe_triton.<name> is not the module of that name for {shadowed}: "
+                          "import it from its module")

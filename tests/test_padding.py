@@ -19,24 +19,29 @@ from moe_triton.runners import SPECS, ExpertBackend, padded_size
 RELU2 = Activation(ActivationKind.RELU2)
 # I = 961 is NemotronH FP8's moe_intermediate_size 7688 at tensor-parallel 8.
 SIZES = pytest.mark.parametrize("I", [961, 7688 // 8, 100], ids=["I961", "I7688/8", "I100"])
-ACTIVATIONS = pytest.mark.parametrize("activation", [SILU_AND_MUL, RELU2], ids=["gated", "non-gated"])
+ACTIVATIONS = pytest.mark.parametrize("activation", [SILU_AND_MUL, RELU2],
+                                      ids=["gated", "non-gated"])
 
 
 def experts(E, H, I, activation, dtype=torch.float32, seed=0):
-    return random_expert_weights(torch.Generator().manual_seed(seed), E, H, I, activation.gated, dtype)
+    return random_expert_weights(torch.Generator().manual_seed(seed), E, H, I, activation.gated,
+                                 dtype)
 
 
 def test_the_backend_owns_its_multiple():
     multiples = {backend: SPECS[backend].intermediate_multiple for backend in ExpertBackend}
-    assert multiples == {ExpertBackend.TRITON: 1, ExpertBackend.TORCH: 1, ExpertBackend.FLASHINFER_CUTLASS: 16,
-                         ExpertBackend.FLASHINFER_TRTLLM: 128, ExpertBackend.FLASHINFER_TRTLLM_ROUTED: 128}
+    assert multiples == {ExpertBackend.TRITON: 1, ExpertBackend.TORCH: 1,
+                         ExpertBackend.FLASHINFER_CUTLASS: 16,
+                         ExpertBackend.FLASHINFER_TRTLLM: 128,
+                         ExpertBackend.FLASHINFER_TRTLLM_ROUTED: 128}
 
 
 def test_gated_halves_are_padded_separately():
     w13, w2 = experts(2, 8, 5, SILU_AND_MUL)
     p13, p2 = pad_experts(w13, w2, 16, gated=True)
     assert p13.shape == (2, 32, 8) and p2.shape == (2, 8, 16)
-    assert torch.equal(p13[:, :5], w13[:, :5]) and torch.equal(p13[:, 16:21], w13[:, 5:])  # gate, then up at I'
+    # gate, then up at I'
+    assert torch.equal(p13[:, :5], w13[:, :5]) and torch.equal(p13[:, 16:21], w13[:, 5:])
     assert not p13[:, 5:16].any() and not p13[:, 21:].any() and not p2[:, :, 5:].any()
     assert torch.equal(p2[:, :, :5], w2)
 
@@ -63,7 +68,8 @@ def test_padding_is_exact_on_the_reference(I, activation, multiple):
     p13, p2 = pad_experts(w13, w2, multiple, activation.gated)
     assert p2.shape[2] == padded_size(I, multiple)
     expected = fused_experts_torch(x, w13, w2, ids, weights, activation=activation)
-    assert_close(fused_experts_torch(x, p13, p2, ids, weights, activation=activation), expected, torch.float32)
+    assert_close(fused_experts_torch(x, p13, p2, ids, weights, activation=activation), expected,
+                 torch.float32)
 
 
 @SIZES
@@ -75,7 +81,8 @@ def test_padding_is_exact_on_triton(I, activation, poisoned_empty):
     unpadded = fused_experts(x, w13, w2, ids, weights, activation=activation)
     padded = fused_experts(x, p13, p2, ids, weights, activation=activation)
     assert_close(padded, unpadded.float(), torch.float16)
-    assert_close(padded, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float16, scale=2)
+    assert_close(padded, fused_experts_torch(x, w13, w2, ids, weights, activation=activation),
+                 torch.float16, scale=2)
 
 
 def test_layer_on_triton_keeps_shared_weights():
@@ -86,7 +93,8 @@ def test_layer_on_triton_keeps_shared_weights():
 
 
 @pytest.mark.parametrize("bad,match", [
-    (lambda: pad_experts(torch.zeros(2, 10, 8), torch.zeros(2, 8, 4), 16, gated=True), "expected \\(E, 8, H\\)"),
+    (lambda: pad_experts(torch.zeros(2, 10, 8), torch.zeros(2, 8, 4), 16, gated=True),
+     "expected \\(E, 8, H\\)"),
     (lambda: pad_experts(torch.zeros(2, 8), torch.zeros(2, 8, 4), 16, gated=True), "3-D"),
     (lambda: padded_size(10, 0), "multiple must be >= 1"),
 ])

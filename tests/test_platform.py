@@ -27,10 +27,13 @@ def test_flashinfer_presence_is_read_without_importing_it(monkeypatch):
     assert "flashinfer" not in sys.modules  # only its metadata was read
 
 
-@pytest.mark.parametrize("name,sm", [("sm90", 90), ("SM100", 100), ("sm103", 103), ("sm110", 110), ("sm120", 120)])
+@pytest.mark.parametrize("name,sm",
+                         [("sm90", 90), ("SM100", 100), ("sm103", 103), ("sm110", 110),
+                          ("sm120", 120)])
 def test_named_platforms(name, sm):
     platform = named_platform(name)
-    assert platform.sm == sm and str(platform) == f"SM{sm}" and platform.flashinfer_version() == (0, 7, 2)
+    assert (platform.sm == sm and str(platform) == f"SM{sm}"
+            and platform.flashinfer_version() == (0, 7, 2))
 
 
 def test_named_cpu_and_bad_names():
@@ -39,7 +42,8 @@ def test_named_cpu_and_bad_names():
         named_platform("h200")
 
 
-@pytest.mark.parametrize("version,parsed", [("0.7.2.post1", (0, 7, 2)), ("0.6.1", (0, 6, 1)), ("unknown", None)])
+@pytest.mark.parametrize("version,parsed",
+                         [("0.7.2.post1", (0, 7, 2)), ("0.6.1", (0, 6, 1)), ("unknown", None)])
 def test_flashinfer_version_parsing(version, parsed):
     assert Platform("cuda", (10, 0), version).flashinfer_version() == parsed
 
@@ -49,8 +53,10 @@ def test_triton_computes_exactly_only_where_its_arithmetic_is_a_gpu_s(monkeypatc
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert platforms.triton_computes_exactly(cuda, dtype)
     monkeypatch.setattr(platforms, "interpreter_enabled", lambda: True)
-    assert platforms.triton_computes_exactly(cpu, torch.float16) and platforms.triton_computes_exactly(cpu, torch.float32)
-    assert not platforms.triton_computes_exactly(cpu, torch.bfloat16)  # its bf16 dot and casts are wrong
+    assert (platforms.triton_computes_exactly(cpu, torch.float16)
+            and platforms.triton_computes_exactly(cpu, torch.float32))
+    # its bf16 dot and casts are wrong
+    assert not platforms.triton_computes_exactly(cpu, torch.bfloat16)
     monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
     assert not platforms.triton_computes_exactly(cpu, torch.float32)
 
@@ -74,6 +80,7 @@ except ValueError as error:
     print(error)
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     assert "TRITON_INTERPRET=1 was set after moe_triton was imported" in done.stdout

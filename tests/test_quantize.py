@@ -1,5 +1,6 @@
 """quantize.py: the FP8 activation quantization kernel against its torch reference, and the rounding
-helper against torch's own float32 -> e4m3 cast (round to nearest even), under the interpreter too."""
+helper against torch's own float32 -> e4m3 cast (round to nearest even), under the interpreter
+too."""
 import pytest
 import torch
 import triton
@@ -14,30 +15,37 @@ from moe_triton.weights import FP8_DTYPE, FP8_MAX
 def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(y_ptr + offs, round_to_fp8(tl.minimum(tl.maximum(x, -448.0), 448.0)).to(tl.float8e4nv), mask=offs < n)
+    tl.store(y_ptr + offs, round_to_fp8(tl.minimum(tl.maximum(x, -448.0), 448.0)).to(tl.float8e4nv),
+             mask=offs < n)
 
 
 def test_round_to_fp8_matches_torchs_cast():
-    # The interpreter's own cast got these wrong: a carry into the exponent (124.3 -> 128), subnormals
-    # (0.001, 2^-10 .. 3 * 2^-10), ties (exactly half a step: 1.0625 -> 1.0, 1.1875 -> 1.25), the top (464).
-    edges = torch.tensor([124.3, 0.001, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 1.0625, 1.1875, 447.9, 464.0, 0.0, -0.0,
+    # The interpreter's own cast got these wrong: a carry into the exponent (124.3 -> 128),
+    # subnormals (0.001, 2^-10 .. 3 * 2^-10), ties (exactly half a step: 1.0625 -> 1.0, 1.1875 ->
+    # 1.25), the top (464).
+    edges = torch.tensor([124.3, 0.001, 2**-10, 3 * 2**-10, 2**-9 * 1.5, 1.0625, 1.1875, 447.9,
+                          464.0, 0.0, -0.0,
                           -5.7, 300.0, 1e-9, -2**-7 * 1.0625])
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([edges, torch.randn(2000, generator=g) * 100, torch.randn(2000, generator=g) * 1e-2]).to(test_device())
+    x = torch.cat([edges, torch.randn(2000, generator=g) * 100,
+                   torch.randn(2000, generator=g) * 1e-2]).to(test_device())
     y = torch.empty_like(x, dtype=FP8_DTYPE)
     _round_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
     expected = x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     assert torch.equal(y.float(), expected.float())  # values: +0.0 and -0.0 compare equal
 
 
-@pytest.mark.parametrize("T,C,group", [(0, 16, 16), (1, 1, None), (3, 72, 32), (5, 961, 128), (7, 128, 128),
-                                       (4, 300, None), (2, 2500, 2048)], ids=str)
+@pytest.mark.parametrize("T,C,group",
+                         [(0, 16, 16), (1, 1, None), (3, 72, 32), (5, 961, 128), (7, 128, 128),
+                          (4, 300, None), (2, 2500, 2048)], ids=str)
 def test_quantize_matches_reference(T, C, group, poisoned_empty):
     g = torch.Generator().manual_seed(T + C)
-    x = (torch.randn(T, C, generator=g) * torch.logspace(-3, 2, C)).to(torch.float16).to(test_device())
+    x = (torch.randn(T, C, generator=g)
+         * torch.logspace(-3, 2, C)).to(torch.float16).to(test_device())
     q, scales = quantize_fp8(x, group)
     q_ref, scales_ref = quantize_fp8_torch(x, group)
-    assert q.dtype == FP8_DTYPE and scales.dtype == torch.float32 and scales.shape == (T, -(-C // (group or C)))
+    assert (q.dtype == FP8_DTYPE and scales.dtype == torch.float32
+            and scales.shape == (T, -(-C // (group or C))))
     assert torch.equal(scales.cpu(), scales_ref.cpu())
     assert torch.equal(q.float().cpu(), q_ref.float().cpu())
 
@@ -53,8 +61,9 @@ def test_static_scale_quantizes_with_the_given_scale():
 
 @pytest.mark.parametrize("group", [None, 16, 64])
 def test_round_trip_error_is_half_an_fp8_step(group):
-    """e4m3 keeps 3 mantissa bits: rounding to nearest moves a value by at most 2^-4 of itself in the
-    normal range; below the group's smallest normal (2^-6 * scale) the step is fixed at 2^-9 * scale."""
+    """e4m3 keeps 3 mantissa bits: rounding to nearest moves a value by at most 2^-4 of itself in
+    the normal range; below the group's smallest normal (2^-6 * scale) the step is fixed at 2^-9 *
+    scale."""
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(2)).to(test_device())
     q, scales = quantize_fp8(x, group)
     back = dequantize_fp8_torch(q, scales, group)
@@ -63,7 +72,8 @@ def test_round_trip_error_is_half_an_fp8_step(group):
     assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("group,static", [(None, False), (16, False), (32, False), (None, True)], ids=str)
+@pytest.mark.parametrize("group,static", [(None, False), (16, False), (32, False), (None, True)],
+                         ids=str)
 def test_nan_stays_in_its_scale_group(group, static):
     """A NaN makes its group's scale NaN and the group's values e4m3fn NaN, as torch's quantization
     does; a static scale stays, the NaN value alone becomes NaN. The other groups are untouched."""
@@ -73,9 +83,11 @@ def test_nan_stays_in_its_scale_group(group, static):
     static_scale = torch.tensor([0.01], device=x.device) if static else None
     q, scales = quantize_fp8(x, group, static_scale)
     q_ref, scales_ref = quantize_fp8_torch(x, group, static_scale)
-    assert scales.isnan().any() != static and torch.equal(scales.isnan().cpu(), scales_ref.isnan().cpu())
+    assert scales.isnan().any() != static and torch.equal(scales.isnan().cpu(),
+                                                          scales_ref.isnan().cpu())
     assert torch.equal(scales.nan_to_num().cpu(), scales_ref.nan_to_num().cpu())
-    assert q.float().isnan().any() and torch.equal(q.float().isnan().cpu(), q_ref.float().isnan().cpu())
+    assert q.float().isnan().any() and torch.equal(q.float().isnan().cpu(),
+                                                   q_ref.float().isnan().cpu())
     assert torch.equal(q.float().nan_to_num().cpu(), q_ref.float().nan_to_num().cpu())
 
 

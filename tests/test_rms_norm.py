@@ -61,9 +61,11 @@ def test_per_head_rows_out_of_a_fused_projection():
 
 
 def test_bf16_on_the_interpreter_takes_the_reference():
-    """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch form."""
+    """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch
+    form."""
     g = torch.Generator().manual_seed(2)
-    x, weight = torch.randn(64, 256, generator=g).bfloat16(), (1 + torch.randn(256, generator=g) / 4).bfloat16()
+    x, weight = (torch.randn(64, 256, generator=g).bfloat16(),
+                 (1 + torch.randn(256, generator=g) / 4).bfloat16())
     assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_torch(x, weight, 1e-6))
 
 

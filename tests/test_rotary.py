@@ -25,7 +25,8 @@ CASES = [  # B, heads, L, D, D_rot, interleaved
 
 def make(B, heads, L, D, D_rot, dtype, device="cpu"):
     g = torch.Generator().manual_seed(B * 100 + D)
-    x = torch.randn(B, L, heads, D, generator=g).transpose(1, 2)  # [B, heads, L, D], as the models view q
+    # [B, heads, L, D], as the models view q
+    x = torch.randn(B, L, heads, D, generator=g).transpose(1, 2)
     angles = torch.rand(B, L, D_rot // 2, generator=g) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [B, L, D_rot]
     return [t.to(device, dtype) for t in (x, cos, sin)]
@@ -36,7 +37,8 @@ def norm_weight(D, dtype, device="cpu"):
 
 
 def normed_rotation(x, cos, sin, interleaved, weight):
-    """The float32 reference: Qwen3's per-head RMSNorm (when `weight` is given), then the rotation."""
+    """The float32 reference: Qwen3's per-head RMSNorm (when `weight` is given), then the
+    rotation."""
     x = x.float() if weight is None else rms_norm_torch(x.float(), weight.float(), 1e-6)
     return apply_rotary_torch(x, cos.float(), sin.float(), interleaved)
 
@@ -49,11 +51,13 @@ def test_apply_rotary(B, heads, L, D, D_rot, interleaved, dtype, norm):
     weight = norm_weight(D, dtype) if norm else None
     out = apply_rotary(x, cos, sin, interleaved, norm_weight=weight, norm_eps=1e-6)
     assert out.shape == x.shape and out.dtype == dtype
-    assert_close(out, normed_rotation(x, cos, sin, interleaved, weight), dtype, scale=2 if norm else 1)
+    assert_close(out, normed_rotation(x, cos, sin, interleaved, weight), dtype,
+                 scale=2 if norm else 1)
 
 
 def test_bf16_on_the_interpreter_takes_the_reference():
-    """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch form."""
+    """The interpreter's casts to bf16 truncate (moe_triton/platform.py): bf16 there runs the torch
+    form."""
     x, cos, sin = make(4, 8, 3, 64, 64, torch.bfloat16)
     assert torch.equal(apply_rotary(x, cos, sin), rotated_once_torch(x, cos, sin))
 
@@ -75,7 +79,8 @@ def test_apply_rotary_on_the_gpu(B, heads, L, D, D_rot, interleaved, dtype, norm
     x, cos, sin = make(B, heads, L, D, D_rot, dtype, "cuda")
     weight = norm_weight(D, dtype, "cuda") if norm else None
     out = apply_rotary(x, cos, sin, interleaved, norm_weight=weight, norm_eps=1e-6)
-    assert_close(out, normed_rotation(x, cos, sin, interleaved, weight), dtype, scale=2 if norm else 1)
+    assert_close(out, normed_rotation(x, cos, sin, interleaved, weight), dtype,
+                 scale=2 if norm else 1)
 
 
 CACHE_CASES = [  # B, Hkv, D, D_rot (0: NoPE), interleaved
@@ -88,18 +93,20 @@ CACHE_CASES = [  # B, Hkv, D, D_rot (0: NoPE), interleaved
 
 
 def decode_token(B, heads, D, D_rot, dtype, device="cpu", slots=5, S=9):
-    """k, v as the models view them ((B, 1, Hkv, D) projections transposed), a rotary of (B, 1, D_rot)
-    or None, a random cache and distinct slots (the last one the dummy) and positions."""
+    """k, v as the models view them ((B, 1, Hkv, D) projections transposed), a rotary of (B, 1,
+    D_rot) or None, a random cache and distinct slots (the last one the dummy) and positions."""
     g = torch.Generator().manual_seed(B * 10 + D + D_rot)
     k, v = (torch.randn(B, 1, heads, D, generator=g).transpose(1, 2) for _ in range(2))
     angles = torch.rand(B, 1, D_rot // 2, generator=g) * 6
-    rotary = (torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)) if D_rot else None
+    rotary = ((torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)) if D_rot
+              else None)
     keys, values = (torch.randn(slots + 1, heads, S, D, generator=g) for _ in range(2))
     slot_ids = torch.randperm(slots + 1, generator=g)[:B]
     positions = torch.randint(0, S, (B,), generator=g)
     move = lambda t: t.to(device, dtype)  # noqa: E731
     rotary = tuple(map(move, rotary)) if rotary else None
-    return move(k), move(v), rotary, move(keys), move(values), slot_ids.to(device), positions.to(device)
+    return (move(k), move(v), rotary, move(keys), move(values), slot_ids.to(device),
+            positions.to(device))
 
 
 @pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
@@ -109,22 +116,26 @@ def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype, norm):
     k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype)
     weight = norm_weight(D, dtype) if norm else None
     expected_keys, expected_values = keys.clone(), values.clone()
-    rotate_into_cache_torch(k, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
+    rotate_into_cache_torch(k, v, *(rotary or (None, None)), expected_keys, expected_values, slots,
+                            positions,
                             interleaved)
-    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved, norm_weight=weight, norm_eps=1e-6)
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved, norm_weight=weight,
+                      norm_eps=1e-6)
     assert torch.equal(values, expected_values)  # a copy, and nothing else of the cache touched
     written = keys[slots, :, positions]  # [B, Hkv, D]
     untouched = torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool)
     untouched[slots, positions] = False
     assert torch.equal(keys.transpose(1, 2)[untouched], expected_keys.transpose(1, 2)[untouched])
     normed = k.float() if weight is None else rms_norm_torch(k.float(), weight.float(), 1e-6)
-    reference = normed if rotary is None else apply_rotary_torch(normed, *(t.float() for t in rotary), interleaved)
+    reference = (normed if rotary is None
+                 else apply_rotary_torch(normed, *(t.float() for t in rotary), interleaved))
     assert_close(written, reference[:, :, 0], dtype, scale=2 if norm else 1)
 
 
 def in_guards(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(buffer, view): `t` copied into the middle of a buffer three times its size, random elsewhere, so a
-    write or read past either end of the view lands in memory the test owns and can inspect."""
+    """(buffer, view): `t` copied into the middle of a buffer three times its size, random
+    elsewhere, so a write or read past either end of the view lands in memory the test owns and can
+    inspect."""
     n = t.numel()
     buffer = torch.randn(3 * n, generator=torch.Generator().manual_seed(n)).to(t.device, t.dtype)
     view = buffer[n:2 * n].view(t.shape)
@@ -135,11 +146,12 @@ def in_guards(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_rows_outside_the_cache_write_nothing(dtype, device):
-    """Slots outside [0, slots + 1) and positions outside [0, S) (what a graph replays unchecked) are
-    not written: the rest of the cache and the memory around it stay as they were. (bf16 on CPU: the
-    torch reference.)"""
+    """Slots outside [0, slots + 1) and positions outside [0, S) (what a graph replays unchecked)
+    are not written: the rest of the cache and the memory around it stay as they were. (bf16 on CPU:
+    the torch reference.)"""
     S, num_slots = 9, 4  # three sequences and the dummy slot
-    k, v, rotary, keys, values, _, _ = decode_token(6, 2, 16, 16, dtype, device, slots=num_slots - 1, S=S)
+    k, v, rotary, keys, values, _, _ = decode_token(6, 2, 16, 16, dtype, device,
+                                                    slots=num_slots - 1, S=S)
     slots = torch.tensor([0, 3, -1, num_slots, 1, 2], device=device)
     positions = torch.tensor([S, 2, 0, 1, -1, S - 1], device=device)
     valid = [1, 5]  # (3, 2): the dummy slot is a slot; (2, S - 1): the last position
@@ -152,7 +164,8 @@ def test_rows_outside_the_cache_write_nothing(dtype, device):
     rotate_into_cache(k, v, rotary, keys, values, slots, positions)
     assert torch.equal(value_buffer, expected_values)
     assert torch.equal(key_buffer[~written], expected_keys[~written])
-    reference = apply_rotary_torch(k.float(), *(t.float() for t in rotary))[valid, :, 0]  # [2, Hkv, D]
+    # [2, Hkv, D]
+    reference = apply_rotary_torch(k.float(), *(t.float() for t in rotary))[valid, :, 0]
     assert_close(keys[rows], reference, dtype)
 
 
@@ -168,12 +181,16 @@ def test_rotate_into_cache_refuses_mismatched_shapes():
                                                                          (8, 8, 128, 64, True)])
 @pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
 def test_rotate_into_cache_on_the_gpu(B, heads, D, D_rot, interleaved, dtype, norm):
-    k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype, "cuda", slots=64, S=33)
+    k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype, "cuda",
+                                                                slots=64, S=33)
     weight = norm_weight(D, dtype, "cuda") if norm else None
     expected_keys, expected_values = keys.clone(), values.clone()
     normed = k if weight is None else rms_norm_torch(k.float(), weight.float(), 1e-6).to(dtype)
-    rotate_into_cache_torch(normed, v, *(rotary or (None, None)), expected_keys, expected_values, slots, positions,
+    rotate_into_cache_torch(normed, v, *(rotary or (None, None)), expected_keys, expected_values,
+                            slots, positions,
                             interleaved)
-    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved, norm_weight=weight, norm_eps=1e-6)
+    rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved, norm_weight=weight,
+                      norm_eps=1e-6)
     assert torch.equal(values, expected_values)
-    assert_close(keys, expected_keys.float(), dtype, scale=2 if norm else 1)  # the rest of the cache untouched
+    # the rest of the cache untouched
+    assert_close(keys, expected_keys.float(), dtype, scale=2 if norm else 1)

@@ -1,4 +1,5 @@
-"""routing: `route` against `route_torch` over awkward sizes, and against transformers' own routers."""
+"""routing: `route` against `route_torch` over awkward sizes, and against transformers' own
+routers."""
 import math
 
 import pytest
@@ -39,12 +40,14 @@ def make_spec(kind, num_experts, top_k):
     if kind == "grouped" and num_experts in GROUPS:
         n_group = GROUPS[num_experts]
         topk_group = max(n_group // 2, math.ceil(top_k / (num_experts // n_group)))
-        return RoutingSpec(top_k, Scoring.SIGMOID, renormalize=True, n_group=n_group, topk_group=topk_group,
+        return RoutingSpec(top_k, Scoring.SIGMOID, renormalize=True, n_group=n_group,
+                           topk_group=topk_group,
                            routed_scaling_factor=2.5, correction_bias=True)
     return None
 
 
-KINDS = ["softmax", "softmax_renorm", "logits_softmax", "logits_sigmoid_renorm", "sigmoid_biased", "grouped"]
+KINDS = ["softmax", "softmax_renorm", "logits_softmax", "logits_sigmoid_renorm", "sigmoid_biased",
+         "grouped"]
 CASES = [
     (kind, num_experts, top_k)
     for kind in KINDS
@@ -63,7 +66,8 @@ def check_routing(topk_ids, topk_weights, ref_ids, ref_weights, num_experts):
     assert (sorted_ids[:, 1:] != sorted_ids[:, :-1]).all(), "repeated expert id in a row"
     ref_sorted, ref_order = ref_ids.long().cpu().sort(dim=-1)
     assert torch.equal(sorted_ids, ref_sorted), "different experts chosen"
-    assert_close(topk_weights.cpu().gather(1, order), ref_weights.float().cpu().gather(1, ref_order), torch.float32)
+    assert_close(topk_weights.cpu().gather(1, order),
+                 ref_weights.float().cpu().gather(1, ref_order), torch.float32)
 
 
 def poisoned_out(num_tokens, top_k, device):
@@ -103,21 +107,24 @@ def test_route_many_programs(kind):
 def test_route_low_precision_logits(dtype):
     # Distinct multiples of 1/8 are exact in bf16, so no ties blur the comparison.
     num_tokens, num_experts = 9, 32
-    logits = ((torch.rand(num_tokens, num_experts).argsort(dim=-1) - 16) / 8).to(dtype).to(test_device())
+    logits = ((torch.rand(num_tokens, num_experts).argsort(dim=-1) - 16)
+              / 8).to(dtype).to(test_device())
     spec = RoutingSpec(4, renormalize=True)
     check_routing(*route(logits, spec), *route_torch(logits, spec), num_experts)
 
 
 def test_route_large_experts():
     # E = 512 (the largest we promise): an 8-token tile, several programs.
-    spec = RoutingSpec(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4, correction_bias=True)
+    spec = RoutingSpec(8, Scoring.SIGMOID, renormalize=True, n_group=8, topk_group=4,
+                       correction_bias=True)
     logits = torch.randn(20, 512, device=test_device())  # [T, E]
     bias = torch.randn(512, device=test_device()) * 0.1
     check_routing(*route(logits, spec, bias), *route_torch(logits, spec, bias), 512)
 
 
 def test_route_renormalize_guards_vanishing_sums():
-    # Sigmoid scores near 1e-35: the "+ 1e-20" (NemotronH's) keeps weights tiny where a bare sum gives ~1/K.
+    # Sigmoid scores near 1e-35: the "+ 1e-20" (NemotronH's) keeps weights tiny where a bare sum
+    # gives ~1/K.
     logits = -80 + torch.randn(5, 8, device=test_device()) * 0.5  # [T, E]
     spec = RoutingSpec(2, Scoring.SIGMOID, renormalize=True)
     topk_ids, topk_weights = route(logits, spec)
@@ -167,13 +174,19 @@ def _bad_cases():
         "n_group_zero": (lambda: route(x, RoutingSpec(2, n_group=0)), "n_group"),
         "n_group_not_dividing": (lambda: route(x, RoutingSpec(2, n_group=3)), "n_group"),
         "groups_of_one": (lambda: route(x, RoutingSpec(2, n_group=8)), "n_group"),
-        "topk_group_zero": (lambda: route(x, RoutingSpec(2, n_group=2, topk_group=0)), "topk_group"),
-        "topk_group_above_n_group": (lambda: route(x, RoutingSpec(2, n_group=2, topk_group=3)), "topk_group"),
-        "top_k_above_kept_groups": (lambda: route(x, RoutingSpec(5, n_group=2, topk_group=1)), "top_k"),
+        "topk_group_zero": (lambda: route(x, RoutingSpec(2, n_group=2, topk_group=0)),
+                            "topk_group"),
+        "topk_group_above_n_group": (lambda: route(x, RoutingSpec(2, n_group=2, topk_group=3)),
+                                     "topk_group"),
+        "top_k_above_kept_groups": (lambda: route(x, RoutingSpec(5, n_group=2, topk_group=1)),
+                                    "top_k"),
         "bias_shape": (lambda: route(x, grouped, torch.zeros(7)), "correction_bias"),
-        "bias_int": (lambda: route(x, grouped, torch.zeros(8, dtype=torch.int32)), "correction_bias"),
-        "bias_device": (lambda: route(x, grouped, torch.zeros(8, device="meta")), "correction_bias"),
-        "bias_with_logits": (lambda: RoutingSpec(2, select_on=SelectOn.LOGITS, correction_bias=True),
+        "bias_int": (lambda: route(x, grouped, torch.zeros(8, dtype=torch.int32)),
+                     "correction_bias"),
+        "bias_device": (lambda: route(x, grouped, torch.zeros(8, device="meta")),
+                        "correction_bias"),
+        "bias_with_logits": (lambda: RoutingSpec(2, select_on=SelectOn.LOGITS,
+                                                 correction_bias=True),
                              "correction_bias"),
         "bias_not_in_spec": (lambda: route(x, spec, torch.zeros(8)), "correction_bias"),
         "bias_missing": (lambda: route(x, grouped), "correction_bias"),
@@ -181,7 +194,8 @@ def _bad_cases():
         "out_ids_shape": (lambda: route(x, spec, out=(ids[:3], weights)), "out"),
         "out_ids_dtype": (lambda: route(x, spec, out=(ids.long(), weights)), "out"),
         "out_weights_dtype": (lambda: route(x, spec, out=(ids, weights.half())), "out"),
-        "out_weights_device": (lambda: route(x, spec, out=(ids, torch.empty(4, 2, device="meta"))), "out"),
+        "out_weights_device": (lambda: route(x, spec, out=(ids, torch.empty(4, 2, device="meta"))),
+                               "out"),
         "out_non_contiguous": (lambda: route(x, spec, out=(ids, torch.empty(2, 4).t())), "out"),
     }
 
@@ -214,7 +228,8 @@ def _compare(router_out, ours, num_experts):
 def test_qwen3_moe_router(norm_topk_prob):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob)
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=norm_topk_prob)
     router = _randomised(Qwen3MoeTopKRouter(config))
     hidden = torch.randn(NUM_TOKENS, HIDDEN, device=test_device())  # [T, H]
     logits = F.linear(hidden, router.weight)  # [T, E]
@@ -231,7 +246,8 @@ def test_cohere2_moe_router(selection, norm_topk_prob):
     router = _randomised(Cohere2MoeTopKRouter(config))
     hidden = torch.randn(NUM_TOKENS, HIDDEN, device=test_device())  # [T, H]
     logits = F.linear(hidden, router.weight)  # [T, E]
-    ours = topk_softmax(logits, 3) if selection == "softmax" else topk_sigmoid(logits, 3, norm_topk_prob)
+    ours = (topk_softmax(logits, 3) if selection == "softmax"
+            else topk_sigmoid(logits, 3, norm_topk_prob))
     _compare(router(hidden), ours, 8)
 
 
@@ -257,23 +273,26 @@ def test_minimax_m3_vl_router():
     _compare(router(hidden), biased_sigmoid_topk(logits, router.e_score_correction_bias, 2), 8)
 
 
-@pytest.mark.parametrize("num_experts, n_group, topk_group, top_k", [(8, 1, 1, 2), (8, 4, 2, 3), (16, 4, 1, 4)])
+@pytest.mark.parametrize("num_experts, n_group, topk_group, top_k",
+                         [(8, 1, 1, 2), (8, 4, 2, 3), (16, 4, 1, 4)])
 @pytest.mark.parametrize("norm_topk_prob", [False, True])
 def test_nemotron_h_router(num_experts, n_group, topk_group, top_k, norm_topk_prob):
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
-    config = NemotronHConfig(hidden_size=HIDDEN, n_routed_experts=num_experts, num_experts_per_tok=top_k,
+    config = NemotronHConfig(hidden_size=HIDDEN, n_routed_experts=num_experts,
+                             num_experts_per_tok=top_k,
                              n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                              routed_scaling_factor=2.5)
     router = NemotronHTopkRouter(config)
     router = _randomised(router, router.e_score_correction_bias)
     hidden = torch.randn(NUM_TOKENS, HIDDEN, device=test_device())  # [T, H]
     logits = F.linear(hidden, router.weight)  # [T, E]
-    ours = grouped_topk(logits, router.e_score_correction_bias, top_k, n_group, topk_group, norm_topk_prob, 2.5)
+    ours = grouped_topk(logits, router.e_score_correction_bias, top_k, n_group, topk_group,
+                        norm_topk_prob, 2.5)
     _compare(router(hidden), ours, num_experts)
 
 
-# ---- gradients: the logits' gradient flows through topk_weights -----------------------------------
+# ---- gradients: the logits' gradient flows through topk_weights ---------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kind", KINDS)
@@ -282,8 +301,10 @@ def test_route_gradient(kind, dtype):
     expert (not of its slot), so the slot order, which ties may change, does not matter."""
     spec = make_spec(kind, 8, 3)
     g = torch.Generator().manual_seed(KINDS.index(kind))
-    logits = (torch.randn(17, 8, generator=g) * 3).to(dtype).to(test_device()).requires_grad_()  # [T, E]
-    bias = torch.rand(8, generator=g).to(test_device()) * 0.5 if spec.correction_bias else None  # [E]
+    # [T, E]
+    logits = (torch.randn(17, 8, generator=g) * 3).to(dtype).to(test_device()).requires_grad_()
+    # [E]
+    bias = torch.rand(8, generator=g).to(test_device()) * 0.5 if spec.correction_bias else None
     per_expert = torch.randn(8, generator=g).to(test_device())  # [E]
     ids, weights = route(logits, spec, bias)
     assert weights.grad_fn is not None
