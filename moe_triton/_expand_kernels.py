@@ -1,5 +1,5 @@
-"""Expand's kernels: histogram -> offsets -> scatter, or one program. Pair p = t * K + j is valid if
-0 <= topk_ids[t, j] < E; all cut pairs into the same BLOCK_P blocks: stable order, no atomics."""
+"""Expand's kernels (histogram -> offsets -> scatter, or one program); pair p = t * K + j is valid
+if 0 <= topk_ids[t, j] < E. Every kernel cuts the same BLOCK_P blocks: stable order, no atomics."""
 import triton
 import triton.language as tl
 

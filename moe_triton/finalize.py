@@ -2,7 +2,7 @@
 
     out[t, :] = sum_j topk_weights[t, j] * y[pair_to_row[t * K + j], :]   (filtered pairs skipped)
 
-Always a fresh output (stream overlap relies on it); float32 sums in slot order, no atomics."""
+Always a fresh output (stream overlap relies on it); float32 sums in slot order: bit-stable."""
 from __future__ import annotations
 
 from dataclasses import dataclass
