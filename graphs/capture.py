@@ -1,11 +1,4 @@
-"""Capture state, set by the graph manager around warm-up and capture: whether it is capturing, and
-the two switches a capture turns on, each read by its one user:
-
-    overlap_enabled(mode)  branches overlap on alternate streams (models/causal_lm.py); only in
-                           *decode*, as a prefill capture sets the switch too
-    gathered_dispatch()    the all-to-all dispatch takes its gathered, fixed-capacity form
-                           (moe_triton/parallel/experts.py)
-"""
+"""Capture state, set by the graph manager around warm-up and capture, and the switches it sets."""
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +18,7 @@ class ForwardMode(enum.Enum):
 
 
 def _read(flag: contextvars.ContextVar) -> bool:
-    # torch.compile never runs inside our graph manager (its own CUDA graphs are reduce-overhead's),
-    # and its tracer cannot read a ContextVar: answer before looking
+    # torch.compile never runs inside our graph manager, and its tracer cannot read a ContextVar
     return not torch.compiler.is_compiling() and flag.get()
 
 
@@ -35,19 +27,16 @@ def is_capture_mode() -> bool:
 
 
 def overlap_enabled(mode: ForwardMode) -> bool:
-    """Branches overlap on alternate streams only in captured decode."""
+    """Branches overlap on alternate streams only in captured decode (a prefill capture sets it)."""
     return _read(_overlap) and mode is ForwardMode.DECODE
 
 
 def gathered_dispatch() -> bool:
-    """The all-to-all dispatch is gathered: fixed shapes, nothing read on the host (all_to_all.py)."""
     return _read(_gathered_dispatch)
 
 
 @contextlib.contextmanager
 def capture_mode(*, overlap: bool = True, gathered: bool = True):
-    """Capturing, with the overlap and the gathered dispatch switched on unless told otherwise;
-    cleared after, also on errors."""
     tokens = [(flag, flag.set(value)) for flag, value in
               ((_capturing, True), (_overlap, overlap), (_gathered_dispatch, gathered))]
     try:

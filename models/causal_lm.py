@@ -1,10 +1,4 @@
-"""What every causal LM here shares: the KV cache, prefill, the decode step, greedy generation.
-
-A family file defines `model` (embed_tokens -> layers -> norm, called as model(input_ids, batch,
-cache)) and `lm_head`; this base runs them. Decode goes through graphs/ when CUDA is present:
-one CUDA graph per batch bucket over (token_ids, positions, slots), overlap enabled inside;
-eagerly when a layer cannot be captured (expert-parallel all-to-all dispatch syncs with the host).
-"""
+"""What every causal LM here shares: the KV cache, prefill, the decode step, greedy generation."""
 from __future__ import annotations
 
 import enum
@@ -15,18 +9,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moe_triton.graphs import DecodeGraphRunner, ForwardMode, GraphConfig, StaticInput, default_batch_sizes, overlap_enabled
+from moe_triton.graphs import (
+    DecodeGraphRunner,
+    ForwardMode,
+    GraphConfig,
+    StaticInput,
+    default_batch_sizes,
+    overlap_enabled,
+)
 from moe_triton.layer import FusedMoE
 
 from .layers import Batch, StaticKVCache
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")
-FINISHED_CHECK_EVERY = 8  # generate reads "has every sequence stopped?" on the host once per 8 steps
+FINISHED_CHECK_EVERY = 8
 
 
 class FromConfig(enum.Enum):
-    """generate's default eos / pad ids, the checkpoint's (generation_config.json, else config.json)."""
-
     FROM_CONFIG = "from the checkpoint's generation config"
 
 
@@ -35,15 +34,13 @@ FROM_CONFIG = FromConfig.FROM_CONFIG
 
 @dataclass(frozen=True)
 class StopTokens:
-    """Where generate stops a sequence: at the first of `eos_token_ids` it emits (none: never), each
-    later position of it getting `pad_token_id` (None: the first eos id, as transformers does)."""
+    """generate stops a sequence at its first eos (none: never), then pads (None: the first eos)."""
 
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
 
     @classmethod
     def of(cls, eos_token_id, pad_token_id, where: str) -> StopTokens:
-        """From an eos id, a list of them or None, and a pad id or None; `where` names them in errors."""
         ids = () if eos_token_id is None else eos_token_id
         single = not isinstance(ids, Iterable) or isinstance(ids, torch.Tensor) and ids.dim() == 0
         eos = tuple(_token_id(f"{where}eos_token_id", i) for i in ((ids,) if single else ids))
@@ -70,7 +67,6 @@ def _token_id(name: str, value) -> int:
 
 
 def _count(name: str, value, minimum: int) -> int:
-    """An integer-like `value` >= minimum (numpy and 0-d integer tensors too), else a ValueError."""
     try:
         count = None if isinstance(value, bool) else operator.index(value)
     except TypeError:
@@ -93,52 +89,55 @@ class CausalLM(nn.Module):
         self.config = config
         self.cache: StaticKVCache | None = None
         self.graphs: DecodeGraphRunner | None = None
-        self.use_graphs = True  # decode through CUDA graphs where CUDA is present
-        self.use_overlap = True  # overlap independent branches on alternate streams in captured decode
-        # generate's default stop; load_model reads generation_config.json over it where there is one
+        self.use_graphs = True
+        self.use_overlap = True  # overlap branches on alternate streams in captured decode
+        # generate's default stop; load_model reads generation_config.json over it
         generation = GenerationConfig.from_model_config(config)
         self.stop_tokens = StopTokens.from_generation_config(generation, "config's ")
 
     def _output_head(self, config) -> None:
-        """lm_head (H -> vocab), or None when tied to the input embeddings, whose checkpoint copy
-        of lm_head.weight, if any, is then skipped. Families call it after building `model`."""
+        """lm_head, or None when tied (its checkpoint copy then skipped); called after `model`."""
         tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size,
+                                                   bias=False)
         self.ignore = (r"^lm_head\.weight$",) if tied else ()
 
-    # ---- the forward pieces ------------------------------------------------------------------
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return nn.functional.linear(hidden, weight).float() * getattr(self.config, "logit_scale", 1.0)
+        weight = (self.lm_head.weight if self.lm_head is not None
+                  else self.model.embed_tokens.weight)
+        return (nn.functional.linear(hidden, weight).float()
+                * getattr(self.config, "logit_scale", 1.0))
 
     def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
-        overlap = self.use_overlap and overlap_enabled(mode)  # evaluated while capturing, baked into the graph
+        # evaluated while capturing, baked into the graph
+        overlap = self.use_overlap and overlap_enabled(mode)
         return Batch(mode, positions, slots, overlap)
 
     def forward(self, *args, **kwargs):
-        raise ValueError(f"{type(self).__name__} is not called directly: use model.generate(input_ids, "
-                         "max_new_tokens), or model.setup(max_batch, max_seq) then model.prefill(input_ids) for logits")
+        raise ValueError(f"{type(self).__name__} is not called directly: use "
+                         "model.generate(input_ids, max_new_tokens), or model.setup(max_batch, "
+                         "max_seq) then model.prefill(input_ids) for logits")
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids (B, L), equal-length prompts starting at position 0 -> logits (B, L, V) float32."""
+        """input_ids (B, L), prompts from position 0 -> logits (B, L, V) float32."""
         return self.logits(self._prefill(input_ids, slots))
 
     @torch.no_grad()
-    def prefill_last(self, input_ids: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """As prefill, but only the next token's logits (B, V): the LM head over one position, not L
-        (at 8k tokens the full logits alone are 5 GB of float32)."""
+    def prefill_last(self, input_ids: torch.Tensor,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
+        """As prefill, but only the next token's logits (B, V) (full ones: 5 GB at 8k tokens)."""
         return self.logits(self._prefill(input_ids, slots)[:, -1])
 
     def _prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        """Fill the cache for the prompts; their final hidden states (B, L, H)."""
         self._check_input_ids(input_ids)
         B, L = input_ids.shape
         if self.cache is None or B > self.cache.max_batch or L > self.cache.max_seq:
-            have = "no KV cache" if self.cache is None else f"a cache for {self.cache.max_batch} x {self.cache.max_seq}"
-            raise ValueError(f"prefill of {B} x {L} tokens with {have}: call model.setup(max_batch, max_seq) first "
-                             "with room for them (generate() does it for you)")
+            have = ("no KV cache" if self.cache is None
+                    else f"a cache for {self.cache.max_batch} x {self.cache.max_seq}")
+            raise ValueError(f"prefill of {B} x {L} tokens with {have}: call "
+                             "model.setup(max_batch, max_seq) first with room for them "
+                             "(generate() does it for you)")
         if slots is None:
             slots = torch.arange(B, device=input_ids.device)
         else:
@@ -148,10 +147,8 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """token_ids (B,), positions (B,), slots (B,) -> logits (B, V) float32. Called eagerly, the
-        inputs are checked on the host first (one sync): positions in [0, max_seq), slots in
-        [0, max_batch) of setup()'s cache. Traced or captured, nothing is read on the host, and the
-        kernels write nothing outside the cache."""
+        """token_ids, positions, slots (B,) -> logits (B, V) float32. An eager call checks them on
+        the host (one sync); traced or captured none is, and no kernel writes outside the cache."""
         if not torch.compiler.is_compiling():
             self._check_decode_inputs(inputs)
         return self._decode_step(inputs)
@@ -169,24 +166,27 @@ class CausalLM(nn.Module):
             kind = "nested (ragged)" if input_ids.is_nested else str(input_ids.layout)
             raise ValueError(f"input_ids is a {kind} tensor: pass prompts of equal length as one "
                              "dense (batch, length) tensor, or each prompt in its own call")
-        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] == 0
-                or input_ids.shape[1] == 0 or input_ids.dtype not in (torch.int32, torch.int64)):
-            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor)
-                   else type(input_ids).__name__)
-            raise ValueError(f"input_ids must be an int64/int32 tensor of shape (batch >= 1, length >= 1), got {got}")
-        device, vocab = self.model.embed_tokens.weight.device, self.model.embed_tokens.num_embeddings
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+                or input_ids.shape[0] == 0 or input_ids.shape[1] == 0
+                or input_ids.dtype not in (torch.int32, torch.int64)):
+            got = (f"{input_ids.dtype} {tuple(input_ids.shape)}"
+                   if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+            raise ValueError("input_ids must be an int64/int32 tensor of shape "
+                             f"(batch >= 1, length >= 1), got {got}")
+        device, vocab = (self.model.embed_tokens.weight.device,
+                         self.model.embed_tokens.num_embeddings)
         if input_ids.device != device:
             raise ValueError(f"input_ids is on {input_ids.device} but the model on {device}")
-        if input_ids.min() < 0 or input_ids.max() >= vocab:  # one host sync per prompt, never in decode
+        if input_ids.min() < 0 or input_ids.max() >= vocab:  # one host sync a prompt, not in decode
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got values in "
                              f"[{input_ids.min().item()}, {input_ids.max().item()}]")
 
     def _check_slots(self, slots, batch: int) -> None:
         device = self.model.embed_tokens.weight.device
-        if (not isinstance(slots, torch.Tensor) or slots.shape != (batch,) or slots.device != device
-                or slots.dtype not in (torch.int32, torch.int64)):
-            raise ValueError(f"slots must be an int64/int32 tensor of shape ({batch},) on {device}, "
-                             f"got {_described(slots)}")
+        if (not isinstance(slots, torch.Tensor) or slots.shape != (batch,)
+                or slots.device != device or slots.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"slots must be an int64/int32 tensor of shape ({batch},) on "
+                             f"{device}, got {_described(slots)}")
         self._check_ranges({"slots": slots})
 
     def _check_decode_inputs(self, inputs) -> None:
@@ -195,20 +195,20 @@ class CausalLM(nn.Module):
                              "then prefill")
         if not isinstance(inputs, dict) or set(inputs) != set(DECODE_INPUTS):
             got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
-            raise ValueError(f"decode_step takes a dict of exactly {list(DECODE_INPUTS)}, got {got}")
+            raise ValueError(f"decode_step takes a dict of exactly {list(DECODE_INPUTS)}, "
+                             f"got {got}")
         device = self.model.embed_tokens.weight.device
         for name, tensor in inputs.items():
             if (not isinstance(tensor, torch.Tensor) or tensor.dim() != 1
                     or tensor.dtype not in (torch.int32, torch.int64) or tensor.device != device):
-                raise ValueError(f"decode_step's {name} must be an int64/int32 tensor of shape (batch,) "
-                                 f"on {device}, got {_described(tensor)}")
+                raise ValueError(f"decode_step's {name} must be an int64/int32 tensor of shape "
+                                 f"(batch,) on {device}, got {_described(tensor)}")
         if len({len(tensor) for tensor in inputs.values()}) != 1:
             sizes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in inputs.items())
             raise ValueError(f"decode_step's inputs must have one batch size, got {sizes}")
         self._check_ranges(inputs)
 
     def _check_ranges(self, inputs: dict[str, torch.Tensor]) -> None:
-        """Token ids in the vocabulary, positions and slots in setup()'s cache: one host sync."""
         bounds = {"token_ids": (self.model.embed_tokens.num_embeddings, "vocab_size"),
                   "positions": (self.cache.max_seq, "setup()'s max_seq"),
                   "slots": (self.cache.max_batch, "setup()'s max_batch")}
@@ -226,14 +226,9 @@ class CausalLM(nn.Module):
                 raise ValueError(f"{name} must lie in [0, {what}={high}), got values in "
                                  f"[{least}, {most}]{fix}")
 
-    # ---- set-up and generation ---------------------------------------------------------------
-
-    def setup(self, max_batch: int, max_seq: int, batch_sizes: tuple[int, ...] | None = None) -> None:
-        """Allocate the KV cache for max_batch sequences of max_seq tokens and, on CUDA, capture the
-        decode graphs for batches up to max_batch (the serving engines' buckets, or `batch_sizes`).
-        A cache larger than the free memory is refused before anything is allocated. Under all-to-all
-        expert parallelism every rank must call it with the same max_batch: one graph of max_batch
-        rows, replayed in lockstep."""
+    def setup(self, max_batch: int, max_seq: int,
+              batch_sizes: tuple[int, ...] | None = None) -> None:
+        """The KV cache and, on CUDA, the decode graphs; all-to-all EP ranks pass one max_batch."""
         max_batch = _count("setup's max_batch", max_batch, 1)
         max_seq = _count("setup's max_seq", max_seq, 1)
         if batch_sizes is not None:
@@ -243,28 +238,31 @@ class CausalLM(nn.Module):
         self.cache = self.graphs = None  # freed before the new one is allocated
         parameter = next(self.parameters())
         config = self.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq, config.num_key_value_heads, head_dim,
-                                   parameter.dtype, parameter.device)
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
+        self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq,
+                                   config.num_key_value_heads, head_dim, parameter.dtype,
+                                   parameter.device)
         runners = [layer.runner for layer in self.modules() if isinstance(layer, FusedMoE)]
         capturable = all(runner.graph_capturable for runner in runners)
-        # Expert-parallel ranks decode their own sequences, but their graphs hold a dispatch to each
-        # other: one bucket (max_batch, the same on every rank), replayed by every rank at every step.
+        # EP ranks' graphs hold a dispatch to each other: one bucket (max_batch), run by every rank
         lockstep = any(runner.lockstep for runner in runners)
         if self.use_graphs and capturable and parameter.device.type == "cuda":
             vocab = self.model.embed_tokens.num_embeddings
-            inputs = {"token_ids": StaticInput(bounds=(0, vocab)),  # a caller's, checked by graphs(...)
+            inputs = {"token_ids": StaticInput(bounds=(0, vocab)),  # checked by graphs(...)
                       "positions": StaticInput(bounds=(0, max_seq)),
-                      "slots": StaticInput(pad_value=self.cache.dummy_slot, bounds=(0, max_batch))}
+                      "slots": StaticInput(pad_value=self.cache.dummy_slot,
+                                           bounds=(0, max_batch))}
             sizes = (max_batch,) if lockstep else batch_sizes or default_batch_sizes(max_batch)
             config = GraphConfig(batch_sizes=sizes, lockstep=lockstep)
             self.graphs = DecodeGraphRunner(self._decode_step, inputs, config)
             self.graphs.capture()
 
     def cache_bytes(self, max_batch: int, max_seq: int) -> int:
-        """What setup(max_batch, max_seq) allocates: K and V per layer, [max_batch + 1, Hkv, S, D]."""
+        """setup's allocation: K and V per layer, each [max_batch + 1, Hkv, S, D]."""
         config = self.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (getattr(config, "head_dim", None)
+                    or config.hidden_size // config.num_attention_heads)
         element = next(self.parameters()).element_size()
         per_slot = config.num_key_value_heads * max_seq * head_dim * element
         return 2 * config.num_hidden_layers * (max_batch + 1) * per_slot
@@ -278,33 +276,33 @@ class CausalLM(nn.Module):
             limit = getattr(self.config, "max_position_embeddings", None)
             hint = f" (config.json's max_position_embeddings is {limit})" if limit else ""
             raise ValueError(f"{what or f'setup({max_batch}, {max_seq})'} needs a KV cache of "
-                             f"{needed / 2**30:.3g} GiB for {max_batch} x {max_seq} tokens, more than the "
-                             f"{free / 2**30:.3g} GiB free on {device}: {fix}{hint}")
+                             f"{needed / 2**30:.3g} GiB for {max_batch} x {max_seq} tokens, more "
+                             f"than the {free / 2**30:.3g} GiB free on {device}: {fix}{hint}")
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id=FROM_CONFIG,
                  pad_token_id=FROM_CONFIG) -> torch.Tensor:
-        """Greedy decoding, as transformers' generate(do_sample=False): (B, L) -> (B, L + n). Each
-        sequence stops at its first `eos_token_id` (an id or a list; default the checkpoint's, None:
-        never), later positions getting `pad_token_id` (default the checkpoint's, else the first eos
-        id); n is max_new_tokens, or fewer when every sequence has stopped. Eager prefill, then
-        decode steps (through CUDA graphs on a GPU)."""
+        """Greedy decoding, as transformers': (B, L) -> (B, L + n), n <= max_new_tokens. The eos /
+        pad ids default to the checkpoint's (eos None: never stop; pad None: the first eos id)."""
         self._check_input_ids(input_ids)
         max_new_tokens = _count("max_new_tokens", max_new_tokens, 0)
         stop = self._stop_tokens(eos_token_id, pad_token_id)
         B, L = input_ids.shape
         if max_new_tokens == 0:
             return input_ids.clone()
-        if self.cache is None or self.cache.max_batch < B or self.cache.max_seq < L + max_new_tokens:
+        if (self.cache is None or self.cache.max_batch < B
+                or self.cache.max_seq < L + max_new_tokens):
             self._check_cache_fits(B, L + max_new_tokens, "ask for fewer new tokens",
-                                   f"generate({B} x {L} prompt tokens, max_new_tokens={max_new_tokens})")
+                                   f"generate({B} x {L} prompt tokens, "
+                                   f"max_new_tokens={max_new_tokens})")
             self.setup(B, L + max_new_tokens)
         slots = torch.arange(B, device=input_ids.device)
         # generate's positions and slots lie in the cache by construction: the unchecked step
         step = self.graphs.run if self.graphs is not None else self._decode_step
         token = self.prefill_last(input_ids, slots).argmax(-1)  # [B]
-        # Expert-parallel ranks decode their own sequences in lockstep: none may return early alone
-        lockstep = any(layer.runner.lockstep for layer in self.modules() if isinstance(layer, FusedMoE))
+        # EP ranks decode in lockstep: none may return early alone
+        lockstep = any(layer.runner.lockstep for layer in self.modules()
+                       if isinstance(layer, FusedMoE))
         generated = _Generated(stop, B, max_new_tokens, input_ids.device, early=not lockstep)
         tokens = [input_ids]
         for i in range(max_new_tokens):
@@ -323,19 +321,18 @@ class CausalLM(nn.Module):
 
 
 class _Generated:
-    """generate's per-sequence stop, on the device: the token each step emits, and how many steps the
-    output needs (transformers returns as soon as every sequence has stopped)."""
+    """generate's per-sequence stop, on the device: each step's tokens, and the steps it needs."""
 
     def __init__(self, stop: StopTokens, batch: int, max_new_tokens: int, device, early: bool):
-        self.max_new_tokens, self.early = max_new_tokens, early  # early: may stop before max_new_tokens
+        self.max_new_tokens, self.early = max_new_tokens, early  # early: may stop before the end
         ids = stop.eos_token_ids
         self.eos = torch.tensor(ids, dtype=torch.int64, device=device) if ids else None
         self.pad = stop.pad if self.eos is not None else None
-        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]: has emitted an eos
-        self.lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64, device=device)  # [B]
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]: emitted an eos
+        self.lengths = torch.full((batch,), max_new_tokens, dtype=torch.int64,
+                                  device=device)  # [B]
 
     def add(self, i: int, token: torch.Tensor) -> torch.Tensor:
-        """The output of step i: the greedy `token` [B], or pad where the sequence has stopped."""
         if self.eos is None:
             return token
         out = torch.where(self.stopped, self.pad, token)
@@ -345,8 +342,7 @@ class _Generated:
         return out
 
     def all_stopped(self, i: int) -> bool:
-        """Read on the host once per FINISHED_CHECK_EVERY steps, not at every step (the steps
-        computed past the last stop are trimmed: they emit only pad)."""
+        # a host read every FINISHED_CHECK_EVERY steps; steps past the last stop are trimmed
         checked = self.early and self.eos is not None and (i + 1) % FINISHED_CHECK_EVERY == 0
         return checked and bool(self.stopped.all())
 
@@ -357,7 +353,7 @@ class _Generated:
 def _bucket_sizes(batch_sizes, max_batch: int) -> tuple[int, ...]:
     try:
         sizes = tuple(_count("", size, 1) for size in batch_sizes)
-    except (TypeError, ValueError):  # not iterable, or not positive integers
+    except (TypeError, ValueError):
         sizes = ()
     if not sizes or max(sizes) > max_batch:
         raise ValueError(f"setup's batch_sizes must be integers in [1, max_batch={max_batch}], "
@@ -372,8 +368,7 @@ def _described(value) -> str:
 
 
 def _free_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation on `device` can take: the GPU's free memory plus what torch's
-    allocator holds unused; the machine's available memory on CPU; None elsewhere (meta)."""
+    """GPU: free memory plus torch's unused reserve; CPU: available memory; else None (meta)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -1,19 +1,4 @@
-"""Decode attention over the static KV cache, read in place: one new token per sequence against its
-own cache slot, up to its real context length (flash-decoding: a split pass, then a combine).
-
-    q [B, Hq, D]; keys / values [slots + 1, Hkv, S, D] (the cache); slots [B]; positions [B]
-      -> _split_kernel    grid (B, Hkv, splits): the G = Hq / Hkv query heads of one KV head together,
-                          over the program's share of positions (pos - W, pos] (W: sliding window,
-                          else all of 0 .. pos), BLOCK_N keys at a time, online softmax in float32:
-                          partial (max, sum, unnormalised output) per split
-      -> _combine_kernel  grid (B, Hq): the splits' partials rescaled to their common max and summed
-      -> out [B, Hq, D] in q's dtype
-
-What it saves against SDPA over gathered cache rows through a mask: no copy of each sequence's
-K/V rows (`keys[slots]`), no mask, no reads of the cache's unused tail; the bytes read are the
-real context's K and V. The splits divide each sequence's real context, read on the device, so one
-long sequence fills the GPU and nothing is read on the host (graph-capturable).
-"""
+"""Flash-decoding over the static KV cache in place: only each sequence's context, no host read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +39,7 @@ def _split_kernel(
     lo = start + split * chunk
     hi = tl.where(in_cache, tl.minimum(lo + chunk, pos + 1), lo)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP are padding for tl.dot's 16-row minimum
+    heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP pad to tl.dot's 16-row minimum
     d_ok = d < D
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
                 mask=(g[:, None] < GROUP) & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
@@ -66,7 +51,8 @@ def _split_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         tile = row + n[:, None].to(tl.int64) * stride_c_s + d[None, :]
-        k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         s = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -87,7 +73,8 @@ def _split_kernel(
 @interpreter_serialized
 @triton.jit
 def _combine_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_o_b, stride_o_h, HQ,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+                    BLOCK_S: tl.constexpr):
     b, head = tl.program_id(0), tl.program_id(1)
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     part = (b * HQ + head) * SPLITS + s  # [BLOCK_S]
@@ -95,32 +82,34 @@ def _combine_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_o_b, stride_o_
     m = tl.load(part_stats_ptr + part * 2, mask=s_ok, other=float("-inf"))
     total = tl.load(part_stats_ptr + part * 2 + 1, mask=s_ok, other=0.0)
     weight = tl.exp(m - tl.max(m, 0))  # [BLOCK_S]; 0 for empty splits
-    acc = tl.load(part_out_ptr + part[:, None] * D + d[None, :], mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
+    acc = tl.load(part_out_ptr + part[:, None] * D + d[None, :],
+                  mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)  # [BLOCK_D]
-    tl.store(out_ptr + b * stride_o_b + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(out_ptr + b * stride_o_b + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < D)
 
 
-def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                     positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
-    """q (B, Hq, D) of the token at `positions` (B,) of the sequences in cache `slots` (B,), whose
-    keys / values (slots + 1, Hkv, S, D) are already written -> a fresh (B, Hq, D) in q's dtype.
-    A sliding `window` W attends to positions (pos - W, pos], as transformers does. A row whose slot
-    or position lies outside the cache reads nothing of it and comes out NaN (no host check)."""
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor, positions: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+    """q (B, Hq, D) at `positions` (B,) over cache rows `slots` (B,) of keys / values (slots + 1,
+    Hkv, S, D): a fresh (B, Hq, D). A `window` W reads (pos - W, pos]; outside the cache: NaN."""
     _check(q, keys, values, slots, positions)
     if torch.compiler.is_compiling():
-        return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale, window or 0)
+        return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale,
+                                                     window or 0)
     return _compute(q, keys, values, slots, positions, scale, window or 0)
 
 
 def _compute(q, keys, values, slots, positions, scale: float, window: int) -> torch.Tensor:
-    """The kernels on CUDA or the interpreter in a dtype it computes correctly; else the torch reference."""
     if not triton_computes_exactly(q.device, q.dtype):
-        return decode_attention_torch(q, keys, values, slots, positions, scale, window or None).to(q.dtype)
+        return decode_attention_torch(q, keys, values, slots, positions, scale,
+                                      window or None).to(q.dtype)
     return _launch(q, keys, values, slots, positions, scale, window)
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
-    """Enough programs for two waves over the SMs (four programs' worth on CPU), at most one per block."""
+    """Two waves of programs over the SMs (four programs on CPU), at most one split per block."""
     programs = 2 * device_limits(device)[0] if device.type == "cuda" else 4
     return max(1, min(triton.cdiv(programs, batch * kv_heads), triton.cdiv(max_seq, block_n), 64))
 
@@ -129,22 +118,23 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int) -> tor
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     if q.shape[0] == 0:
         return out
-    signature = tuple(tensor_signature(t) for t in (q, keys, values, slots, positions)) + (scale, window)
+    signature = (tuple(tensor_signature(t) for t in (q, keys, values, slots, positions))
+                 + (scale, window))
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS.add(signature, _plan(q, keys, scale, window))
-    part_out = torch.empty(plan.parts + (q.shape[2],), dtype=torch.float32, device=q.device)  # unnormalised outputs
-    part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32, device=q.device)  # (max, sum) per split
-    plan.split(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions, part_out_ptr=part_out,
-               part_stats_ptr=part_stats)
+    part_out = torch.empty(plan.parts + (q.shape[2],), dtype=torch.float32,
+                           device=q.device)  # [B, Hq, splits, D] unnormalised outputs
+    part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32,
+                             device=q.device)  # [B, Hq, splits, 2] (max, sum) per split
+    plan.split(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions,
+               part_out_ptr=part_out, part_stats_ptr=part_stats)
     plan.combine(part_out_ptr=part_out, part_stats_ptr=part_stats, out_ptr=out)
     return out
 
 
 @dataclass(frozen=True)
 class _AttentionPlan:
-    """The two launches of one signature (q's and the cache's metadata, scale, window), bound once."""
-
     parts: tuple[int, int, int]  # (B, Hq, splits): one partial result per query head and split
     split: BoundLaunch
     combine: BoundLaunch
@@ -157,13 +147,14 @@ def _plan(q, keys, scale: float, window: int) -> _AttentionPlan:
     splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
     group = Hq // Hkv
     split = BoundLaunch(_split_kernel, (B, Hkv, splits), dict(
-        stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0), stride_c_h=keys.stride(1),
-        stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S, scale=scale, window=window,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_N=BLOCK_N, SPLITS=splits, IEEE=q.dtype == torch.float32))
+        stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0),
+        stride_c_h=keys.stride(1), stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S,
+        scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
+        IEEE=q.dtype == torch.float32))
     combine = BoundLaunch(_combine_kernel, (B, Hq), dict(
-        stride_o_b=Hq * D, stride_o_h=D, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D), SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits)))
+        stride_o_b=Hq * D, stride_o_h=D, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D),
+        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)))
     return _AttentionPlan((B, Hq, splits), split, combine)
 
 
@@ -171,16 +162,18 @@ _PLANS = PlanCache()
 
 
 def _check(q, keys, values, slots, positions) -> None:
-    if q.dim() != 3 or keys.dim() != 4 or keys.shape != values.shape or keys.stride() != values.stride():
-        raise ValueError(f"q must be (B, Hq, D) and keys / values the same (slots, Hkv, S, D) cache, got "
-                         f"{tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
+    if (q.dim() != 3 or keys.dim() != 4 or keys.shape != values.shape
+            or keys.stride() != values.stride()):
+        raise ValueError(f"q must be (B, Hq, D) and keys / values the same (slots, Hkv, S, D) "
+                         f"cache, got {tuple(q.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}")
     B, Hq, D = q.shape
     if keys.shape[3] != D or Hq % keys.shape[1] or keys.stride(3) != 1 or q.stride(2) != 1:
-        raise ValueError(f"q (B, Hq={Hq}, D={D}) needs a cache (slots, Hkv, S, D={D}) with Hq % Hkv == 0 and unit "
-                         f"last strides, got {tuple(keys.shape)}")
+        raise ValueError(f"q (B, Hq={Hq}, D={D}) needs a cache (slots, Hkv, S, D={D}) with "
+                         f"Hq % Hkv == 0 and unit last strides, got {tuple(keys.shape)}")
     if keys.dtype != q.dtype or slots.shape != (B,) or positions.shape != (B,):
-        raise ValueError(f"the cache must have q's dtype {q.dtype} and slots / positions shape ({B},), got "
-                         f"{keys.dtype}, {tuple(slots.shape)}, {tuple(positions.shape)}")
+        raise ValueError(f"the cache must have q's dtype {q.dtype} and slots / positions shape "
+                         f"({B},), got {keys.dtype}, {tuple(slots.shape)}, "
+                         f"{tuple(positions.shape)}")
 
 
 def _decode_attention_fake(q, *args):
@@ -188,14 +181,15 @@ def _decode_attention_fake(q, *args):
 
 
 @register_op("decode_attention", _decode_attention_fake)
-def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                         positions: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         slots: torch.Tensor, positions: torch.Tensor, scale: float,
+                         window: int) -> torch.Tensor:
     return _compute(q, keys, values, slots, positions, scale, window)
 
 
-def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                           positions: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
-    """The reference, float32: each sequence's cache row gathered, masked to its context, softmax."""
+def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           slots: torch.Tensor, positions: torch.Tensor, scale: float,
+                           window: int | None = None) -> torch.Tensor:
     B, Hq, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     in_cache = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < S)  # [B]
@@ -204,9 +198,10 @@ def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     v = values[rows].float().repeat_interleave(Hq // Hkv, dim=1)
     scores = torch.einsum("bhd,bhsd->bhs", q.float(), k) * scale  # [B, Hq, S]
     columns = torch.arange(S, device=q.device)
-    allowed = (columns[None, :] <= positions[:, None]) & in_cache[:, None]  # [B, S]; none: a NaN row
+    allowed = (columns[None, :] <= positions[:, None]) & in_cache[:, None]  # [B, S]; none: NaN
     if window:
         allowed &= columns[None, :] > positions[:, None] - window
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    v = v.masked_fill(~allowed[:, None, :, None], 0.0)  # what lies outside the context is never read, not even as 0 * x
+    # what lies outside the context is never read, not even as 0 * x
+    v = v.masked_fill(~allowed[:, None, :, None], 0.0)
     return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)  # [B, Hq, D]

@@ -1,15 +1,5 @@
-"""RMSNorm in one kernel: `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dimension,
-optionally with the residual add before it (`add_rms_norm`).
-
-    x [..., N] (+ residual [..., N]: the sum rounded to x's dtype, stored, and normalised)
-      -> _rms_norm_kernel, one program per BLOCK_R rows: float32 statistics, the normalised row
-         rounded to x's dtype, then the weight applied (as transformers computes it)
-      -> a fresh [..., N] in x's dtype (and the fresh sum)
-
-In torch that is seven kernels (cast, square, mean, add, rsqrt, multiply, cast and multiply), eight
-with the residual add; a sequential decoder layer (Qwen3, MiniMax-M2) runs two norms, each after a
-residual add: two launches instead of ~sixteen.
-"""
+"""RMSNorm in one kernel (optionally after the residual add, `add_rms_norm`), as transformers does:
+`weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` over the last dim, float32 statistics."""
 from __future__ import annotations
 
 import torch
@@ -23,20 +13,22 @@ from moe_triton.weights import tensor_signature
 
 @interpreter_serialized
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, R, N, eps, stride_x_r, stride_residual_r,
-                     stride_out_r, ADD_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, R, N, eps, stride_x_r,
+                     stride_residual_r, stride_out_r, ADD_RESIDUAL: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < R) & (cols[None, :] < N)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x_r + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x_r + cols[None, :], mask=mask,
+                other=0.0)
     if ADD_RESIDUAL:  # the sum rounded to x's dtype, as torch's add rounds it, then normalised
-        residual = tl.load(residual_ptr + rows[:, None].to(tl.int64) * stride_residual_r + cols[None, :], mask=mask,
-                           other=0.0)
+        residual = tl.load(residual_ptr + rows[:, None].to(tl.int64) * stride_residual_r
+                           + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + rows[:, None].to(tl.int64) * stride_out_r + cols[None, :], x, mask=mask)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / N + eps)  # [BLOCK_R]
-    normed = (x32 * rstd[:, None]).to(x.dtype)  # rounded to the input dtype before the weight, as transformers
+    normed = (x32 * rstd[:, None]).to(x.dtype)  # rounded before the weight, as transformers does
     weight = tl.load(weight_ptr + cols, mask=cols < N, other=0.0)
     out = (normed.to(tl.float32) * weight.to(tl.float32)[None, :]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out_r + cols[None, :], out, mask=mask)
@@ -52,8 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual): the residual add fused into the norm after it. Both
-    fresh; x and residual (..., N) of one shape and dtype."""
+    """(rms_norm(x + residual), x + residual), both fresh."""
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x: {x.dtype} {tuple(x.shape)}, got {residual.dtype} "
@@ -65,14 +56,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.shape[-1:] != weight.shape:
-        raise ValueError(f"weight must have shape ({x.shape[-1]},) for x of shape {tuple(x.shape)}, got "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(weight.shape)}")
 
 
 def _compute(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """(normed, sum): sum is x + residual, or None without a residual."""
     if not triton_computes_exactly(x.device, x.dtype) or x.dtype != weight.dtype:
-        summed = x + residual if residual is not None else None  # the interpreter's bf16 casts truncate (platform.py)
+        # the interpreter's bf16 casts truncate (platform.py)
+        summed = x + residual if residual is not None else None
         return rms_norm_torch(summed if summed is not None else x, weight, eps), summed
     return _launch(x, residual, weight, eps)
 
@@ -95,16 +86,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def _norm_launch(rows, residual_rows, weight, eps: float, add_residual: bool) -> BoundLaunch:
-    """The launch of one signature (rows' and the residual's metadata, the weight's, eps), bound once."""
-    signature = (tensor_signature(rows), tensor_signature(residual_rows), tensor_signature(weight), eps, add_residual)
+    signature = (tensor_signature(rows), tensor_signature(residual_rows), tensor_signature(weight),
+                 eps, add_residual)
     launch = _LAUNCHES.get(signature)
     if launch is None:
         R, N = rows.shape
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
-        fixed = dict(R=R, N=N, eps=eps, stride_x_r=rows.stride(0), stride_residual_r=residual_rows.stride(0),
-                     stride_out_r=N, ADD_RESIDUAL=add_residual, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
-        launch = _LAUNCHES.add(signature, BoundLaunch(_rms_norm_kernel, (triton.cdiv(R, BLOCK_R),), fixed))
+        fixed = dict(R=R, N=N, eps=eps, stride_x_r=rows.stride(0),
+                     stride_residual_r=residual_rows.stride(0), stride_out_r=N,
+                     ADD_RESIDUAL=add_residual, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+        launch = _LAUNCHES.add(signature, BoundLaunch(_rms_norm_kernel, (triton.cdiv(R, BLOCK_R),),
+                                                      fixed))
     return launch
 
 
@@ -132,6 +125,6 @@ def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The reference, transformers' RMSNorm: float32 statistics, the weight applied in the input dtype."""
+    """The reference, transformers' RMSNorm: float32 statistics, the weight applied in x's dtype."""
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)

@@ -1,25 +1,5 @@
-"""Rotary position embedding in one kernel: x * cos + rotate(x) * sin on the first D_rot dims of
-every head, the rest passed through; rotate is rotate-half (Llama, Qwen, MiniMax) or pairwise
-(Cohere's interleaved form). Optionally each head is RMS-normalised first in the same kernel
-(Qwen3's q / k norms: one launch where there were two).
-
-    x [B, heads, L, D] (any strides, unit last), cos / sin [B, L, D_rot]
-      -> _rotary_kernel, one program per BLOCK_R (b, head, l) rows: the rotation in float32,
-         rounded once to x's dtype
-      -> a fresh [B, heads, L, D], contiguous
-
-In torch the rotation is ~8 kernels a tensor (slices, negation, concatenation, two products, a sum,
-the pass-through concatenation); a decode layer rotates q and k: two launches instead of ~16.
-
-The decode step's K/V cache write has the rotation of k folded in:
-
-    k, v [B, Hkv, 1, D]; cos / sin [B, 1, D_rot] or none (NoPE layers); the cache [slots + 1, Hkv, S, D]
-      -> _rotary_into_cache_kernel, one program per BLOCK_R (b, kv head) rows: k rotated (as above)
-         and stored at (slots[b], head, positions[b]); v copied to the same place
-      -> nothing returned: the cache written in place
-
-which replaces a rotary launch and two index_put kernels (one of them a gather) per layer.
-"""
+"""Rotary embedding in one kernel, optionally after a per-head RMSNorm (Qwen3's q / k norm), also
+fused into decode's K/V cache write: x * cos + rotate(x) * sin on each head's first D_rot dims."""
 from __future__ import annotations
 
 import torch
@@ -35,25 +15,22 @@ from .rms_norm import rms_norm_torch
 
 @triton.jit
 def _rstd(x, D: tl.constexpr, eps):
-    """1 / RMS of each row of x [BLOCK_R, BLOCK_D] (zeros past D), in float32."""
     x32 = x.to(tl.float32)
     return 1.0 / tl.sqrt(tl.sum(x32 * x32, 1) / D + eps)
 
 
 @triton.jit
 def _rms_normed(x, rstd, norm_ptr, cols, valid):
-    """RMSNorm as models/rms_norm.py computes it: the normalised row rounded to x's dtype, then the
-    weight (at `cols`) applied and rounded again."""
+    """RMSNorm as rms_norm.py rounds it: normalised row to x's dtype, then the weight at `cols`."""
     weight = tl.load(norm_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * weight[None, :]).to(x.dtype)
+    return ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            * weight[None, :]).to(x.dtype)
 
 
 @triton.jit
 def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd,
              D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
-    """x [BLOCK_R, BLOCK_D] (rows at x_row; already normalised when NORM) with its first D_ROT
-    columns rotated by the cos / sin rows at c_row: in float32, rounded once to x's dtype. With NORM
-    the partner values are normalised as x was (same row, same rstd)."""
+    """x's first D_ROT columns rotated by the cos / sin rows at c_row, partners normed as x was."""
     if INTERLEAVED:  # pairs (x0, x1), (x2, x3), ...: rotate -> (-x1, x0), (-x3, x2), ...
         partner = cols ^ 1
         sign = tl.where(cols % 2 == 0, -1.0, 1.0)
@@ -67,10 +44,9 @@ def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, r
         x_partner = _rms_normed(x_partner, rstd, norm_ptr, partner, rot)
     cos = tl.load(cos_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=1.0)
     sin = tl.load(sin_ptr + c_row[:, None] + cols[None, :], mask=rot_mask, other=0.0)
-    # Not torch's three roundings in x's dtype: the GPU compiler contracts x * cos into the sum as an
-    # FMA whatever casts stand between them (seen on the H200), so a bit-for-bit copy of torch is not
-    # on offer; one rounding is the more accurate of the two.
-    rotated = x.to(tl.float32) * cos.to(tl.float32) + x_partner.to(tl.float32) * sign[None, :] * sin.to(tl.float32)
+    # one rounding, not torch's three: the compiler fuses x * cos into an FMA whatever the casts
+    rotated = (x.to(tl.float32) * cos.to(tl.float32)
+               + x_partner.to(tl.float32) * sign[None, :] * sin.to(tl.float32))
     return tl.where(rot[None, :], rotated.to(x.dtype), x)
 
 
@@ -78,8 +54,8 @@ def _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, r
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
                    stride_x_b, stride_x_h, stride_x_l, stride_c_b, stride_c_l,
-                   D: tl.constexpr, D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                   D: tl.constexpr, D_ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, head, l) flattened, l fastest
     b, head, pos = rows // (HEADS * L), (rows // L) % HEADS, rows % L
     cols = tl.arange(0, BLOCK_D)
@@ -91,18 +67,21 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
     rstd = _rstd(x, D, eps)  # unused without NORM
     if NORM:
         x = _rms_normed(x, rstd, norm_ptr, cols, cols < D)
-    out = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd, D_ROT, INTERLEAVED, NORM)
+    out = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd, D_ROT,
+                   INTERLEAVED, NORM)
     out_row = rows.to(tl.int64) * D
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out, mask=mask)
 
 
 @interpreter_serialized
 @triton.jit
-def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr, values_ptr, slots_ptr,
-                              positions_ptr, R, HEADS, NUM_SLOTS, S, eps, stride_k_b, stride_k_h, stride_v_b,
-                              stride_v_h, stride_c_b, stride_cache_slot, stride_cache_h, stride_cache_s,
-                              D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr,
-                              NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr, values_ptr,
+                              slots_ptr, positions_ptr, R, HEADS, NUM_SLOTS, S, eps,
+                              stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,
+                              stride_cache_slot, stride_cache_h, stride_cache_s,
+                              D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
+                              INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, kv head) flattened
     b, head = rows // HEADS, rows % HEADS
     cols = tl.arange(0, BLOCK_D)
@@ -111,7 +90,8 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr
     position = tl.load(positions_ptr + b, mask=row_ok, other=0).to(tl.int64)
     # a (slot, position) outside the cache writes nothing, also inside a graph the host never checks
     in_cache = (slot >= 0) & (slot < NUM_SLOTS) & (position >= 0) & (position < S)
-    cache_row = slot * stride_cache_slot + head * stride_cache_h + position * stride_cache_s  # [BLOCK_R]
+    cache_row = (slot * stride_cache_slot + head * stride_cache_h
+                 + position * stride_cache_s)  # [BLOCK_R]
     mask = row_ok[:, None] & (cols[None, :] < D)
     store_mask = mask & in_cache[:, None]
     k_row = b.to(tl.int64) * stride_k_b + head * stride_k_h
@@ -120,23 +100,21 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr
     if NORM:
         k = _rms_normed(k, rstd, norm_ptr, cols, cols < D)
     if ROTATE:
-        k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols, norm_ptr, rstd,
-                     D_ROT, INTERLEAVED, NORM)
+        k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols,
+                     norm_ptr, rstd, D_ROT, INTERLEAVED, NORM)
     tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=store_mask)
-    v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h + cols[None, :], mask=mask,
-                other=0.0)
+    v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h
+                + cols[None, :], mask=mask, other=0.0)
     tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=store_mask)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
                  norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
-    """x (B, heads, L, D); cos / sin (B, L, D_rot) in x's dtype -> a fresh (B, heads, L, D). A partial
-    rotary (D_rot < D) rotates the first D_rot dims and passes the rest through. With `norm_weight`
-    (D,), each head is first RMS-normalised (Qwen3's q / k norm, `norm_eps`) in the same kernel."""
+    """x (B, heads, L, D), cos / sin (B, L, D_rot) -> a fresh (B, heads, L, D), normed first."""
     B, heads, L, D = x.shape
     if cos.shape != sin.shape or cos.shape[:2] != (B, L) or cos.shape[2] > D or cos.shape[2] % 2:
-        raise ValueError(f"cos / sin must be (B={B}, L={L}, D_rot <= {D}, even), got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(f"cos / sin must be (B={B}, L={L}, D_rot <= {D}, even), got "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     _check_norm(norm_weight, x)
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.rotary(x, cos, sin, interleaved, norm_weight, norm_eps)
@@ -150,8 +128,10 @@ def _check_norm(norm_weight: torch.Tensor | None, x: torch.Tensor) -> None:
                          f"{tuple(norm_weight.shape)} in {norm_weight.dtype}")
 
 
-def _compute(x, cos, sin, interleaved: bool, norm_weight=None, norm_eps: float = 0.0) -> torch.Tensor:
-    if not triton_computes_exactly(x.device, x.dtype) or x.stride(3) != 1:  # the interpreter's bf16 casts truncate
+def _compute(x, cos, sin, interleaved: bool, norm_weight=None,
+             norm_eps: float = 0.0) -> torch.Tensor:
+    # the interpreter's bf16 casts truncate
+    if not triton_computes_exactly(x.device, x.dtype) or x.stride(3) != 1:
         return rotated_once_torch(_normed_torch(x, norm_weight, norm_eps), cos, sin, interleaved)
     B, heads, L, D = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
@@ -164,9 +144,8 @@ def _compute(x, cos, sin, interleaved: bool, norm_weight=None, norm_eps: float =
 
 
 def _rotary_launch(x, cos, sin, norm, eps: float, interleaved: bool, normed: bool) -> BoundLaunch:
-    """The launch of one signature (x's, cos / sin's and the norm's metadata, the options), bound once."""
-    signature = (tensor_signature(x), tensor_signature(cos), tensor_signature(sin), tensor_signature(norm), eps,
-                 interleaved, normed)
+    signature = (tensor_signature(x), tensor_signature(cos), tensor_signature(sin),
+                 tensor_signature(norm), eps, interleaved, normed)
     launch = _LAUNCHES.get(signature)
     if launch is None:
         B, heads, L, D = x.shape
@@ -174,9 +153,11 @@ def _rotary_launch(x, cos, sin, norm, eps: float, interleaved: bool, normed: boo
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
         fixed = dict(R=R, HEADS=heads, L=L, eps=eps, stride_x_b=x.stride(0), stride_x_h=x.stride(1),
-                     stride_x_l=x.stride(2), stride_c_b=cos.stride(0), stride_c_l=cos.stride(1), D=D,
-                     D_ROT=cos.shape[2], INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
-        launch = _LAUNCHES.add(signature, BoundLaunch(_rotary_kernel, (triton.cdiv(R, BLOCK_R),), fixed))
+                     stride_x_l=x.stride(2), stride_c_b=cos.stride(0), stride_c_l=cos.stride(1),
+                     D=D, D_ROT=cos.shape[2], INTERLEAVED=interleaved, NORM=normed,
+                     BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        launch = _LAUNCHES.add(signature, BoundLaunch(_rotary_kernel, (triton.cdiv(R, BLOCK_R),),
+                                                      fixed))
     return launch
 
 
@@ -193,81 +174,88 @@ def _rotary_op(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return _compute(x, cos, sin, interleaved, norm_weight, norm_eps)
 
 
-def rotate_into_cache(k: torch.Tensor, v: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                      keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
+                      rotary: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
+                      values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                       interleaved: bool = False, norm_weight: torch.Tensor | None = None,
                       norm_eps: float = 0.0) -> None:
-    """One decode token per sequence into the cache: k (B, Hkv, 1, D) RMS-normalised per head when
-    `norm_weight` is given, rotated by `rotary` = (cos, sin), each (B, 1, D_rot), or not at all
-    (None: a NoPE layer), and v (B, Hkv, 1, D) stored at keys / values [slots[b], :, positions[b]]
-    (the cache: (slots + 1, Hkv, S, D)); a row whose slot or position lies outside the cache is not
-    written (never checked on the host). Graph-capturable."""
+    """k (normed, rotated by `rotary` = (cos, sin) (B, 1, D_rot), or None: NoPE), v (B, Hkv, 1, D)
+    into keys / values [slots[b], :, positions[b]]; rows outside the cache are not written."""
     B, heads, L, D = k.shape
-    if L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D) or values.shape != keys.shape:
-        raise ValueError(f"k / v must be (B, Hkv, 1, D) and the cache (slots, Hkv, S, D) with the same Hkv and D, "
-                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}, keys {tuple(keys.shape)}, "
-                         f"values {tuple(values.shape)}")
+    if (L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D)
+            or values.shape != keys.shape):
+        raise ValueError(f"k / v must be (B, Hkv, 1, D) and the cache (slots, Hkv, S, D) with the "
+                         f"same Hkv and D, got k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
     _check_norm(norm_weight, k)
     cos, sin = rotary if rotary is not None else (None, None)
     if torch.compiler.is_compiling():
-        return torch.ops.moe_triton.rotate_into_cache(k, v, cos, sin, keys, values, slots, positions, interleaved,
-                                                      norm_weight, norm_eps)
-    return _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps)
+        return torch.ops.moe_triton.rotate_into_cache(k, v, cos, sin, keys, values, slots,
+                                                      positions, interleaved, norm_weight,
+                                                      norm_eps)
+    return _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
+                  norm_eps)
 
 
 def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
            norm_eps: float = 0.0) -> None:
     contiguous = keys.is_contiguous() and values.is_contiguous()
     if not triton_computes_exactly(k.device, k.dtype) or not contiguous:
-        return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys, values, slots,
-                                       positions, interleaved)
-    k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))  # the kernel needs unit last strides
+        return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys,
+                                       values, slots, positions, interleaved)
+    k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))
     if k.shape[0] * k.shape[1]:
         rotate = cos is not None
-        cos, sin = (cos.contiguous(), sin.contiguous()) if rotate else (k, k)  # unread without rotation
+        # unread without rotation
+        cos, sin = (cos.contiguous(), sin.contiguous()) if rotate else (k, k)
         norm = k if norm_weight is None else norm_weight
-        tensors = dict(k_ptr=k, v_ptr=v, cos_ptr=cos, sin_ptr=sin, norm_ptr=norm, keys_ptr=keys, values_ptr=values,
-                       slots_ptr=slots, positions_ptr=positions)
+        tensors = dict(k_ptr=k, v_ptr=v, cos_ptr=cos, sin_ptr=sin, norm_ptr=norm, keys_ptr=keys,
+                       values_ptr=values, slots_ptr=slots, positions_ptr=positions)
         _cache_launch(tensors, norm_eps, interleaved, rotate, norm_weight is not None)(**tensors)
 
 
-def _cache_launch(tensors: dict, eps: float, interleaved: bool, rotate: bool, normed: bool) -> BoundLaunch:
-    """The cache write's launch of one signature (every tensor's metadata, the options), bound once."""
+def _cache_launch(tensors: dict, eps: float, interleaved: bool, rotate: bool,
+                  normed: bool) -> BoundLaunch:
     signature = (*(tensor_signature(t) for t in tensors.values()), eps, interleaved, rotate, normed)
     launch = _CACHE_LAUNCHES.get(signature)
     if launch is None:
-        k, v, cos, keys = tensors["k_ptr"], tensors["v_ptr"], tensors["cos_ptr"], tensors["keys_ptr"]
+        k, v, cos, keys = (tensors["k_ptr"], tensors["v_ptr"], tensors["cos_ptr"],
+                           tensors["keys_ptr"])
         B, heads, _, D = k.shape
         R = B * heads
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
-        fixed = dict(R=R, HEADS=heads, NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps, stride_k_b=k.stride(0),
-                     stride_k_h=k.stride(1), stride_v_b=v.stride(0), stride_v_h=v.stride(1),
-                     stride_c_b=cos.stride(0), stride_cache_slot=keys.stride(0), stride_cache_h=keys.stride(1),
-                     stride_cache_s=keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
-                     INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
-        launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel, (triton.cdiv(R, BLOCK_R),),
-                                                            fixed))
+        fixed = dict(R=R, HEADS=heads, NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps,
+                     stride_k_b=k.stride(0), stride_k_h=k.stride(1), stride_v_b=v.stride(0),
+                     stride_v_h=v.stride(1), stride_c_b=cos.stride(0),
+                     stride_cache_slot=keys.stride(0), stride_cache_h=keys.stride(1),
+                     stride_cache_s=keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0,
+                     ROTATE=rotate, INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R,
+                     BLOCK_D=BLOCK_D)
+        launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel,
+                                                            (triton.cdiv(R, BLOCK_R),), fixed))
     return launch
 
 
 _CACHE_LAUNCHES = PlanCache()
 
 
-def _rotate_into_cache_fake(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps):
+def _rotate_into_cache_fake(k, v, cos, sin, keys, values, slots, positions, interleaved,
+                            norm_weight, norm_eps):
     return None
 
 
 @register_op("rotate_into_cache", _rotate_into_cache_fake, mutates_args=("keys", "values"))
-def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                          keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                          interleaved: bool, norm_weight: torch.Tensor | None, norm_eps: float) -> None:
+def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+                          sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+                          slots: torch.Tensor, positions: torch.Tensor, interleaved: bool,
+                          norm_weight: torch.Tensor | None, norm_eps: float) -> None:
     _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps)
 
 
-def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, interleaved: bool = False) -> None:
-    """The reference: the rotation of rotated_once_torch, then two index_put writes of the rows whose
-    (slot, position) lies in the cache (selecting them reads the device on the host)."""
+def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions,
+                            interleaved: bool = False) -> None:
+    """The reference: rotated_once_torch, then index_put of the rows in the cache (a host read)."""
     if cos is not None:
         k = rotated_once_torch(k, cos, sin, interleaved)
     ok = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < keys.shape[2])
@@ -275,12 +263,13 @@ def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions, inte
     values[slots[ok], :, positions[ok]] = v[ok, :, 0]
 
 
-def _normed_torch(x: torch.Tensor, norm_weight: torch.Tensor | None, norm_eps: float) -> torch.Tensor:
+def _normed_torch(x: torch.Tensor, norm_weight: torch.Tensor | None,
+                  norm_eps: float) -> torch.Tensor:
     return x if norm_weight is None else rms_norm_torch(x, norm_weight, norm_eps)
 
 
-def rotated_once_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """The kernels' rounding: the rotation in float32, rounded once to x's dtype."""
+def rotated_once_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       interleaved: bool = False) -> torch.Tensor:
     return apply_rotary_torch(x.float(), cos.float(), sin.float(), interleaved).to(x.dtype)
 
 
@@ -290,12 +279,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
-    """Cohere's rotation: pairs (x0, x1), (x2, x3), ... -> (-x1, x0), (-x3, x2), ..."""
     x1, x2 = x[..., ::2], x[..., 1::2]
     return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
-def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+def apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       interleaved: bool = False) -> torch.Tensor:
     """The reference, as transformers computes it, in x's dtype."""
     rotate = rotate_interleaved if interleaved else rotate_half
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -1,11 +1,5 @@
-"""Triton kernels of the expand stage: histogram -> offsets -> scatter (expand.py launches them in
-this order), or all three in one program for a single block of pairs (`_expand_one_program_kernel`).
-
-A (token, slot) pair p = t * K + j is *valid* when 0 <= topk_ids[t, j] < E; every other id is the
-filtered sentinel and the pair takes no row. The pairs are cut into blocks of BLOCK_P; every
-kernel sees the same blocks, which is what makes the order stable (by pair index within an
-expert) and the whole stage deterministic without atomics.
-"""
+"""Expand's kernels (histogram -> offsets -> scatter, or one program); pair p = t * K + j is valid
+if 0 <= topk_ids[t, j] < E. Every kernel cuts the same BLOCK_P blocks: stable order, no atomics."""
 import triton
 import triton.language as tl
 
@@ -14,7 +8,6 @@ from .launch import interpreter_serialized
 
 @triton.jit
 def _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P: tl.constexpr):
-    """Pair indices of `block`, their expert ids (int32) and validity."""
     pairs = block * BLOCK_P + tl.arange(0, BLOCK_P)
     in_range = pairs < num_pairs
     ids = tl.load(topk_ids_ptr + pairs, mask=in_range, other=-1)
@@ -25,7 +18,6 @@ def _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P: tl.constexpr):
 
 @triton.jit
 def _one_hot(ids, valid, E_PAD: tl.constexpr):
-    """[BLOCK_P, E_PAD] int32: 1 where the pair is valid and routed to that expert."""
     return ((ids[:, None] == tl.arange(0, E_PAD)[None, :]) & valid[:, None]).to(tl.int32)
 
 
@@ -57,8 +49,7 @@ def _expert_offsets_kernel(
     num_blocks, num_m_blocks, num_pairs, E,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program: per-block prefixes, padded per-expert offsets, the block -> expert map, and the
-    padding sentinels. Sizes are worst-case (fixed by T, K, E), so the stage is graph-capturable."""
+    """One program: block prefixes, then _write_offsets; worst-case sizes (T, K, E): capturable."""
     experts = tl.arange(0, E_PAD)
     is_expert = experts < E
     # Exclusive prefix over blocks, per expert: block_prefix[b, e] = sum of block_counts[:b, e].
@@ -68,7 +59,8 @@ def _expert_offsets_kernel(
         mask = (blocks[:, None] < num_blocks) & is_expert[None, :]
         index = blocks[:, None] * E + experts[None, :]
         counts = tl.load(block_counts_ptr + index, mask=mask, other=0)  # [CHUNK, E_PAD]
-        tl.store(block_prefix_ptr + index, tl.cumsum(counts, axis=0) - counts + running[None, :], mask=mask)
+        tl.store(block_prefix_ptr + index, tl.cumsum(counts, axis=0) - counts + running[None, :],
+                 mask=mask)
         running += tl.sum(counts, axis=0)
     _write_offsets(running, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
                    num_m_blocks, num_pairs, BLOCK_M, E, E_PAD, CHUNK)
@@ -76,9 +68,9 @@ def _expert_offsets_kernel(
 
 @triton.jit
 def _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-                   num_m_blocks, num_pairs, BLOCK_M: tl.constexpr, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """From the pairs per expert, `counts` [E_PAD]: the padded per-expert offsets, the rows in use,
-    the block -> expert map and the padding sentinels. Returns each expert's first row [E_PAD]."""
+                   num_m_blocks, num_pairs, BLOCK_M: tl.constexpr, E, E_PAD: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """Offsets, rows in use, block -> expert map, sentinels; returns each expert's first row."""
     experts = tl.arange(0, E_PAD)
     is_expert = experts < E
     # Each expert's segment is padded to a multiple of BLOCK_M so a GEMM tile reads one expert.
@@ -92,12 +84,14 @@ def _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr
     pad = tl.arange(0, BLOCK_M)
     pad_rows = starts[:, None] + counts[:, None] + pad[None, :]  # [E_PAD, BLOCK_M]
     pad_mask = is_expert[:, None] & (pad[None, :] < (padded - counts)[:, None])
-    tl.store(sorted_pair_ids_ptr + pad_rows, tl.zeros([E_PAD, BLOCK_M], tl.int32) + num_pairs, mask=pad_mask)
-    # block_expert[m] = the expert whose segment holds rows [m * BLOCK_M, (m + 1) * BLOCK_M), else -1.
+    tl.store(sorted_pair_ids_ptr + pad_rows, tl.zeros([E_PAD, BLOCK_M], tl.int32) + num_pairs,
+             mask=pad_mask)
+    # block_expert[m] = the expert whose segment holds rows [m * BLOCK_M, (m + 1) * BLOCK_M), or -1
     for start in range(0, num_m_blocks, CHUNK):
         m_blocks = start + tl.arange(0, CHUNK)
         first_row = m_blocks * BLOCK_M
-        inside = (first_row[:, None] >= starts[None, :]) & (first_row[:, None] < ends[None, :]) & is_expert[None, :]
+        inside = ((first_row[:, None] >= starts[None, :]) & (first_row[:, None] < ends[None, :])
+                  & is_expert[None, :])
         owner = tl.max(tl.where(inside, experts[None, :], -1), axis=1)  # [CHUNK]
         tl.store(block_expert_ptr + m_blocks, owner, mask=m_blocks < num_m_blocks)
     return starts
@@ -124,18 +118,18 @@ def _scatter_pairs_kernel(
 @interpreter_serialized
 @triton.jit
 def _expand_one_program_kernel(
-    topk_ids_ptr, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr, pair_to_row_ptr,
+    topk_ids_ptr, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
+    pair_to_row_ptr,
     num_pairs, num_blocks, num_m_blocks, E,
     BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """The three kernels above in one program, over the same blocks of pairs (expand.py runs it for
-    one block, where it is no slower than the three and saves two launches)."""
+    """The three kernels above in one program, same blocks (expand.py's ONE_PROGRAM_BLOCKS)."""
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for block in range(num_blocks):
         _, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
         counts += tl.sum(_one_hot(ids, valid, E_PAD), axis=0)
-    starts = _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr, block_expert_ptr,
-                            num_m_blocks, num_pairs, BLOCK_M, E, E_PAD, CHUNK)
+    starts = _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr,
+                            block_expert_ptr, num_m_blocks, num_pairs, BLOCK_M, E, E_PAD, CHUNK)
     earlier = starts  # [E_PAD]: the first free row of each expert, past the earlier blocks' pairs
     for block in range(num_blocks):
         pairs, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)

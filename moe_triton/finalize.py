@@ -2,14 +2,7 @@
 
     out[t, :] = sum_j topk_weights[t, j] * y[pair_to_row[t * K + j], :]   (filtered pairs skipped)
 
-`y` may also be the second GEMM's split-C partials, shape (S, R, H) in float32: they are summed
-in slice order first (expert_gemm.py).
-
-The output is always a *fresh* tensor: it never aliases hidden_states or any intermediate another
-stream may still read (the inplace-free contract the models' stream overlap relies on). The sum
-runs over j in slot order in float32, one program per (token block, column block), with no
-atomics: the result is bit-stable from run to run.
-"""
+Always a fresh output (stream overlap relies on it); float32 sums in slot order: bit-stable."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +20,8 @@ from .launch import BoundLaunch, interpreter_serialized
 def _finalize_kernel(
     y_ptr, topk_weights_ptr, pair_to_row_ptr, topk_ids_ptr, out_ptr,
     T, H, E, stride_y_split, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
-    PER_PAIR_ROWS: tl.constexpr,  # 0: rows from pair_to_row; m > 0: pair p at row p * m when its id is in [0, E)
+    # PER_PAIR_ROWS 0: rows from pair_to_row; m > 0: pair p at row p * m when its id is in [0, E)
+    PER_PAIR_ROWS: tl.constexpr,
     Y_SPLITS: tl.constexpr,  # split-C partials per row of y (1: plain rows)
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
@@ -43,7 +37,8 @@ def _finalize_kernel(
         else:
             row = tl.load(pair_to_row_ptr + pairs, mask=is_token, other=-1)
         routed = row >= 0  # a filtered pair (row -1) adds nothing, whatever its weight
-        weight = tl.load(topk_weights_ptr + tokens * stride_w_t + j * stride_w_k, mask=routed, other=0.0)
+        weight = tl.load(topk_weights_ptr + tokens * stride_w_t + j * stride_w_k, mask=routed,
+                         other=0.0)
         y_tile = y_ptr + row[:, None].to(tl.int64) * stride_y_r + cols[None, :]
         y_mask = routed[:, None] & (cols[None, :] < H)
         y = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
@@ -56,8 +51,6 @@ def _finalize_kernel(
 
 @dataclass(frozen=True)
 class FinalizePlan:
-    """`finalize` for one signature (y's shape and strides, the weights' strides, the layout's
-    sizes, the output dtype): its launch bound once (launch.py); a call allocates and launches."""
 
     out_shape: tuple[int, int]  # [T, H]
     out_dtype: torch.dtype
@@ -68,17 +61,18 @@ class FinalizePlan:
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=y.device)  # [T, H]
         if self.launch is not None:
-            # A PER_PAIR layout has no pair_to_row: the kernel reads topk_ids there and pair_to_row otherwise.
-            pair_to_row = layout.topk_ids if layout.kind is LayoutKind.PER_PAIR else layout.pair_to_row
+            # A PER_PAIR layout has no pair_to_row: the kernel reads topk_ids there instead.
+            pair_to_row = (layout.topk_ids if layout.kind is LayoutKind.PER_PAIR
+                           else layout.pair_to_row)
             self.launch(y_ptr=y, topk_weights_ptr=topk_weights, pair_to_row_ptr=pair_to_row,
                         topk_ids_ptr=layout.topk_ids, out_ptr=out)
         return out
 
 
 def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
-                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> FinalizePlan:
-    """The plan of `finalize(y, topk_weights, layout, out=..., out_dtype=...)`: see there. Calls
-    with a given `out` must pass one with its row stride."""
+                  out_dtype: torch.dtype | None = None,
+                  out: torch.Tensor | None = None) -> FinalizePlan:
+    """The plan of `finalize` (see there); calls given an `out` must pass one of its row stride."""
     T = layout.num_pairs // max(layout.top_k, 1)
     H = y.shape[-1]
     out_dtype = out_dtype or y.dtype
@@ -88,7 +82,8 @@ def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLay
     BLOCK_H = min(256, triton.next_power_of_2(H))
     per_pair = layout.kind is LayoutKind.PER_PAIR
     fixed = dict(
-        T=T, H=H, E=layout.num_experts, stride_y_split=y.stride(0) if y.dim() == 3 else 0, stride_y_r=y.stride(-2),
+        T=T, H=H, E=layout.num_experts, stride_y_split=y.stride(0) if y.dim() == 3 else 0,
+        stride_y_r=y.stride(-2),
         stride_w_t=topk_weights.stride(0), stride_w_k=topk_weights.stride(1),
         stride_out_t=out.stride(0) if out is not None else H,
         PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=y.shape[0] if y.dim() == 3 else 1,
@@ -98,23 +93,19 @@ def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLay
     return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed))
 
 
-def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *, out: torch.Tensor | None = None,
-             out_dtype: torch.dtype | None = None):
-    """Weighted sum of the expert rows `y`, shape (R, H) or split-C partials (S, R, H), back into
-    token order: shape (T, H), in hidden_states' dtype `out_dtype` (default: y's).
-
-    `out`, when given, must be a fresh buffer of shape (T, H) with unit last stride (e.g. a
-    graph's static output); it is fully overwritten.
-    """
+def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *,
+             out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None):
+    """`y` (R, H), or split-C partials (S, R, H) float32, into (T, H) of `out_dtype` (default y's).
+    A given `out` must be a fresh (T, H) buffer of unit last stride; it is fully overwritten."""
     plan = plan_finalize(y, topk_weights, layout, out_dtype, out)
     if out is not None and (tuple(out.shape) != plan.out_shape or out.stride(1) != 1):
-        raise ValueError(f"out must have shape {plan.out_shape} and unit last stride, got {tuple(out.shape)} with "
-                         f"strides {out.stride()}")
+        raise ValueError(f"out must have shape {plan.out_shape} and unit last stride, got "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
     return plan(y, topk_weights, layout, out)
 
 
-def finalize_torch(y: torch.Tensor, topk_weights: torch.Tensor, pair_to_row: torch.Tensor, top_k: int):
-    """Reference in float32: gather each pair's row, weight it, sum over the K slots."""
+def finalize_torch(y: torch.Tensor, topk_weights: torch.Tensor, pair_to_row: torch.Tensor,
+                   top_k: int):
     T = pair_to_row.numel() // max(top_k, 1)
     rows = pair_to_row.long().view(T, top_k)  # [T, K]
     routed = (rows >= 0).unsqueeze(-1)  # [T, K, 1]
