@@ -1,14 +1,5 @@
-"""DecodeGraphRunner: one CUDA graph per batch-size bucket over a decode step and static buffers.
-
-The contract is small on purpose: a decode step is any callable from a dict of static tensors
-(token ids, positions, KV-cache slots, ...; batch first) to one output tensor (batch first).
-The runner owns the static buffers; it never looks inside the step.
-
-    runner = DecodeGraphRunner(step, {"token_ids": StaticInput(dtype=torch.int64)})
-    runner.capture()                       # largest bucket first, one shared memory pool
-    logits = runner({"token_ids": ids})    # checked, copied, padded to a bucket, replayed, sliced
-    logits = runner.run({"token_ids": ids})  # the same without the host check of bounded inputs
-"""
+"""DecodeGraphRunner: one CUDA graph per batch-size bucket over a decode step, any callable from a
+dict of static tensors (batch first) to one output tensor (batch first); it owns the buffers."""
 from __future__ import annotations
 
 import time
@@ -36,15 +27,10 @@ def bucket_for(batch_size: int, batch_sizes: tuple[int, ...]) -> int | None:
 
 @dataclass(frozen=True)
 class StaticInput:
-    """One input of the decode step: its shape after the batch dimension, its dtype, the value
-    padding rows get (it must be valid input, e.g. a dummy KV-cache slot), and the [low, high) its
-    values must lie in when a caller passes them (integer inputs; None: any). The padding value may
-    lie outside the bounds: only the runner writes it."""
-
-    shape: tuple[int, ...] = ()
+    shape: tuple[int, ...] = ()  # after the batch dimension
     dtype: torch.dtype = torch.int64
-    pad_value: float = 0
-    bounds: tuple[int, int] | None = None
+    pad_value: float = 0  # padding rows get it: valid input (a dummy KV slot), maybe out of bounds
+    bounds: tuple[int, int] | None = None  # a caller's values in [low, high) (integers)
 
     def __post_init__(self):
         if self.bounds is not None and (self.dtype.is_floating_point or self.dtype.is_complex):
@@ -55,11 +41,10 @@ class StaticInput:
 class GraphConfig:
     batch_sizes: tuple[int, ...] = field(default_factory=default_batch_sizes)
     enabled: bool = True  # False: every batch runs eagerly
-    warmup_runs: int = 2  # eager runs per bucket before its capture (compiles, settles the allocator)
+    warmup_runs: int = 2  # eager runs before each capture: compile, settle the allocator
     copy_output: bool = True  # return a copy; False returns a view the next replay overwrites
     show_progress: bool = True
-    # The step holds a collective whose peers run their own copy of it (expert-parallel dispatch):
-    # every call replays the largest bucket, with no rows too, so each rank's graph meets its peers'.
+    # a collective inside (EP dispatch): always the largest bucket, so each rank meets its peers
     lockstep: bool = False
 
 
@@ -71,18 +56,20 @@ class CaptureStats:
 
 
 class DecodeGraphRunner:
-    def __init__(self, step: DecodeStep, inputs: dict[str, StaticInput], config: GraphConfig | None = None,
-                 device: torch.device | str | None = None):
+    def __init__(self, step: DecodeStep, inputs: dict[str, StaticInput],
+                 config: GraphConfig | None = None, device: torch.device | str | None = None):
         self.step = step
         self.specs = dict(inputs)
         self.config = config or GraphConfig()
         if not self.specs:
             raise ValueError("inputs must name at least one static input of the decode step")
         if not self.config.batch_sizes or min(self.config.batch_sizes) < 1:
-            raise ValueError(f"config.batch_sizes must be positive sizes, got {self.config.batch_sizes}")
+            raise ValueError("config.batch_sizes must be positive sizes, "
+                             f"got {self.config.batch_sizes}")
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> (graph, static output)
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (graph, output)
         self.static: dict[str, torch.Tensor] = {}  # name -> [max bucket, *shape] buffer
         self.stats: CaptureStats | None = None
 
@@ -91,21 +78,23 @@ class DecodeGraphRunner:
         return self.config.enabled and self.device.type == "cuda"
 
     def capture(self) -> CaptureStats:
-        """Capture every bucket, largest first, into one shared pool (a no-op without CUDA)."""
+        """Every bucket, largest first, into one shared pool (a no-op without CUDA)."""
         if not self.uses_graphs:
             self.stats = CaptureStats(0, 0.0, 0)
             return self.stats
         from tqdm import tqdm
 
         largest = max(self.config.batch_sizes)
-        self.static = {name: torch.full((largest, *spec.shape), spec.pad_value, dtype=spec.dtype, device=self.device)
+        self.static = {name: torch.full((largest, *spec.shape), spec.pad_value, dtype=spec.dtype,
+                                        device=self.device)
                        for name, spec in self.specs.items()}
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         reserved_before, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        sizes = sorted(set(self.config.batch_sizes), reverse=True)  # largest first: smaller ones fit its pool
-        for size in tqdm(sizes, desc="capturing decode graphs", unit="graph", disable=not self.config.show_progress):
+        sizes = sorted(set(self.config.batch_sizes), reverse=True)  # smaller ones fit its pool
+        for size in tqdm(sizes, desc="capturing decode graphs", unit="graph",
+                         disable=not self.config.show_progress):
             views = {name: buffer[:size] for name, buffer in self.static.items()}
             with capture_mode():
                 self._warm_up(views)
@@ -120,7 +109,7 @@ class DecodeGraphRunner:
         return self.stats
 
     def _warm_up(self, views: dict[str, torch.Tensor]) -> None:
-        # On a side stream, as torch.cuda.graph expects, so lazy initialisation never lands in a capture.
+        # on a side stream, as torch.cuda.graph expects: lazy init never lands in a capture
         side, current = torch.cuda.Stream(self.device), torch.cuda.current_stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
@@ -129,24 +118,22 @@ class DecodeGraphRunner:
         current.wait_stream(side)
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """`run(inputs)` once the inputs with bounds are checked on the host (one sync), before
-        anything is copied: a ValueError naming the input outside its bounds."""
+        """`run(inputs)` after a host check of the bounded inputs (one sync), before any copy."""
         self._check(inputs)
         self._check_bounds(inputs)
         return self.run(inputs)
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The step's output for this batch: replayed from the bucket's graph, or eager when the
-        batch is larger than every bucket or graphs are off. Values are not checked (no host sync):
-        for callers that know theirs lie in bounds. A batch of 0 launches nothing once
-        graphs exist (an empty output of the captured shape); before that it runs the step.
-        Lockstep: always the largest bucket's graph, a batch of 0 included; a larger batch is an error."""
+        """The bucket's graph replayed, values unchecked (eager past the largest bucket); a batch of
+        0 launches nothing once captured. Lockstep: always the largest bucket, 0 rows too; a larger
+        batch is an error."""
         batch_size = self._check(inputs)
         if self.config.lockstep and self.graphs:
             bucket = max(self.graphs)
-            if batch_size > bucket:  # an eager step here would leave the peers waiting inside their graphs
-                raise ValueError(f"a batch of {batch_size} is larger than the {bucket} rows captured for this "
-                                 "lockstep (expert-parallel) step: call setup() with a larger max_batch on every rank")
+            if batch_size > bucket:  # an eager step would leave the peers waiting in their graphs
+                raise ValueError(f"a batch of {batch_size} is larger than the {bucket} rows "
+                                 "captured for this lockstep (expert-parallel) step: call setup() "
+                                 "with a larger max_batch on every rank")
         else:
             bucket = bucket_for(batch_size, tuple(self.graphs))
             if batch_size == 0 and self.graphs:
@@ -157,7 +144,7 @@ class DecodeGraphRunner:
         for name, value in inputs.items():
             buffer = self.static[name]
             buffer[:batch_size].copy_(value)
-            buffer[batch_size:bucket].fill_(self.specs[name].pad_value)  # padding rows stay valid input
+            buffer[batch_size:bucket].fill_(self.specs[name].pad_value)  # rows stay valid input
         graph, output = self.graphs[bucket]
         graph.replay()
         return output[:batch_size].clone() if self.config.copy_output else output[:batch_size]
@@ -167,7 +154,8 @@ class DecodeGraphRunner:
             raise ValueError(f"inputs must be exactly {sorted(self.specs)}, got {sorted(inputs)}")
         sizes = {value.shape[0] if value.dim() else None for value in inputs.values()}
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"every input needs the same leading batch dimension, got {sorted(map(str, sizes))}")
+            raise ValueError("every input needs the same leading batch dimension, "
+                             f"got {sorted(map(str, sizes))}")
         for name, value in inputs.items():
             spec = self.specs[name]
             if tuple(value.shape[1:]) != spec.shape or value.dtype != spec.dtype:
@@ -189,13 +177,12 @@ class DecodeGraphRunner:
 
 
 def capture_graph(step: Callable[[int], object], num_variants: int) -> torch.cuda.CUDAGraph:
-    """One CUDA graph holding `step(0) ... step(num_variants - 1)`, captured after a warm-up: how
-    benchmarks and tests time a whole layer call (rotating over several input sets keeps one
-    call's weights out of L2 for the next). Decode steps of a model use DecodeGraphRunner."""
+    """One CUDA graph of `step(0) ... step(num_variants - 1)` after a warm-up, for benchmarks and
+    tests (rotating input sets keeps one call's weights out of L2 for the next)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for i in range(num_variants):  # warm-up: compiles kernels, fills the allocator outside capture
+        for i in range(num_variants):  # warm-up: compile, fill the allocator outside capture
             step(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()

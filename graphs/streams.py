@@ -1,9 +1,5 @@
-"""Role-keyed streams: one shared CUDA stream per (device, role), never one per layer.
-
-The caching allocator keeps a pool per stream, and a CUDA graph captured over many streams keeps
-each one's memory: a 32-layer model with a stream per layer multiplies its capture memory, while
-every layer sharing the role streams ("alt", "alt_mlp", ...) reuses the same blocks.
-"""
+"""Role-keyed streams: one shared CUDA stream per (device, role), never one per layer: a graph
+captured over many streams keeps each one's allocator pool, so layers share the role streams."""
 from __future__ import annotations
 
 import threading
@@ -18,8 +14,7 @@ B = TypeVar("B")
 
 
 def get_stream(role: str, device: torch.device | int | None = None) -> torch.cuda.Stream | None:
-    """The shared stream for `role` on `device` (default: the current CUDA device), created on
-    first use; None where CUDA is absent, so callers fall back to serial code with one `if`."""
+    """Created on first use; None where CUDA is absent, so callers fall back to serial code."""
     if not torch.cuda.is_available():
         return None
     index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
@@ -32,21 +27,15 @@ def get_stream(role: str, device: torch.device | int | None = None) -> torch.cud
 
 
 def run_branches(main: Callable[[], A], side: Callable[[], B], role: str = "alt") -> tuple[A, B]:
-    """Run `side` on the role's stream while `main` runs on the current one; both results are
-    ready on the current stream when this returns. Serial where CUDA is absent.
-
-    The fork (side stream waits for the current one) orders the side branch after everything
-    issued before it, including the reads of earlier branch outputs, which is what lets the
-    allocator hand their blocks to this branch safely; the join (current waits for side) makes
-    the side result visible before anyone reads it.
-    """
+    """`side` on the role's stream while `main` runs on the current one; both results ready on the
+    current stream on return (serial without CUDA)."""
     stream = get_stream(role)
     if stream is None:
         return main(), side()
     current = torch.cuda.current_stream()
-    stream.wait_stream(current)  # fork
+    stream.wait_stream(current)  # fork: after earlier reads, so their blocks may be reused
     with torch.cuda.stream(stream):
         side_result = side()
     main_result = main()
-    current.wait_stream(stream)  # join
+    current.wait_stream(stream)  # join: side's result visible before anyone reads it
     return main_result, side_result

@@ -1,10 +1,6 @@
-"""Checkpoint loading: safetensors (single file or sharded with an index) into a model whose
-parameter names mirror transformers'. Renames are tables of regexes: a family's own, then each
-FusedMoE's `checkpoint_renames` under that layer's name. The per-expert Hub layout
-(`experts.N.gate_proj.weight`, ...) is fused here into the transformers-5 layout
-(`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]), FP8 scales with their weights
-(fp8.py: FusedMoE's scale layout; FP8 linears dequantized).
-"""
+"""Checkpoint loading: safetensors (one file, or shards with an index) into a model named as
+transformers names it; renames are regex tables (the family's, then each FusedMoE's), and the
+per-expert Hub layout is fused into transformers 5's (`experts.gate_up_proj` [E, 2I, H])."""
 from __future__ import annotations
 
 import json
@@ -24,14 +20,14 @@ from . import fp8
 from .layers import QKVProjection
 
 # experts.N.<proj>.<kind> -> (prefix, expert index, proj, kind): the weight or one of its FP8 scales
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<expert>\d+)"
+                         r"\.(?P<proj>gate_proj|up_proj|down_proj)"
                          r"\.(?P<kind>weight|weight_scale_inv|weight_scale|input_scale)$")
 
 
 def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of `directory`'s model.safetensors, or of a sharded checkpoint: each tensor its
-    index's weight_map names, read from the shard it names there. A copy in another shard is not
-    read; a tensor the index does not list, or one missing from its shard, is an error."""
+    """Every tensor of model.safetensors, or each one a shard index lists, from its shard (a copy
+    in another shard is not read); an unlisted tensor, or one its shard lacks, is an error."""
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.exists():
@@ -39,7 +35,8 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
     elif (directory / "model.safetensors").exists():
         by_file = {"model.safetensors": None}  # None: every tensor of the file
     else:
-        raise ValueError(f"{directory} holds neither model.safetensors nor model.safetensors.index.json")
+        raise ValueError(f"{directory} holds neither model.safetensors nor "
+                         "model.safetensors.index.json")
     listed = {key for keys in by_file.values() if keys is not None for key in keys}
     tensors = {}
     for name, keys in by_file.items():
@@ -52,12 +49,13 @@ def read_safetensors(directory: str | Path) -> dict[str, torch.Tensor]:
                     if keys is None or key in keys:
                         tensors[key] = f.get_tensor(key)
         except (OSError, SafetensorError) as error:  # missing shard, truncated or corrupt file
-            raise ValueError(f"{directory / name} cannot be read as safetensors: {error}") from None
+            raise ValueError(f"{directory / name} cannot be read as safetensors: "
+                             f"{error}") from None
     return tensors
 
 
-def _check_shard(index: str, name: str, held: set[str], wanted: set[str], listed: set[str]) -> None:
-    """The index and one shard agree: it holds what the index maps to it, and nothing unlisted."""
+def _check_shard(index: str, name: str, held: set[str], wanted: set[str],
+                 listed: set[str]) -> None:
     missing = sorted(wanted - held)
     if missing:
         raise ValueError(f"{index} maps tensor {missing[0]} to {name}, which does not hold it "
@@ -70,26 +68,28 @@ def _check_shard(index: str, name: str, held: set[str], wanted: set[str], listed
 
 
 def _weight_map(index: Path) -> dict[str, set[str]]:
-    """Shard file -> the tensor names an index's weight_map maps to it (files beside the index)."""
+    """Shard file (beside the index) -> the tensor names the weight_map maps to it."""
     try:
         weight_map = json.loads(index.read_text()).get("weight_map")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
         weight_map = None
     names = list(weight_map.values()) if isinstance(weight_map, dict) else None
     if not names or not all(isinstance(n, str) and n and Path(n).name == n for n in names):
-        raise ValueError(f"{index} is not a safetensors index: it needs a \"weight_map\" of tensor name -> shard file")
+        raise ValueError(f"{index} is not a safetensors index: it needs a \"weight_map\" of "
+                         "tensor name -> shard file")
     by_file: dict[str, set[str]] = defaultdict(set)
     for key, file in weight_map.items():
         by_file[file].add(key)
     return dict(sorted(by_file.items()))
 
 
-def fuse_per_expert(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat = CheckpointFormat(),
+def fuse_per_expert(tensors: dict[str, torch.Tensor],
+                    checkpoint: CheckpointFormat = CheckpointFormat(),
                     origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """Stack per-expert gate/up/down weights into gate_up_proj [E, 2I, H] and down_proj [E, H, I]
-    (up_proj [E, I, H] alone for non-gated experts), their FP8 scales into FusedMoE's scale layout
-    (fp8.expert_scales); other tensors pass through. `origins` maps names to the checkpoint's, for errors."""
-    groups: dict[str, dict[tuple[str, str], dict[int, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    """Per-expert weights stacked into gate_up_proj [E, 2I, H] (non-gated: up_proj [E, I, H]) and
+    down_proj [E, H, I], their FP8 scales into FusedMoE's; `origins`: the checkpoint's names."""
+    groups: dict[str, dict[tuple[str, str], dict[int, torch.Tensor]]] = defaultdict(
+        lambda: defaultdict(dict))
     fused = {}
     for name, tensor in tensors.items():
         match = _PER_EXPERT.match(name)
@@ -98,8 +98,10 @@ def fuse_per_expert(tensors: dict[str, torch.Tensor], checkpoint: CheckpointForm
         else:
             groups[match["prefix"]][match["proj"], match["kind"]][int(match["expert"])] = tensor
     for prefix, parts in groups.items():
-        num_experts = max(max(by_expert) for by_expert in parts.values()) + 1  # every projection has them all
-        stack = {key: _stack(prefix, *key, by_expert, num_experts, origins or {}) for key, by_expert in parts.items()}
+        # every projection has them all
+        num_experts = max(max(by_expert) for by_expert in parts.values()) + 1
+        stack = {key: _stack(prefix, *key, by_expert, num_experts, origins or {})
+                 for key, by_expert in parts.items()}
         weights = {proj: stack.pop((proj, kind)) for proj, kind in list(stack) if kind == "weight"}
         shapes = {proj: w.shape[1:] for proj, w in weights.items()}
         fused.update(fp8.expert_scales(prefix, stack, shapes, checkpoint, origins or {}))
@@ -108,20 +110,20 @@ def fuse_per_expert(tensors: dict[str, torch.Tensor], checkpoint: CheckpointForm
                 raise ValueError(f"{prefix}: gate_proj weights without up_proj weights")
             gate, up = weights.pop("gate_proj"), weights.pop("up_proj")
             if gate.shape != up.shape:
-                raise ValueError(f"{prefix}.N.gate_proj.weight have shape {tuple(gate.shape[1:])} but "
-                                 f"{prefix}.N.up_proj.weight {tuple(up.shape[1:])}")
+                raise ValueError(f"{prefix}.N.gate_proj.weight have shape {tuple(gate.shape[1:])} "
+                                 f"but {prefix}.N.up_proj.weight {tuple(up.shape[1:])}")
             fused[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
         for proj, weight in weights.items():
             fused[f"{prefix}.{proj}"] = weight
     return fused
 
 
-def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor], num_experts: int,
-           origins: dict[str, str]) -> torch.Tensor:
+def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor],
+           num_experts: int, origins: dict[str, str]) -> torch.Tensor:
     first = min(by_expert)
     known = origins.get(f"{prefix}.{first}.{proj}.{kind}", f"{prefix}.{first}.{proj}.{kind}")
 
-    def name(e: int) -> str:  # as the checkpoint names it (MiniMax: block_sparse_moe.experts.N.w1...)
+    def name(e: int) -> str:  # as the checkpoint names it (MiniMax: ...experts.N.w1...)
         return known.replace(f"experts.{first}.", f"experts.{e}.", 1)
 
     missing = sorted(set(range(num_experts)) - set(by_expert))
@@ -129,8 +131,9 @@ def _stack(prefix: str, proj: str, kind: str, by_expert: dict[int, torch.Tensor]
         raise ValueError(f"missing tensor {name(missing[0])}")
     for e, tensor in sorted(by_expert.items()):
         if tensor.shape != by_expert[0].shape or tensor.dtype != by_expert[0].dtype:
-            raise ValueError(f"tensor {name(e)} has shape {tuple(tensor.shape)} ({tensor.dtype}); "
-                             f"{name(0)} has {tuple(by_expert[0].shape)} ({by_expert[0].dtype})")
+            raise ValueError(f"tensor {name(e)} has shape {tuple(tensor.shape)} "
+                             f"({tensor.dtype}); {name(0)} has {tuple(by_expert[0].shape)} "
+                             f"({by_expert[0].dtype})")
     return torch.stack([by_expert[e] for e in range(num_experts)])
 
 
@@ -141,8 +144,7 @@ _FUSED_INTO = {"gate_proj": ("gate_up_proj",), "up_proj": ("gate_up_proj", "up_p
 
 def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: Renames,
                              origins: dict[str, str]) -> None:
-    """Refuse experts stored in both layouts, fused (experts.gate_up_proj) and per expert
-    (experts.N.gate_proj.weight): fusing would keep one copy and drop the other."""
+    """Experts stored fused and per expert are refused: fusing would drop one copy."""
     fused = {renames(name): name for name in tensors if _PER_EXPERT.match(name) is None}
     for name in tensors:
         match = _PER_EXPERT.match(name)
@@ -152,14 +154,14 @@ def _check_one_expert_layout(tensors: dict[str, torch.Tensor], renames: Renames,
             target = renames(f"{match['prefix']}.{leaf}")
             if target in fused:
                 both = origins.get(target, fused[target]), origins.get(name, name)
-                raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} and "
-                                 f"per expert as {both[1]}: keep one layout")
+                raise ValueError(f"the checkpoint holds these experts twice, fused as {both[0]} "
+                                 f"and per expert as {both[1]}: keep one layout")
 
 
 @dataclass(frozen=True)
 class Renames:
-    """Checkpoint name -> parameter name: the model's (pattern, replacement) rules, in order, over
-    the whole name; then, under a FusedMoE's name, that layer's `checkpoint_renames` on the rest."""
+    """Checkpoint name -> parameter name: the model's (pattern, replacement) rules in order, then,
+    under a FusedMoE's name, that layer's `checkpoint_renames` on the rest."""
 
     model: tuple[tuple[str, str], ...]
     layers: dict[str, tuple[tuple[str, str], ...]]  # FusedMoE's name + "." ("": the root) -> rules
@@ -191,10 +193,8 @@ def rename(tensors: dict[str, torch.Tensor], renames: Renames) -> dict[str, torc
 
 
 def fuse_qkv(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
-    """The checkpoint's q / k / v projections concatenated, rows q then k then v, into the model's one
-    `qkv_proj` (layers.QKVProjection), weights and biases alike. A checkpoint that already holds
-    `qkv_proj` is left as it is; one that lacks one of the three, or holds one of the wrong shape,
-    is an error naming it."""
+    """q / k / v projections (weights and biases) concatenated, rows q then k then v, into each
+    `qkv_proj` the checkpoint does not already hold; a missing or misshapen one is an error."""
     for module_name, module in model.named_modules():
         if not isinstance(module, QKVProjection):
             continue
@@ -203,13 +203,16 @@ def fuse_qkv(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, to
             name = f"{module_name}.{suffix}"
             if name in tensors:
                 continue
-            parts = [f"{prefix}{projection}.{suffix}" for projection in ("q_proj", "k_proj", "v_proj")]
+            parts = [f"{prefix}{projection}.{suffix}"
+                     for projection in ("q_proj", "k_proj", "v_proj")]
             for part, rows in zip(parts, module.sizes):
                 if part not in tensors:
-                    raise ValueError(f"missing tensor in checkpoint: {part} (q, k and v projections load together)")
+                    raise ValueError(f"missing tensor in checkpoint: {part} (q, k and v "
+                                     "projections load together)")
                 expected = (rows, *param.shape[1:])
                 if tuple(tensors[part].shape) != expected:
-                    raise ValueError(f"tensor {part} has shape {tuple(tensors[part].shape)}, the model expects {expected}")
+                    raise ValueError(f"tensor {part} has shape {tuple(tensors[part].shape)}, "
+                                     f"the model expects {expected}")
             tensors[name] = torch.cat([tensors.pop(part) for part in parts])
     return tensors
 
@@ -217,20 +220,19 @@ def fuse_qkv(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, to
 def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[tuple[str, str]],
               ignore: tuple[str, ...] = (), checkpoint: CheckpointFormat = CheckpointFormat(),
               dtype: torch.dtype = torch.float32) -> None:
-    """Copy the checkpoint into `model`'s parameters and persistent buffers; every mismatch is an
-    error naming the tensor (missing, unexpected, of the wrong shape, FP8 where the model is not).
-    `renames`: the model's own, beyond its FusedMoE layers'. `checkpoint` says how the checkpoint
-    stores FP8 (fp8.py); FP8 linears are dequantized to `dtype`."""
-    # Renames run before fusing (Hub names -> transformers' per-expert names) and after (fused
-    # transformers-5 names -> this model's names); rules that do not apply are no-ops.
+    """The checkpoint into `model`'s parameters and buffers, every mismatch an error naming the
+    tensor; `renames`: the model's beyond its FusedMoE layers'; FP8 linears dequantized."""
+    # renames run before fusing (Hub -> per-expert names) and after (fused -> this model's names)
     fp8.check_float8_dtypes(tensors)
     renames = Renames.of(model, renames)
     origins = {renames(renames(name)): name for name in tensors}  # for errors: the checkpoint's
     tensors = rename(tensors, renames)
     _check_one_expert_layout(tensors, renames, origins)
     tensors = rename(fuse_per_expert(tensors, checkpoint, origins), renames)
-    tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint, dtype, origins)
-    tensors = {name: t for name, t in tensors.items() if not any(re.search(p, name) for p in ignore)}
+    tensors = fp8.dequantize_linears(fp8.fused_scales(tensors, checkpoint, origins), checkpoint,
+                                     dtype, origins)
+    tensors = {name: t for name, t in tensors.items()
+               if not any(re.search(p, name) for p in ignore)}
     tensors = fuse_qkv(tensors, model)
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):  # under a parallel placement: this rank's experts only
@@ -239,15 +241,19 @@ def load_into(model: nn.Module, tensors: dict[str, torch.Tensor], renames: list[
     unexpected = sorted(set(tensors) - set(state))
     missing = sorted(set(state) - set(tensors))
     if unexpected:
-        raise ValueError(f"unexpected tensor in checkpoint: {unexpected[0]} ({len(unexpected)} in all)")
+        raise ValueError(f"unexpected tensor in checkpoint: {unexpected[0]} "
+                         f"({len(unexpected)} in all)")
     if missing:
         raise ValueError(f"missing tensor in checkpoint: {missing[0]} ({len(missing)} in all)"
                          + fp8.missing_hint(missing[0], checkpoint))
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(state[name].shape)}")
-        if tensor.dtype.is_floating_point != state[name].dtype.is_floating_point:  # never cast ints into weights
-            raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {state[name].dtype}")
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(state[name].shape)}")
+        # never cast ints into weights
+        if tensor.dtype.is_floating_point != state[name].dtype.is_floating_point:
+            raise ValueError(f"tensor {name} is {tensor.dtype}, "
+                             f"the model expects {state[name].dtype}")
         fp8.check_fp8_dtype(name, tensor, state[name].dtype)
     with torch.no_grad():
         for name, target in state.items():

@@ -1,15 +1,7 @@
-"""Cohere2-MoE / Command-A-Plus (`Cohere2MoeForCausalLM`), top to bottom.
-
-The parallel block: y = x + attn(norm(x)) + mlp(norm(x)). Sliding-window layers use interleaved
-rotary; global layers use none (NoPE) unless a dense prefix forces it. The sparse block adds
-shared experts, summed or averaged.
-
-Overlap (captured decode only, `batch.overlap`): the MLP/MoE branch runs on the "alt_mlp" stream
-while attention runs on the main one; inside the sparse block the routed experts run on "alt"
-while the shared experts run on the stream the block was called on. Both branches only read
-their input and write fresh outputs (the expert layer is inplace-free), so they may share it.
-Prefill stays serial: a prefill chunk fills the GPU already.
-"""
+"""Cohere2-MoE / Command-A-Plus (`Cohere2MoeForCausalLM`): y = x + attn(norm(x)) + mlp(norm(x)).
+In captured decode (`batch.overlap`) the MLP runs on "alt_mlp" beside attention, the routed experts
+on "alt" beside the shared ones: each branch reads its input and writes fresh outputs (the expert
+layer is inplace-free). Prefill stays serial: a prefill chunk fills the GPU already."""
 from __future__ import annotations
 
 import torch
@@ -23,7 +15,15 @@ from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring, SelectOn
 
 from .causal_lm import CausalLM
-from .layers import Batch, QKVProjection, RMSNorm, RotaryEmbedding, StaticKVCache, attention, head_dim_of
+from .layers import (
+    Batch,
+    QKVProjection,
+    RMSNorm,
+    RotaryEmbedding,
+    StaticKVCache,
+    attention,
+    head_dim_of,
+)
 from .registry import register_block, register_model
 
 
@@ -37,7 +37,8 @@ class Cohere2MoeLayerNorm(nn.Module):
 
     def forward(self, x):
         dtype, x = x.dtype, x.float()
-        x = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + self.eps)
+        x = ((x - x.mean(-1, keepdim=True))
+             * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + self.eps))
         return (self.weight.float() * x).to(dtype)
 
 
@@ -53,17 +54,21 @@ class Cohere2MoeAttention(nn.Module):
         self.layer, self.head_dim = layer, head_dim_of(config)
         sliding = config.layer_types[layer] == "sliding_attention"
         self.sliding_window = config.sliding_window if sliding else None
-        dense_prefix = config.mlp_layer_types[layer] == "dense" and config.prefix_dense_sliding_window_pattern == 1
-        self.use_rope = sliding or dense_prefix  # global layers are NoPE
+        dense_prefix = (config.mlp_layer_types[layer] == "dense"
+                        and config.prefix_dense_sliding_window_pattern == 1)
+        self.use_rope = sliding or dense_prefix  # global layers are NoPE, unless a dense prefix
         bias = config.attention_bias
-        self.qkv_proj = QKVProjection(config.hidden_size, config.num_attention_heads * self.head_dim,
+        self.qkv_proj = QKVProjection(config.hidden_size,
+                                      config.num_attention_heads * self.head_dim,
                                       config.num_key_value_heads * self.head_dim, bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                bias=bias)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
         B, L, _ = x.shape
-        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))  # [B, H*, L, D]
-        # Cohere rotates in float32 and rounds once (as the kernels do), interleaved pairs; global layers are NoPE
+        # [B, H*, L, D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
+        # Cohere rotates interleaved pairs in float32 and rounds once, as the kernels do
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window,
                         rotary if self.use_rope else None, interleaved=True)
         return self.o_proj(out)  # [B, L, H]
@@ -95,7 +100,6 @@ def cohere2_moe_spec(config) -> MoESpec:
 
 
 def cohere2_moe_block(config, placement: Placement) -> FusedMoE:
-    """Router, routed experts and shared experts (summed or averaged with them) as one FusedMoE."""
     spec = cohere2_moe_spec(config)
     size = spec.shared_intermediate_size
     shared = Cohere2MoeMLP(config, size) if size else None
@@ -125,7 +129,8 @@ class Cohere2MoeModel(nn.Module):
     def __init__(self, config, placement: Placement):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i, placement) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Cohere2MoeDecoderLayer(config, i, placement)
+                                    for i in range(config.num_hidden_layers))
         self.norm = norm(config)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 

@@ -1,21 +1,7 @@
-"""FP8 checkpoints: the experts' scales into FusedMoE's layout, FP8 linears outside the experts dequantized.
-
-    per expert (the Hub layout)   experts.N.{gate,up,down}_proj.weight (e4m3) + .weight_scale_inv (fp8:
-                                  DeepSeek, Qwen3-FP8, MiniMax-M2) or .weight_scale (compressed-tensors,
-                                  ModelOpt), + .input_scale with static activations
-    fused (transformers 5)        experts.gate_up_proj (e4m3) + experts.gate_up_proj_scale_inv (one grid over
-                                  the concatenated [gate; up] rows), experts.down_proj + _scale_inv
-    -> FusedMoE                   gate_up_proj_scale, down_proj_scale, input_scale in the shapes of
-                                  ExpertWeights (weights.py): BLOCK the gate grid then the up grid;
-                                  CHANNEL and TENSOR a scale per row (gate and up each their own)
-
-The experts stay FP8: nothing here rounds or rescales them. A static input scale is one scalar, the
-largest of the experts' gate and up input scales (they all see the layer's input); the down
-projections' input scales are not used, as the second GEMM quantizes its input dynamically, per row
-and tile (expert_gemm.py). Linears outside the experts stored in FP8 (attention projections in
-DeepSeek-style checkpoints, shared experts) are dequantized to the model dtype at load: the model
-runs them as ordinary linears. Modules the quantization config leaves out load as stored.
-"""
+"""FP8 checkpoints: expert scales into FusedMoE's layout (weights.py), from per-expert
+`.weight_scale_inv` (DeepSeek-style) or `.weight_scale` (compressed-tensors, ModelOpt) with
+`.input_scale`, or a fused `_scale_inv` grid over [gate; up] rows. The experts stay FP8; a static
+input scale is the largest gate / up one (the second GEMM quantizes its input dynamically)."""
 from __future__ import annotations
 
 import torch
@@ -25,22 +11,22 @@ from moe_triton.weights import FP8_DTYPE, WeightFormat
 from moe_triton.weights import dequantize_weight as dequantize
 
 INPUT_SCALE = "input_scale"
-# Calibrated FP8 KV-cache scales (ModelOpt's kv_cache_quant_algo): the cache here keeps the model dtype.
+# calibrated FP8 KV-cache scales (ModelOpt's kv_cache_quant_algo): the cache keeps the model dtype
 _KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
-def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor], weights: dict[str, torch.Size],
-                  checkpoint: CheckpointFormat, origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """Per-expert scales stacked over experts, {(proj, kind): [E, ...]}, of the experts under `prefix`
-    whose per-expert weights have `weights[proj]` = (N, C) -> FusedMoE's `{prefix}.gate_up_proj_scale`
-    (`up_proj_scale` when non-gated), `{prefix}.down_proj_scale` and `{prefix}.input_scale`, in float32.
-    Scales the checkpoint's format does not name are returned as they are (the loader then names them);
-    errors name the checkpoint's tensors (`origins`: name -> the checkpoint's name)."""
+def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor],
+                  weights: dict[str, torch.Size], checkpoint: CheckpointFormat,
+                  origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """{(proj, kind): [E, ...]} scales of weights (N, C) = `weights[proj]` -> float32
+    `{prefix}.gate_up_proj_scale` (or `up_proj_scale`), `.down_proj_scale`, `.input_scale`."""
     fmt, kind, origins = checkpoint.experts, checkpoint.weight_scale, origins or {}
     if fmt.fp8 is None or not any(k == kind for _, k in scales):
         return {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items()}
-    out = {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items() if k not in (kind, INPUT_SCALE)}
-    per_proj = {proj: _checked(prefix, proj, kind, scales.get((proj, kind)), weights[proj], checkpoint, origins)
+    out = {f"{prefix}.{proj}.{k}": scale for (proj, k), scale in scales.items()
+           if k not in (kind, INPUT_SCALE)}
+    per_proj = {proj: _checked(prefix, proj, kind, scales.get((proj, kind)), weights[proj],
+                               checkpoint, origins)
                 for proj in weights}
     gated = "gate_proj" in per_proj
     first = ("gate_proj", "up_proj") if gated else ("up_proj",)  # stacked in this order: [gate; up]
@@ -49,34 +35,36 @@ def expert_scales(prefix: str, scales: dict[tuple[str, str], torch.Tensor], weig
         [per_proj[p] for p in first], rows, H, gated)
     out[f"{prefix}.down_proj_scale"] = fmt.checkpoint_scale(per_proj["down_proj"], H, I)
     if fmt.input_scale_shape is not None:
-        inputs = [_checked(prefix, proj, INPUT_SCALE, scales.get((proj, INPUT_SCALE)), None, checkpoint, origins)
+        inputs = [_checked(prefix, proj, INPUT_SCALE, scales.get((proj, INPUT_SCALE)), None,
+                           checkpoint, origins)
                   for proj in first]
         out[f"{prefix}.input_scale"] = fmt.checkpoint_input_scale(inputs)
     return out
 
 
-def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None, weight: torch.Size | None,
-             checkpoint: CheckpointFormat, origins: dict[str, str]) -> torch.Tensor:
-    """A stacked per-expert scale [E, ...], checked against its weight's (N, C) and returned in float32."""
+def _checked(prefix: str, proj: str, kind: str, scale: torch.Tensor | None,
+             weight: torch.Size | None, checkpoint: CheckpointFormat,
+             origins: dict[str, str]) -> torch.Tensor:
+    """A stacked scale [E, ...] checked against its weight's (N, C), in float32."""
     weight_name = origins.get(f"{prefix}.0.{proj}.weight", f"{prefix}.0.{proj}.weight")
-    name, fmt = weight_name.removesuffix("weight") + kind, checkpoint.experts  # as the checkpoint names it
+    name, fmt = weight_name.removesuffix("weight") + kind, checkpoint.experts
     # weight None: an input scale, one per expert
     expected = [(), (1,)] if weight is None else fmt.linear_scale_shapes(*weight)
     if scale is None:
-        raise ValueError(f"missing tensor {name}: {fmt} experts ({checkpoint.method}) need it beside "
-                         f"{weight_name}, shape {' or '.join(map(str, expected))}")
+        raise ValueError(f"missing tensor {name}: {fmt} experts ({checkpoint.method}) need it "
+                         f"beside {weight_name}, shape {' or '.join(map(str, expected))}")
     if tuple(scale.shape[1:]) not in expected or not scale.dtype.is_floating_point:
-        raise ValueError(f"tensor {name} is a {scale.dtype} tensor of shape {tuple(scale.shape[1:])}; {fmt} experts "
-                         f"({checkpoint.method}) expect a float scale of shape {' or '.join(map(str, expected))}"
+        raise ValueError(f"tensor {name} is a {scale.dtype} tensor of shape "
+                         f"{tuple(scale.shape[1:])}; {fmt} experts ({checkpoint.method}) expect a "
+                         f"float scale of shape {' or '.join(map(str, expected))}"
                          + (f" for their {tuple(weight)} weight" if weight is not None else ""))
     return scale.float()
 
 
 def fused_scales(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
                  origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """The fused layout's scale grids (`X.gate_up_proj_scale_inv`, `X.down_proj_scale_inv` beside the FP8
-    weights X.gate_up_proj, X.down_proj) -> FusedMoE's `X.gate_up_proj_scale`, `X.down_proj_scale`.
-    `origins` maps a name to the checkpoint's, for errors."""
+    """Fused grids `X.gate_up_proj_scale_inv`, `X.down_proj_scale_inv` beside FP8 weights
+    -> FusedMoE's `X.gate_up_proj_scale`, `X.down_proj_scale`."""
     out = dict(tensors)
     for name in [n for n in tensors if n.endswith("_proj_scale_inv")]:
         weight_name = name.removesuffix("_scale_inv")
@@ -99,26 +87,31 @@ def _fused_grid(key: str, scale: torch.Tensor, weight: torch.Tensor, checkpoint:
                          f"for {tuple(weight.shape)} weights)") from None
 
 
-def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat, dtype: torch.dtype,
+def dequantize_linears(tensors: dict[str, torch.Tensor], checkpoint: CheckpointFormat,
+                       dtype: torch.dtype,
                        origins: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-    """Every FP8 `X.weight` outside the experts (2-D) times its scale `X.<weight_scale>`, in `dtype`; their
-    static input scales and FP8 KV-cache scales dropped. A FP8 weight without a scale is an error."""
+    """Every 2-D FP8 `X.weight` times its scale `X.<weight_scale>`, in `dtype`; their input scales
+    and FP8 KV-cache scales dropped. An FP8 weight without a scale is an error."""
     origins = origins or {}
     out = {name: t for name, t in tensors.items() if not name.endswith(_KV_CACHE_SCALES)}
-    for name in [n for n, t in tensors.items() if n.endswith(".weight") and t.dtype == FP8_DTYPE and t.dim() == 2]:
+    for name in [n for n, t in tensors.items()
+                 if n.endswith(".weight") and t.dtype == FP8_DTYPE and t.dim() == 2]:
         module = name.removesuffix("weight")
         scale_name = module + checkpoint.weight_scale
         original, original_scale = origins.get(name, name), origins.get(scale_name, scale_name)
         if checkpoint.method is None or scale_name not in out:
-            why = "config.json has no quantization_config" if checkpoint.method is None else f"{original_scale} is missing"
-            raise ValueError(f"tensor {original} is {FP8_DTYPE} but {why}: expected its scale {original_scale} "
-                             f"({checkpoint.method or 'fp8'} checkpoints)")
-        out[name] = dequantize_weight(original_scale, out.pop(name), out.pop(scale_name), checkpoint).to(dtype)
+            why = ("config.json has no quantization_config" if checkpoint.method is None
+                   else f"{original_scale} is missing")
+            raise ValueError(f"tensor {original} is {FP8_DTYPE} but {why}: expected its scale "
+                             f"{original_scale} ({checkpoint.method or 'fp8'} checkpoints)")
+        out[name] = dequantize_weight(original_scale, out.pop(name), out.pop(scale_name),
+                                      checkpoint).to(dtype)
         out.pop(module + INPUT_SCALE, None)
     return out
 
 
-def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor, checkpoint: CheckpointFormat):
+def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor,
+                      checkpoint: CheckpointFormat):
     """An FP8 weight (N, C) and its per-tensor, per-row or block scale -> float32 (N, C)."""
     N, C = weight.shape
     blocks = {block: WeightFormat.fp8_block(*block) for block in checkpoint.linear_blocks}
@@ -133,27 +126,28 @@ def dequantize_weight(scale_name: str, weight: torch.Tensor, scale: torch.Tensor
 
 
 def check_float8_dtypes(tensors: dict[str, torch.Tensor]) -> None:
-    """The FP8 kernels and the dequantizer read e4m3 only: an 8-bit float of another kind (e5m2, the fnuz
-    forms, e8m0 scales) is refused by the checkpoint's name for it."""
+    """The FP8 kernels and the dequantizer read e4m3 only: e5m2, fnuz, e8m0 tensors are refused."""
     for name, tensor in tensors.items():
-        if tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1 and tensor.dtype != FP8_DTYPE:
-            raise ValueError(f"tensor {name} is {tensor.dtype}: FP8 checkpoints are read as {FP8_DTYPE} "
-                             "weights with float scales; convert it to e4m3 (and its scale), or store "
-                             "it unquantized")
+        if (tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
+                and tensor.dtype != FP8_DTYPE):
+            raise ValueError(f"tensor {name} is {tensor.dtype}: FP8 checkpoints are read as "
+                             f"{FP8_DTYPE} weights with float scales; convert it to e4m3 (and its "
+                             "scale), or store it unquantized")
 
 
 def check_fp8_dtype(name: str, tensor: torch.Tensor, expected: torch.dtype) -> None:
-    """FP8 parameters take FP8 tensors and the others never do: a cast either way would drop the scale."""
+    """FP8 parameters take FP8 tensors and others never do: a cast would drop the scale."""
     if (tensor.dtype == FP8_DTYPE) != (expected == FP8_DTYPE):
-        raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {expected} (the experts' format is read "
-                         "from config.json's quantization_config)")
+        raise ValueError(f"tensor {name} is {tensor.dtype}, the model expects {expected} (the "
+                         "experts' format is read from config.json's quantization_config)")
 
 
 def missing_hint(name: str, checkpoint: CheckpointFormat) -> str:
-    """What a missing FusedMoE scale would have been called in the checkpoint."""
     if name.endswith("_proj_scale"):
-        return (f": the scales of {checkpoint.experts} experts, expected as experts.N.<proj>.{checkpoint.weight_scale} "
-                "per expert, or as one fused experts.<proj>_scale_inv grid")
+        return (f": the scales of {checkpoint.experts} experts, expected as "
+                f"experts.N.<proj>.{checkpoint.weight_scale} per expert, or as one fused "
+                "experts.<proj>_scale_inv grid")
     if name.endswith(".input_scale"):
-        return f": {checkpoint.experts} experts take a static input scale, expected as experts.N.<proj>.input_scale"
+        return (f": {checkpoint.experts} experts take a static input scale, expected as "
+                "experts.N.<proj>.input_scale")
     return ""

@@ -1,12 +1,6 @@
-"""Pieces the model families share: RMSNorm, rotary embeddings, the static KV cache, attention, the
-sequential decoder layer and model.
-
-Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim.
-Prefill attention is torch SDPA (its flash path) over the prompt, whose K/V the cache records; a
-decode token rotates its k on the way into the cache at (slot, position) and attends to the slot's
-cache row in place up to its position (decode_attention.py), with fixed shapes so a decode step can
-be captured in a CUDA graph.
-"""
+"""Pieces the model families share: RMSNorm, rotary, the static KV cache, attention, the decoder
+layer and model. Decode shapes are fixed, so a decode step can be captured in a CUDA graph.
+Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -36,21 +30,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)  # one Triton kernel (rms_norm.py)
+        return rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual) in one kernel: a sequential decoder adds each branch's
-        output to the residual stream in the norm that follows it. residual=None (the first
-        layer): (norm(x), x)."""
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one kernel; residual=None: (norm(x), x)."""
         if residual is None:
             return self(x), x
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class QKVProjection(nn.Linear):
-    """The q, k and v projections as one GEMM: a decode step launches one kernel, not three. The
-    checkpoint's three are concatenated at load (checkpoint.fuse_qkv); forward returns the three
-    outputs as views of the one result, (..., q_size), (..., kv_size), (..., kv_size)."""
+    """q, k and v as one GEMM (one decode kernel, not three); checkpoint.fuse_qkv fuses them."""
 
     def __init__(self, hidden_size: int, q_size: int, kv_size: int, bias: bool):
         super().__init__(hidden_size, q_size + 2 * kv_size, bias=bias)
@@ -71,7 +62,8 @@ class RotaryEmbedding(nn.Module):
         if rope_type == "default":
             base = config.rope_parameters["rope_theta"]
             dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
-            inv_freq, self.scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+            inv_freq, self.scaling = (
+                1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0)
         else:
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -79,14 +71,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype, interleaved: bool = False):
         """positions (...) -> cos, sin (..., D_rot) in `dtype`."""
         freqs = positions[..., None].float() * self.inv_freq
-        emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+        emb = (freqs.repeat_interleave(2, dim=-1) if interleaved
+               else torch.cat((freqs, freqs), dim=-1))
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
 @dataclass
 class Batch:
-    """What one forward pass is about: the mode, each token's position, each sequence's cache slot."""
-
     mode: ForwardMode
     positions: torch.Tensor  # [B, L] prefill (0..L-1), [B, 1] decode
     slots: torch.Tensor  # [B] rows of the KV cache
@@ -94,15 +85,16 @@ class Batch:
 
 
 class StaticKVCache:
-    """K/V for `num_layers` layers: [slots + 1, Hkv, S, D] each; the last slot is a dummy that the
-    padding rows of a captured decode batch write into, so they never touch a real sequence."""
+    """K/V per layer, [slots + 1, Hkv, S, D]: padding rows of a captured decode batch write into
+    the last (dummy) slot, so they never touch a real sequence."""
 
-    def __init__(self, num_layers: int, max_batch: int, max_seq: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device):
+    def __init__(self, num_layers: int, max_batch: int, max_seq: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device):
         shape = (max_batch + 1, num_kv_heads, max_seq, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for tensor in self.keys + self.values:  # a compiled step (reduce-overhead) may write them in place, in its graph
+        # a compiled step (reduce-overhead) may write them in place, in its graph
+        for tensor in self.keys + self.values:
             torch._dynamo.mark_static_address(tensor)
         self.max_batch, self.max_seq = max_batch, max_seq
 
@@ -111,16 +103,15 @@ class StaticKVCache:
         return self.max_batch
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int, batch: Batch,
-              scaling: float, sliding_window: int | None = None,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int,
+              batch: Batch, scaling: float, sliding_window: int | None = None,
               rotary: tuple[torch.Tensor, torch.Tensor] | None = None, interleaved: bool = False,
               qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
-    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D): q and k normalised per head by `qk_norm`
-    (Qwen3) and rotated by `rotary` = (cos, sin) (None: a NoPE layer), k/v written into the cache,
-    then attention. The norm rides in the rotary kernels, and in decode the whole of k's path (norm,
-    rotation, cache write, with v's write) is one kernel (rotary.rotate_into_cache)."""
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D); the per-head `qk_norm` rides in the
+    rotary kernels (`rotary` None: NoPE); in decode k's path and v's cache write are one kernel."""
     keys, values = cache.keys[layer], cache.values[layer]
-    q_norm, k_norm = ({"norm_weight": n.weight, "norm_eps": n.eps} for n in qk_norm) if qk_norm else ({}, {})
+    q_norm, k_norm = (({"norm_weight": n.weight, "norm_eps": n.eps} for n in qk_norm) if qk_norm
+                      else ({}, {}))
     if rotary is None and qk_norm:  # nothing to ride on
         q, k = qk_norm[0](q), qk_norm[1](k)
         q_norm = k_norm = {}
@@ -132,19 +123,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
         L = q.shape[2]
         keys[batch.slots, :, :L] = k
         values[batch.slots, :, :L] = v
-        mask = _causal_mask(batch.positions[0], batch.positions[0], sliding_window)  # [L, L], same for every row
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-    else:  # decode: one token per sequence against its own cache row, read in place up to its position
+        # [L, L], the same for every row
+        mask = _causal_mask(batch.positions[0], batch.positions[0], sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                             enable_gqa=True)
+    else:  # decode: one token per sequence against its cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
         rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved, **k_norm)
-        out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling, sliding_window)  # [B, Hq, D]
+        out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling,
+                               sliding_window)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)
 
 
-def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[Q, K] bool: a query at position i may attend to a key at position j when j <= i and,
-    for a sliding window W, j > i - W (transformers' convention)."""
+def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
+                 window: int | None) -> torch.Tensor:
+    """[Q, K] bool: j <= i and, for a sliding window W, j > i - W (transformers' convention)."""
     allowed = key_positions[None, :] <= query_positions[:, None]
     if window is not None:
         allowed &= key_positions[None, :] > query_positions[:, None] - window
@@ -152,8 +146,7 @@ def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, win
 
 
 class DecoderLayer(nn.Module):
-    """Attention then the MLP, each output added to the residual stream in the norm after it
-    (Qwen3-MoE, MiniMax-M2: they differ only in `self_attn` and `mlp`)."""
+    """Attention then the MLP, each added to the residual stream in the norm after it."""
 
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -162,17 +155,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
-        """x: the previous layer's MLP output, not yet added to the residual stream (the embeddings
-        and None at the first layer). Returns this layer's MLP output and the residual stream."""
-        h, residual = self.input_layernorm.add_and_norm(x, residual)  # residual += x; h = its norm
+        """x: the previous MLP output, not yet in `residual` (the first layer: embeddings, None)."""
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
         attn = self.self_attn(h, rotary, batch, cache)
         h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
-    """Embeddings, `DecoderLayer`s (`layer(i)` builds the i-th), the final norm."""
-
     def __init__(self, config, layer: Callable[[int], DecoderLayer]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -1,10 +1,6 @@
-"""MiniMax-M2 (`MiniMaxM2ForCausalLM`), top to bottom: attention -> MoE -> LM (the
-decoder layer and model: layers.py, shared with Qwen3-MoE).
-
-Differs from Qwen3-MoE in: q/k RMSNorm over the whole projection (all heads at once), partial
-rotary (`partial_rotary_factor`), and sigmoid routing whose `e_score_correction_bias` steers
-selection only (weights are the unbiased scores, renormalised).
-"""
+"""MiniMax-M2 (`MiniMaxM2ForCausalLM`): attention -> MoE -> LM (decoder layer and model: layers.py).
+Unlike Qwen3-MoE: q/k RMSNorm over all heads at once, partial rotary, and sigmoid routing whose
+`e_score_correction_bias` steers selection only (weights: the unbiased scores, renormalised)."""
 from __future__ import annotations
 
 from torch import nn
@@ -32,7 +28,8 @@ class MiniMaxM2Attention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
-        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        q_size, kv_size = (config.num_attention_heads * self.head_dim,
+                           config.num_key_value_heads * self.head_dim)
         self.qkv_proj = QKVProjection(config.hidden_size, q_size, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(q_size, config.rms_norm_eps)  # over all heads, before the head split
@@ -45,7 +42,8 @@ class MiniMaxM2Attention(nn.Module):
         k = self.k_norm(k).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         v = v.view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         # rotary is partial here: the first D_rot dims of each head
-        return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, rotary=rotary))
+        return self.o_proj(attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5,
+                                     rotary=rotary))
 
 
 @register_block("MiniMaxM2SparseMoeBlock", correction_bias="e_score_correction_bias")
@@ -60,7 +58,7 @@ def minimax_m2_moe_spec(config) -> MoESpec:
 class MiniMaxM2ForCausalLM(CausalLM):
     renames = [
         (r"\.block_sparse_moe\.", ".mlp."),  # the Hub layout (Mixtral-style w1 / w3 / w2 experts)
-        (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),  # .weight, and FP8: .weight_scale_inv
+        (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."),  # and FP8's .weight_scale_inv
         (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
         (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
     ]

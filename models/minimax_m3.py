@@ -1,13 +1,6 @@
-"""MiniMax-M3's MoE block (`MiniMaxM3VLSparseMoeBlock`), standalone: the full model carries a
-sparse-attention indexer outside this project's scope.
-
-    out = routed_experts(x) * routed_scaling_factor + shared_experts(x)
-
-Routing is MiniMax's sigmoid with a selection-only correction bias; experts and the shared MLP
-use the clamped swiglu ((clamp(up) + 1) * g * sigmoid(alpha * g)). In captured decode
-(`overlap=True`) the routed experts run on the "alt" stream and the shared experts on the stream
-the block was called on; both read `x` and write fresh outputs.
-"""
+"""MiniMax-M3's MoE block (`MiniMaxM3VLSparseMoeBlock`) alone (its sparse-attention indexer is out
+of scope): out = routed_experts(x) * routed_scaling_factor + shared_experts(x), sigmoid routing
+with a selection-only correction bias, clamped swiglu ((clamp(up) + 1) * g * sigmoid(alpha * g))."""
 from __future__ import annotations
 
 from torch import nn
@@ -21,14 +14,16 @@ from .registry import register_block
 
 
 def clamped_swiglu(config) -> Activation:
-    return Activation(ActivationKind.CLAMPED_SWIGLU, float(config.swiglu_limit), float(config.swiglu_alpha))
+    return Activation(ActivationKind.CLAMPED_SWIGLU, float(config.swiglu_limit),
+                      float(config.swiglu_alpha))
 
 
 class MiniMaxM3SharedMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.activation = clamped_swiglu(config)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.shared_intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.shared_intermediate_size,
+                                      bias=False)
         self.down_proj = nn.Linear(config.shared_intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
@@ -47,8 +42,6 @@ def minimax_m3_moe_spec(config) -> MoESpec:
 
 
 class MiniMaxM3MoeBlock(FusedMoE):
-    """MiniMax-M3's MoE block: one FusedMoE with the shared MLP, loaded from transformers' names."""
-
     renames = ()  # loaded as a model of its own: FusedMoE's checkpoint_renames are all it needs
 
     def __init__(self, config, placement: Placement = Placement()):

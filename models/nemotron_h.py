@@ -1,12 +1,6 @@
-"""NemotronH's MoE block (`NemotronHMoE`), standalone: the full model carries Mamba mixers
-outside this project's scope.
-
-    out = fc2(experts(fc1(x))) + shared_experts(x)
-
-Non-gated relu^2 experts (`up_proj` [E, I, H']), grouped top-k routing in float32 with a
-correction bias and `routed_scaling_factor`, optional latent projections (H -> H' -> H). In
-captured decode (`overlap=True`) the routed path runs on "alt" and the shared MLP on the calling stream.
-"""
+"""NemotronH's MoE block (`NemotronHMoE`) alone (its Mamba mixers are out of scope):
+out = fc2(experts(fc1(x))) + shared_experts(x), non-gated relu^2 experts (`up_proj` [E, I, H']),
+grouped top-k in float32 with a correction bias, optional latent projections (H -> H' -> H)."""
 from __future__ import annotations
 
 import torch
@@ -46,10 +40,9 @@ def nemotron_h_moe_spec(config) -> MoESpec:
 
 
 class NemotronHMoeBlock(FusedMoE):
-    """NemotronH's MoE block: one FusedMoE with the shared MLP, loaded from transformers' names."""
-
     checkpoint_renames = FusedMoE.checkpoint_renames + (
-        (r"^experts\.up_proj(_scale|_scale_inv)?$", r"gate_up_proj\1"),  # non-gated: w13 holds up only
+        # non-gated: w13 holds up only
+        (r"^experts\.up_proj(_scale|_scale_inv)?$", r"gate_up_proj\1"),
         (r"^fc1_latent_proj\.", "expert_input_proj."),
         (r"^fc2_latent_proj\.", "expert_output_proj."),
     )

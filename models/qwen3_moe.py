@@ -1,8 +1,5 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`), top to bottom: attention -> MoE -> LM (the
-decoder layer and model: layers.py).
-
-Legend: B sequences, L tokens each, H hidden, Hq/Hkv heads, D head dim, V vocabulary.
-"""
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): attention -> MoE -> LM (decoder layer and model: layers.py).
+Legend: B sequences, L tokens each, H hidden, Hq/Hkv heads, D head dim, V vocabulary."""
 from __future__ import annotations
 
 import torch
@@ -33,25 +30,27 @@ class Qwen3MoeAttention(nn.Module):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
         bias = config.attention_bias
-        self.qkv_proj = QKVProjection(config.hidden_size, config.num_attention_heads * self.head_dim,
+        self.qkv_proj = QKVProjection(config.hidden_size,
+                                      config.num_attention_heads * self.head_dim,
                                       config.num_key_value_heads * self.head_dim, bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before rotary
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.sliding_window = config.sliding_window if getattr(config, "use_sliding_window", False) else None
+        self.sliding_window = (config.sliding_window
+                               if getattr(config, "use_sliding_window", False) else None)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
                 cache: StaticKVCache) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))  # [B, H*, L, D]
-        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window, rotary,
-                        qk_norm=(self.q_norm, self.k_norm))  # [B, L, Hq * D]
+        # [B, H*, L, D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
+        out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window,
+                        rotary, qk_norm=(self.q_norm, self.k_norm))  # [B, L, Hq * D]
         return self.o_proj(out)
 
 
 class Qwen3MoeMLP(nn.Module):
-    """The dense MLP of `mlp_only_layers` / non-sparse steps."""
-
     def __init__(self, config):
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)

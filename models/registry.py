@@ -1,11 +1,6 @@
-"""Model families by architecture name and transformers MoE blocks by class name; the generic
-loader and `from_transformers`.
-
-A new family is one file in models/: its `<family>_moe_spec(config)`, decorated
-`@register_block("TransformersBlockClass", ...)` (where that block keeps its parts), and a class
-decorated `@register_model("ArchName", ...)` that builds its MoE layers with the spec and declares
-`renames` beyond FusedMoE's (checkpoint name -> parameter name regexes); nothing else changes.
-"""
+"""Model families by architecture name, transformers MoE blocks by class name; the generic loader
+and `from_transformers`. A new family is one file: its `<family>_moe_spec(config)` under
+`@register_block(...)`, its model under `@register_model(...)` (`renames`: beyond FusedMoE's)."""
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +55,7 @@ def register_model(*architectures: str):
 
 @dataclass(frozen=True)
 class TransformersBlock:
-    """A transformers sparse-MoE block: its family's spec, and the attributes (dotted paths on the
-    block) holding the parts FusedMoE takes beside the experts, where the spec has them."""
+    """A transformers MoE block: its family's spec, and the dotted paths of its other parts."""
 
     spec: Callable[..., MoESpec]  # the family's <family>_moe_spec(config)
     router: str = "gate.weight"
@@ -75,7 +69,6 @@ BLOCKS: dict[str, TransformersBlock] = {}
 
 
 def register_block(*class_names: str, **parts: str):
-    """Decorates a family's spec function: from_transformers builds these blocks' layer from it."""
     def register(spec):
         for name in class_names:
             BLOCKS[name] = TransformersBlock(spec, **parts)
@@ -85,18 +78,18 @@ def register_block(*class_names: str, **parts: str):
 
 def _checkpoint_dir(path) -> Path:
     if not isinstance(path, (str, Path)):
-        raise ValueError(f"path must be a checkpoint directory (str or Path), got {type(path).__name__}")
+        raise ValueError("path must be a checkpoint directory (str or Path), "
+                         f"got {type(path).__name__}")
     path = Path(path)
     if path.is_file():
-        raise ValueError(f"{path} is a file; pass its directory ({path.parent}), which holds config.json "
-                         "and the safetensors weights")
+        raise ValueError(f"{path} is a file; pass its directory ({path.parent}), which holds "
+                         "config.json and the safetensors weights")
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} has no config.json; pass a local checkpoint directory")
     return path
 
 
 def _read_config(path: Path):
-    """(transformers' config, the raw config.json mapping) of a checkpoint directory."""
     from transformers import AutoConfig
 
     try:
@@ -104,12 +97,14 @@ def _read_config(path: Path):
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path / 'config.json'} is not valid JSON: {error}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path / 'config.json'} must hold a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"{path / 'config.json'} must hold a JSON object, "
+                         f"got {type(raw).__name__}")
     try:
         return AutoConfig.from_pretrained(path), raw
-    except Exception as error:  # transformers complains in its own types (huggingface_hub's StrictDataclassError...)
+    except Exception as error:  # transformers complains in its own types (StrictDataclassError...)
         message = " ".join(str(error).split())
-        raise ValueError(f"{path / 'config.json'} cannot be read by transformers: {message}") from None
+        raise ValueError(f"{path / 'config.json'} cannot be read by transformers: "
+                         f"{message}") from None
 
 
 def model_class(config) -> type:
@@ -123,8 +118,6 @@ def model_class(config) -> type:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """What load_model reads from a checkpoint before it builds the model."""
-
     path: Path  # the checkpoint directory
     family: type  # the registered class of config.json's architecture
     config: object  # transformers' config
@@ -133,12 +126,12 @@ class ModelPlan:
     checkpoint: CheckpointFormat  # how FP8 tensors and their scales are stored
 
     def build(self, placement: Placement, device) -> torch.nn.Module:
-        with torch.device(device), default_dtype(self.dtype):  # a bf16 model never exists in fp32
+        with torch.device(device), default_dtype(self.dtype):
             return self.family(self.config, placement)
 
 
 def plan_model(path: str | Path, dtype: torch.dtype | None = None) -> ModelPlan:
-    """Read config.json (and hf_quant_config.json) as load_model does: a ValueError where it refuses."""
+    """config.json (and hf_quant_config.json) read as load_model does, refusing what it refuses."""
     dtype = checks.float_dtype("load_model", "dtype", dtype)
     path = _checkpoint_dir(path)
     config, raw_config = _read_config(path)
@@ -152,22 +145,17 @@ def plan_model(path: str | Path, dtype: torch.dtype | None = None) -> ModelPlan:
 
 def layer_resolutions(plan: ModelPlan, backend: str = "auto",
                       platform: Platform | None = None) -> list[Resolution]:
-    """The backend every MoE layer of `plan` resolves to on `platform` (None: CPU, as load_model's
-    default device), from the model built on the meta device as load_model builds it (the same layer
-    traits: dtype, weight format, activation, routing); no weights are read."""
+    """Each MoE layer's backend on `platform` (None: CPU), built on meta as load_model builds it."""
     platform = platform or platforms.detect_platform("cpu")
     model = plan.build(Placement(backend, plan.context, platform=platform), "meta")
     return [layer.resolution for layer in model.modules() if isinstance(layer, FusedMoE)]
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-               backend: str = "auto", parallel: ParallelGroups | None = None):
-    """Build the registered model for `path`'s config.json and load its safetensors weights; every
-    MoE layer resolves `backend` once, at construction (see moe_triton.runners).
-
-    `parallel` (moe_triton.parallel.new_parallel_groups(...), every rank calling with the same
-    spec) shards every MoE layer's experts: each rank keeps its slice of the checkpoint's experts,
-    and the rest of the model (attention, router, shared experts) is replicated."""
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None,
+               device: str | torch.device = "cpu", backend: str = "auto",
+               parallel: ParallelGroups | None = None):
+    """The registered model for `path`, weights loaded, each MoE layer resolving `backend` once;
+    `parallel` (new_parallel_groups(...), alike on every rank) shards the experts only."""
     device = platforms.check_device(device) or torch.device("cpu")
     plan = plan_model(path, dtype)
     model = plan.build(Placement(backend, plan.context, parallel), device)
@@ -175,15 +163,14 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None, device: st
     load_into(model, read_safetensors(path), model.renames, model.ignore, plan.checkpoint, dtype)
     for layer in model.modules():
         if isinstance(layer, FusedMoE):
-            layer.prepare_weights()  # pads I / builds FlashInfer weights where the resolved backend needs it
+            layer.prepare_weights()  # pads I / builds FlashInfer weights where the backend needs it
     if (path / "generation_config.json").is_file():
         model.stop_tokens = _stop_tokens(path)
     return model.eval()
 
 
 def _stop_tokens(path: Path) -> StopTokens:
-    """generate's eos / pad ids from generation_config.json, which transformers' generate prefers to
-    config.json's (the model's own default)."""
+    """generate's eos / pad ids: generation_config.json's, as transformers prefers them."""
     from transformers import GenerationConfig
 
     name = "generation_config.json"
@@ -198,8 +185,7 @@ def _stop_tokens(path: Path) -> StopTokens:
 def from_transformers(block: nn.Module, backend: str = "auto",
                       context: ModelContext | None = None) -> FusedMoE:
     """A `FusedMoE` computing what `block` computes, sharing its parameters (no copies unless the
-    resolved backend pads or prepares them). `context` tells backend choice the model's
-    architecture, quantization config, all-to-all and LoRA (see runners/resolver.py)."""
+    resolved backend pads or prepares them); `context` is what backend choice reads."""
     name = type(block).__name__
     if name not in BLOCKS:
         raise ValueError(f"from_transformers does not know {name}; supported blocks: "
@@ -214,8 +200,7 @@ def from_transformers(block: nn.Module, backend: str = "auto",
                "expert_input_proj": spec.latent_size is not None,
                "expert_output_proj": spec.latent_size is not None}
     modules = {slot: _attribute(block, getattr(entry, slot)) for slot, on in present.items() if on}
-    # Built on the meta device (nothing allocated), resolved for the block's own device, then given
-    # its tensors.
+    # built on the meta device (nothing allocated), resolved for the block's device, then filled
     platform = platforms.detect_platform(w13.device)
     placement = Placement(backend, context or ModelContext(), platform=platform)
     layer = FusedMoE.from_spec(spec, placement, weight_format=NATIVE, dtype=w13.dtype,
@@ -226,8 +211,8 @@ def from_transformers(block: nn.Module, backend: str = "auto",
     for slot, tensor in tensors.items():
         held = getattr(layer, slot)
         if tensor.shape != held.shape:
-            raise ValueError(f"{name}: {slot} has shape {tuple(tensor.shape)} but its config gives "
-                             f"{tuple(held.shape)}")
+            raise ValueError(f"{name}: {slot} has shape {tuple(tensor.shape)} but its config "
+                             f"gives {tuple(held.shape)}")
         if isinstance(held, nn.Parameter) and not isinstance(tensor, nn.Parameter):
             tensor = nn.Parameter(tensor, tensor.requires_grad)  # a transposed view of the block's
         setattr(layer, slot, tensor)
