@@ -2,8 +2,8 @@
 random routing ids and expert weights, tiny transformers models, and the quantization-config table.
 
 Test files import from here, never from conftest.py or from one another. Importing this module
-imports moe_triton, so TRITON_INTERPRET must be settled first: pytest imports conftest.py (which sets
-it) before any test module, and distributed_harness.py sets it itself before importing this.
+imports moe_triton, so TRITON_INTERPRET must be settled first: pytest imports conftest.py (which
+sets it) before any test module, and distributed_harness.py sets it itself before importing this.
 """
 import contextlib
 
@@ -23,8 +23,10 @@ TOLERANCE = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, scale: float = 1.0):
-    """Compare `actual` with a float32 reference: no NaN, and max |a - e| <= tol * max(|e|, 1e-6) * scale."""
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None,
+                 scale: float = 1.0):
+    """Compare `actual` with a float32 reference: no NaN, and max |a - e| <= tol * max(|e|, 1e-6) *
+    scale."""
     assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     dtype = dtype or actual.dtype
     actual = actual.float().cpu()
@@ -41,7 +43,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||a - e|| / ||e|| over the whole tensor: the GPU tests' measure at real sizes in bf16, where
     the max-element bound of assert_close would be set by a few rounded outliers."""
-    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-12)).item()
+    return ((actual.float() - expected.float()).norm()
+            / expected.float().norm().clamp(min=1e-12)).item()
 
 
 def poison_(t: torch.Tensor) -> torch.Tensor:
@@ -64,16 +67,19 @@ def random_ids(T, K, E, seed, filtered=0.0):
     """topk_ids (T, K): K distinct experts per token; with `filtered`, that fraction of slots set to
     -1 or E (both mean "no expert")."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.long)
+    ids = (torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T
+           else torch.empty(0, K, dtype=torch.long))
     if filtered:
         drop = torch.rand(ids.shape, generator=g) < filtered
-        sentinel = torch.where(torch.rand(ids.shape, generator=g) < 0.5, -1, E)  # -1 and E both filter
+        # -1 and E both filter
+        sentinel = torch.where(torch.rand(ids.shape, generator=g) < 0.5, -1, E)
         ids = torch.where(drop, sentinel, ids)
     return ids
 
 
 def random_expert_weights(g: torch.Generator, E, H, I, gated=True, dtype=torch.float32):
-    """w13 (E, 2I or I, H) and w2 (E, H, I), drawn in that order from `g`, scaled to keep outputs O(1)."""
+    """w13 (E, 2I or I, H) and w2 (E, H, I), drawn in that order from `g`, scaled to keep outputs
+    O(1)."""
     w13 = torch.randn(E, 2 * I if gated else I, H, generator=g) / H**0.5
     w2 = torch.randn(E, H, I, generator=g) / I**0.5
     return w13.to(dtype), w2.to(dtype)
@@ -109,20 +115,22 @@ def tiny_qwen3_moe():
     """Three decoder layers, the middle one dense (mlp_only_layers): the loader's mixed case."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64, moe_intermediate_size=40,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=64,
+                            moe_intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=12, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
     return Qwen3MoeForCausalLM(config)
 
 
 def tiny_cohere2_moe(strategy="average"):
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
 
-    config = Cohere2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_experts=8,
-                              num_experts_per_tok=2, num_shared_experts=1, sliding_window=4,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                                           "sliding_attention"],
+    config = Cohere2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=40,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=12, num_experts=8, num_experts_per_tok=2,
+                              num_shared_experts=1, sliding_window=4,
+                              layer_types=["sliding_attention", "sliding_attention",
+                                           "full_attention", "sliding_attention"],
                               shared_expert_combination_strategy=strategy, logit_scale=0.5)
     return Cohere2MoeForCausalLM(config)
 
@@ -130,16 +138,19 @@ def tiny_cohere2_moe(strategy="average"):
 def tiny_minimax_m2():
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
-    config = MiniMaxM2Config(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=12, num_local_experts=8,
-                             num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                     "partial_rotary_factor": 0.5})
+    config = MiniMaxM2Config(vocab_size=97, hidden_size=48, intermediate_size=40,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=12, num_local_experts=8, num_experts_per_tok=2,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5})
     return MiniMaxM2ForCausalLM(config)
 
 
-# family -> (tiny model, weight seed for randomize_); seeds chosen so greedy generation is not a 2-token loop
+# family -> (tiny model, weight seed for randomize_); seeds chosen so greedy generation is not a
+# 2-token loop
 FAMILIES = {"qwen3_moe": (tiny_qwen3_moe, 1), "cohere2_moe": (tiny_cohere2_moe, 5),
-            "cohere2_moe-sum": (lambda: tiny_cohere2_moe("sum"), 5), "minimax_m2": (tiny_minimax_m2, 1)}
+            "cohere2_moe-sum": (lambda: tiny_cohere2_moe("sum"), 5),
+            "minimax_m2": (tiny_minimax_m2, 1)}
 
 
 def prompt(batch=2, length=7, vocab=97):
@@ -147,9 +158,9 @@ def prompt(batch=2, length=7, vocab=97):
 
 
 def eos_for_early_stops(free: torch.Tensor, L: int) -> tuple[list[int], list[int | None]]:
-    """From an eos-free greedy generation `free` (B, L + N): one or two of its tokens as eos ids at which
-    the rows stop at different steps >= 1, as many rows as possible and as early as possible; with
-    each row's stop step (None: never)."""
+    """From an eos-free greedy generation `free` (B, L + N): one or two of its tokens as eos ids at
+    which the rows stop at different steps >= 1, as many rows as possible and as early as possible;
+    with each row's stop step (None: never)."""
     from itertools import combinations
 
     rows = free[:, L:].tolist()
@@ -166,16 +177,18 @@ def eos_for_early_stops(free: torch.Tensor, L: int) -> tuple[list[int], list[int
 
 
 def all_sparse_qwen3_moe_checkpoint(path, **overrides):
-    """A tiny Qwen3-MoE whose two decoder layers are both sparse, randomize_all_'d and saved to `path`
-    (the Hub layout) for transformers' own from_pretrained; `overrides` change the config; returns `path`."""
+    """A tiny Qwen3-MoE whose two decoder layers are both sparse, randomize_all_'d and saved to
+    `path` (the Hub layout) for transformers' own from_pretrained; `overrides` change the config;
+    returns `path`."""
     torch.manual_seed(0)
-    model = sparse_qwen3_moe(**dict(hidden_size=48, moe_intermediate_size=40, head_dim=12) | overrides)
+    model = sparse_qwen3_moe(**dict(hidden_size=48, moe_intermediate_size=40, head_dim=12)
+                             | overrides)
     randomize_all_(model, seed=1)
     model.save_pretrained(path)
     return path
 
 
-# ---- quantization configs in the shapes real checkpoints write ------------------------------------
+# ---- quantization configs in the shapes real checkpoints write -----------------------------------
 
 NVFP4_WEIGHTS = {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}
 FP8_WEIGHTS = {"num_bits": 8, "type": "float", "strategy": "channel"}
@@ -189,37 +202,51 @@ def group(targets, fmt=None, weights=None) -> dict:
     return {"targets": targets, "weights": weights, **({"format": fmt} if fmt else {})}
 
 
-# name -> (quantization_config, the experts' format); test_quantization reads the format, test_resolver the rules
+# name -> (quantization_config, the experts' format); test_quantization reads the format,
+# test_resolver the rules
 QUANT_CONFIGS = {
     "none": (None, QuantFormat.NONE),
-    "ct-nvfp4-linear": (compressed({"group_0": group(["Linear"], weights=NVFP4_WEIGHTS)}, format="nvfp4-pack-quantized",
-                                   ignore=["lm_head"]), QuantFormat.NVFP4),
-    "ct-nvfp4-experts-regex": (compressed({"group_0": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}),
+    "ct-nvfp4-linear": (compressed({"group_0": group(["Linear"], weights=NVFP4_WEIGHTS)},
+                                   format="nvfp4-pack-quantized", ignore=["lm_head"]),
+                        QuantFormat.NVFP4),
+    "ct-nvfp4-experts-regex": (compressed({"group_0": group(["re:.*experts.*"],
+                                                            "nvfp4-pack-quantized",
+                                                            NVFP4_WEIGHTS)}),
                                QuantFormat.NVFP4),
-    "ct-fp8-linear": (compressed({"group_0": group(["Linear"], "float-quantized", FP8_WEIGHTS)}), QuantFormat.FP8),
-    "ct-nvfp4-attention-only": (compressed({"attn": group(["re:.*self_attn.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}),
+    "ct-fp8-linear": (compressed({"group_0": group(["Linear"], "float-quantized", FP8_WEIGHTS)}),
+                      QuantFormat.FP8),
+    "ct-nvfp4-attention-only": (compressed({"attn": group(["re:.*self_attn.*"],
+                                                          "nvfp4-pack-quantized", NVFP4_WEIGHTS)}),
                                 QuantFormat.NONE),
     # the field's bug: NVFP4 attention + FP8 experts looked like "NVFP4 somewhere"
     "ct-mixed-nvfp4-attention-fp8-experts": (compressed({
         "attn": group(["re:.*self_attn.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS),
-        "experts": group(["re:.*mlp.experts.*"], "float-quantized", FP8_WEIGHTS)}, format="mixed-precision"),
-        QuantFormat.FP8),
+        "experts": group(["re:.*mlp.experts.*"], "float-quantized", FP8_WEIGHTS)},
+        format="mixed-precision"), QuantFormat.FP8),
     "ct-mixed-nvfp4-experts-fp8-rest": (compressed({
         "rest": group(["Linear"], "float-quantized", FP8_WEIGHTS),
-        "experts": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}), QuantFormat.NVFP4),
-    "ct-experts-ignored": (compressed({"g": group(["Linear"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)},
+        "experts": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS)}),
+        QuantFormat.NVFP4),
+    "ct-experts-ignored": (compressed({"g": group(["Linear"], "nvfp4-pack-quantized",
+                                                  NVFP4_WEIGHTS)},
                                       ignore=["re:.*experts.*"]), QuantFormat.NONE),
-    "ct-groups-disagree": (compressed({"a": group(["re:.*experts.*"], "nvfp4-pack-quantized", NVFP4_WEIGHTS),
-                                       "b": group(["re:.*down_proj"], "float-quantized", FP8_WEIGHTS)}),
+    "ct-groups-disagree": (compressed({"a": group(["re:.*experts.*"], "nvfp4-pack-quantized",
+                                                  NVFP4_WEIGHTS),
+                                       "b": group(["re:.*down_proj"], "float-quantized",
+                                                  FP8_WEIGHTS)}),
                            QuantFormat.UNREADABLE),
-    "ct-nvfp4-by-weights-only": (compressed({"g": group(["Linear"], weights=NVFP4_WEIGHTS)}), QuantFormat.NVFP4),
-    "ct-int4": (compressed({"g": group(["Linear"], "pack-quantized", {"num_bits": 4, "type": "int"})}),
+    "ct-nvfp4-by-weights-only": (compressed({"g": group(["Linear"], weights=NVFP4_WEIGHTS)}),
+                                 QuantFormat.NVFP4),
+    "ct-int4": (compressed({"g": group(["Linear"], "pack-quantized",
+                                       {"num_bits": 4, "type": "int"})}),
                 QuantFormat.OTHER),
     "ct-no-groups": ({"quant_method": "compressed-tensors"}, QuantFormat.UNREADABLE),
     "modelopt-nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, QuantFormat.NVFP4),
-    "modelopt-nvfp4-nested": ({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}}, QuantFormat.NVFP4),
+    "modelopt-nvfp4-nested": ({"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}},
+                              QuantFormat.NVFP4),
     "modelopt-fp8": ({"quant_method": "modelopt", "quant_algo": "FP8"}, QuantFormat.FP8),
-    "modelopt-mixed": ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"}, QuantFormat.UNREADABLE),
+    "modelopt-mixed": ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION"},
+                       QuantFormat.UNREADABLE),
     "unreadable-separate-file": ({"quant_method": "modelopt"}, QuantFormat.UNREADABLE),
     "unreadable-file-name": ("hf_quant_config.json", QuantFormat.UNREADABLE),
     "unreadable-no-method": ({"bits": 4}, QuantFormat.UNREADABLE),
@@ -228,20 +255,25 @@ QUANT_CONFIGS = {
 }
 
 
-# ---- FP8 checkpoint configs in their published shapes ----------------------------------------------
+# ---- FP8 checkpoint configs in their published shapes --------------------------------------------
 
 # DeepSeek-V3's README ("FP8 Weights") and Qwen3-*-FP8's config.json
-DEEPSEEK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+DEEPSEEK_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                "weight_block_size": [128, 128]}
 # MiniMaxAI/MiniMax-M2's config.json: the router, its bias and the head stay unquantized
 MINIMAX_M2_FP8 = {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
-                  "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
-# compressed-tensors' presets (compressed_tensors/quantization/quant_scheme.py): FP8 (static per tensor),
-# FP8_DYNAMIC (per channel, dynamic per token) and FP8_BLOCK (128 x 128 blocks, dynamic per 128-group)
+                  "weight_block_size": [128, 128],
+                  "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+# compressed-tensors' presets (compressed_tensors/quantization/quant_scheme.py): FP8 (static per
+# tensor), FP8_DYNAMIC (per channel, dynamic per token) and FP8_BLOCK (128 x 128 blocks, dynamic
+# per 128-group)
 CT_FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
 CT_FP8_INPUTS = {"num_bits": 8, "type": "float", "symmetric": True}
 CT_SCHEMES = {
-    "tensor": ({**CT_FP8_WEIGHTS, "strategy": "tensor"}, {**CT_FP8_INPUTS, "strategy": "tensor", "dynamic": False}),
-    "channel": ({**CT_FP8_WEIGHTS, "strategy": "channel"}, {**CT_FP8_INPUTS, "strategy": "token", "dynamic": True}),
+    "tensor": ({**CT_FP8_WEIGHTS, "strategy": "tensor"},
+               {**CT_FP8_INPUTS, "strategy": "tensor", "dynamic": False}),
+    "channel": ({**CT_FP8_WEIGHTS, "strategy": "channel"},
+                {**CT_FP8_INPUTS, "strategy": "token", "dynamic": True}),
     "block": ({**CT_FP8_WEIGHTS, "strategy": "block", "block_structure": [128, 128]},
               {**CT_FP8_INPUTS, "strategy": "group", "group_size": 128, "dynamic": True}),
 }
@@ -252,27 +284,30 @@ def ct_fp8(strategy: str, block=None, targets=("Linear",), ignore=("lm_head",)) 
     weights, inputs = CT_SCHEMES[strategy]
     if block is not None:
         weights = {**weights, "block_structure": list(block)}
-    return compressed({"group_0": {"targets": list(targets), "weights": weights, "input_activations": inputs}},
+    return compressed({"group_0": {"targets": list(targets), "weights": weights,
+                                   "input_activations": inputs}},
                       format="float-quantized", ignore=list(ignore))
 
 
-# ModelOpt's hf_quant_config.json (modelopt/torch/export: convert_hf_quant_config_format's docstring) and
-# the same config as newer exports write it into config.json
+# ModelOpt's hf_quant_config.json (modelopt/torch/export: convert_hf_quant_config_format's
+# docstring) and the same config as newer exports write it into config.json
 MODELOPT_FP8_FILE = {"producer": {"name": "modelopt", "version": "0.19.0"},
-                     "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}
+                     "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                      "exclude_modules": ["lm_head"]}}
 MODELOPT_FP8 = {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"]}
 
 
-# ---- FP8 checkpoints written by transformers' own quantizer ------------------------------------------
+# ---- FP8 checkpoints written by transformers' own quantizer --------------------------------------
 
 @contextlib.contextmanager
 def fp8_quantizer_on_cpu():
     """transformers' FineGrainedFP8 quantizer refuses to quantize without an accelerator
     (FineGrainedFP8HfQuantizer.validate_environment: "No GPU or XPU found"). The quantization itself
-    (finegrained_fp8.Fp8Quantize: per-block amax / 448, cast to e4m3, scale_inv = amax / 448) is plain
-    torch on the CPU tensors it loads, and we only save what it writes, never run its FP8 forward (that
-    fetches a kernel from the Hub). So the one name that check consults is patched, in that module only,
-    for the duration: `is_torch_xpu_available` answers True. Nothing else in transformers sees it."""
+    (finegrained_fp8.Fp8Quantize: per-block amax / 448, cast to e4m3, scale_inv = amax / 448) is
+    plain torch on the CPU tensors it loads, and we only save what it writes, never run its FP8
+    forward (that fetches a kernel from the Hub). So the one name that check consults is patched, in
+    that module only, for the duration: `is_torch_xpu_available` answers True. Nothing else in
+    transformers sees it."""
     from unittest import mock
 
     from transformers.quantizers import quantizer_finegrained_fp8
@@ -282,31 +317,35 @@ def fp8_quantizer_on_cpu():
 
 
 def transformers_fp8_checkpoint(model, path, block, modules_to_not_convert=None):
-    """`model` (a tiny transformers causal LM) quantized on load by transformers' FineGrainedFP8Config and
-    written by its save_pretrained to `path`, in the layout transformers writes. Returns (`path`, the
-    quantized model's state dict: transformers 5's fused names, `experts.gate_up_proj` [E, 2I, H] e4m3
-    beside `experts.gate_up_proj_scale_inv`)."""
+    """`model` (a tiny transformers causal LM) quantized on load by transformers'
+    FineGrainedFP8Config and written by its save_pretrained to `path`, in the layout transformers
+    writes. Returns (`path`, the quantized model's state dict: transformers 5's fused names,
+    `experts.gate_up_proj` [E, 2I, H] e4m3 beside `experts.gate_up_proj_scale_inv`)."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    config = FineGrainedFP8Config(weight_block_size=list(block), modules_to_not_convert=modules_to_not_convert)
+    config = FineGrainedFP8Config(weight_block_size=list(block),
+                                  modules_to_not_convert=modules_to_not_convert)
     with tempfile.TemporaryDirectory() as unquantized:
         model.save_pretrained(unquantized)
         with fp8_quantizer_on_cpu():
-            fp8 = AutoModelForCausalLM.from_pretrained(unquantized, quantization_config=config, dtype=torch.float32)
+            fp8 = AutoModelForCausalLM.from_pretrained(unquantized, quantization_config=config,
+                                                       dtype=torch.float32)
         fp8.save_pretrained(path)
     return path, {name: t.detach().clone() for name, t in fp8.state_dict().items()}
 
 
 def per_expert_fp8_layout(state: dict) -> dict:
-    """The published per-expert layout (Qwen3-*-FP8, DeepSeek-V3) of FP8 tensors that hold fused expert weights
-    or fused scale grids (transformers 5 writes `experts.gate_up_proj_scale_inv`, one grid over [gate; up]):
-    experts.N.{gate,up,down}_proj.weight and .weight_scale_inv. Needs I % block_n == 0 to split the grid."""
+    """The published per-expert layout (Qwen3-*-FP8, DeepSeek-V3) of FP8 tensors that hold fused
+    expert weights or fused scale grids (transformers 5 writes `experts.gate_up_proj_scale_inv`, one
+    grid over [gate; up]): experts.N.{gate,up,down}_proj.weight and .weight_scale_inv. Needs I %
+    block_n == 0 to split the grid."""
     out = {}
     for name, t in state.items():
         base, _, leaf = name.rpartition(".")
-        if not base.endswith("experts") or leaf not in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv",
+        if not base.endswith("experts") or leaf not in ("gate_up_proj", "down_proj",
+                                                        "gate_up_proj_scale_inv",
                                                         "down_proj_scale_inv"):
             out[name] = t
             continue
@@ -319,7 +358,8 @@ def per_expert_fp8_layout(state: dict) -> dict:
 
 
 def save_checkpoint(tensors: dict, config_dir, path, shards: int = 1):
-    """`tensors` as model.safetensors (or `shards` files and an index) beside config_dir's config.json."""
+    """`tensors` as model.safetensors (or `shards` files and an index) beside config_dir's
+    config.json."""
     import json
     import shutil
     from pathlib import Path
@@ -331,30 +371,36 @@ def save_checkpoint(tensors: dict, config_dir, path, shards: int = 1):
     shutil.copy(Path(config_dir) / "config.json", path / "config.json")
     names = sorted(tensors)
     if shards == 1:
-        save_file({k: tensors[k].contiguous() for k in names}, path / "model.safetensors", metadata={"format": "pt"})
+        save_file({k: tensors[k].contiguous() for k in names}, path / "model.safetensors",
+                  metadata={"format": "pt"})
         return path
-    files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards] for i in range(shards)}
+    files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards]
+             for i in range(shards)}
     for file, keys in files.items():
-        save_file({k: tensors[k].contiguous() for k in keys}, path / file, metadata={"format": "pt"})
+        save_file({k: tensors[k].contiguous() for k in keys}, path / file,
+                  metadata={"format": "pt"})
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {k: file for file, keys in files.items() for k in keys}}))
     return path
 
 
 def sparse_qwen3_moe(**overrides):
-    """Two decoder layers, both sparse, sizes that divide into FP8 blocks of 32; `overrides` change the config."""
+    """Two decoder layers, both sparse, sizes that divide into FP8 blocks of 32; `overrides` change
+    the config."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = dict(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                  norm_topk_prob=True, decoder_sparse_step=1) | overrides
+    config = dict(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                  decoder_sparse_step=1) | overrides
     return Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
 
 
-def experts_fp8_qwen3_checkpoint(path, hidden: int, moe_intermediate: int, head_dim: int, block, dtype: str):
+def experts_fp8_qwen3_checkpoint(path, hidden: int, moe_intermediate: int, head_dim: int, block,
+                                 dtype: str):
     """A tiny two-layer Qwen3-MoE whose experts only (not attention, not the head) transformers' own
-    FineGrainedFP8Config quantizes to `block` scales, in the published per-expert layout (Qwen3-*-FP8)
-    at `path` / "fp8", config.json's dtype set to `dtype`. Returns that directory."""
+    FineGrainedFP8Config quantizes to `block` scales, in the published per-expert layout
+    (Qwen3-*-FP8) at `path` / "fp8", config.json's dtype set to `dtype`. Returns that directory."""
     import json
     from pathlib import Path
 
@@ -362,32 +408,36 @@ def experts_fp8_qwen3_checkpoint(path, hidden: int, moe_intermediate: int, head_
 
     path = Path(path)
     torch.manual_seed(0)
-    model = sparse_qwen3_moe(hidden_size=hidden, intermediate_size=hidden, moe_intermediate_size=moe_intermediate,
-                             head_dim=head_dim)
+    model = sparse_qwen3_moe(hidden_size=hidden, intermediate_size=hidden,
+                             moe_intermediate_size=moe_intermediate, head_dim=head_dim)
+    # experts only
     written, _ = transformers_fp8_checkpoint(randomize_(model.eval(), seed=1), path / "written",
-                                             block, ["lm_head", r"model\.layers\.\d+\.self_attn"])  # experts only
-    fp8_path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, path / "fp8")
+                                             block, ["lm_head", r"model\.layers\.\d+\.self_attn"])
+    fp8_path = save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")),
+                               written, path / "fp8")
     stored = json.loads((fp8_path / "config.json").read_text())
     (fp8_path / "config.json").write_text(json.dumps(stored | {"dtype": dtype}))
     return fp8_path
 
 
 def spy_on_fp8_experts(monkeypatch) -> list:
-    """Count the calls transformers makes to our FP8ExpertsInterface entry: the returned list grows by one each."""
+    """Count the calls transformers makes to our FP8ExpertsInterface entry: the returned list grows
+    by one each."""
     from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 
     import moe_triton.integrations.transformers as integration
 
     calls, real = [], integration.moe_triton_fp8_experts_forward
-    monkeypatch.setitem(FP8ExpertsInterface._global_mapping, "moe_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setitem(FP8ExpertsInterface._global_mapping, "moe_triton",
+                        lambda *a: calls.append(1) or real(*a))
     return calls
 
 
 def fp8_quantize(w: torch.Tensor, strategy: str, block=(128, 128)):
     """w (N, C) -> (e4m3 (N, C), float32 scale) as compressed-tensors and ModelOpt define them
-    (scale = max|w| / 448 over the tensor, each row, or each block; dequantized = q * scale), written
-    out here with torch ops, independently of moe_triton. Scale shapes as compressed-tensors stores
-    them (initialize.py): tensor (1,), channel (N, 1), block (ceil(N / bn), ceil(C / bc))."""
+    (scale = max|w| / 448 over the tensor, each row, or each block; dequantized = q * scale),
+    written out here with torch ops, independently of moe_triton. Scale shapes as compressed-tensors
+    stores them (initialize.py): tensor (1,), channel (N, 1), block (ceil(N / bn), ceil(C / bc))."""
     w = w.float()
     if strategy == "tensor":
         scale = (w.abs().max() / 448).reshape(1)
@@ -397,7 +447,9 @@ def fp8_quantize(w: torch.Tensor, strategy: str, block=(128, 128)):
         per_element = scale
     else:
         bn, bc = block
-        scale = torch.stack([torch.stack([w[r:r + bn, c:c + bc].abs().max() for c in range(0, w.shape[1], bc)])
+        scale = torch.stack([torch.stack([w[r:r + bn, c:c + bc].abs().max()
+                                          for c in range(0, w.shape[1], bc)])
                              for r in range(0, w.shape[0], bn)]) / 448
-        per_element = scale.repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bc, 1)[:, : w.shape[1]]
+        per_element = (scale.repeat_interleave(bn, 0)[: w.shape[0]]
+                       .repeat_interleave(bc, 1)[:, : w.shape[1]])
     return (w / per_element).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()

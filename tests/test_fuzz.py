@@ -9,8 +9,8 @@ listing each case so it can be replayed.
 Seeded and bounded for CI: a few hundred cases in well under a minute on a CPU, where the Triton
 kernels run in the interpreter (so shapes stay tiny). A longer run on demand, read here only:
 
-    MOE_TRITON_FUZZ_SCALE=20 python -m pytest -p no:cacheprovider tests/test_fuzz.py   # 20x the cases
-    MOE_TRITON_FUZZ_SEED=7 ...                                                           # another seed
+    MOE_TRITON_FUZZ_SCALE=20 python -m pytest -p no:cacheprovider tests/test_fuzz.py # 20x the cases
+    MOE_TRITON_FUZZ_SEED=7 ...                                                       # another seed
 """
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ from moe_triton.routing import router_logits, topk_weights_torch
 SCALE = int(os.environ.get("MOE_TRITON_FUZZ_SCALE", "1"))
 SEED = int(os.environ.get("MOE_TRITON_FUZZ_SEED", "18"))
 ACTIVATIONS = (Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.GELU_AND_MUL),
-               Activation(ActivationKind.RELU2), Activation(ActivationKind.CLAMPED_SWIGLU, 0.5, 1.702))
+               Activation(ActivationKind.RELU2),
+               Activation(ActivationKind.CLAMPED_SWIGLU, 0.5, 1.702))
 OK, REFUSE, EITHER = "ok", "refuse", "either"
 
 
@@ -97,22 +98,26 @@ def run_cases(family: str, make_case: Callable[[random.Random], Case], count: in
             tally["checked"] += 1
         except AssertionError as error:
             failures.append(f"{where}: wrong result: {error}")
-    print(f"{family}: {count * SCALE} cases, {tally['checked']} results checked, {tally['refused']} refused")
+    print(f"{family}: {count * SCALE} cases, {tally['checked']} results checked, "
+          f"{tally['refused']} refused")
     assert not failures, f"{len(failures)} failing cases:\n" + "\n".join(failures[:25])
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 2.0,
-                   what: str = "output"):
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype,
+                   scale: float = 2.0, what: str = "output"):
     """Non-finite exactly where the float32 reference is; elsewhere within the dtype's tolerance
     of max |reference| (the tests' assert_close rule)."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (f"{what}: shape {tuple(actual.shape)} != "
+                                            f"{tuple(expected.shape)}")
     actual, expected = actual.detach().float().cpu(), expected.detach().float().cpu()
     finite = torch.isfinite(expected)
-    assert torch.equal(torch.isfinite(actual), finite), f"{what}: non-finite values where the reference has none (or v.v.)"
+    assert torch.equal(torch.isfinite(actual), finite), (f"{what}: non-finite values where the "
+                                                         "reference has none (or v.v.)")
     if finite.any():
         err = (actual[finite] - expected[finite]).abs().max().item()
         ref = max(expected[finite].abs().max().item(), 1e-6)
-        assert err <= TOLERANCE[dtype] * scale * ref, f"{what}: max abs error {err:.3e} vs max |ref| {ref:.3e} ({dtype})"
+        assert err <= TOLERANCE[dtype] * scale * ref, (f"{what}: max abs error {err:.3e} vs max "
+                                                       f"|ref| {ref:.3e} ({dtype})")
 
 
 def seeded(rng: random.Random) -> torch.Generator:
@@ -126,19 +131,22 @@ def pick(rng: random.Random, mutations: dict, **context) -> tuple[str, Callable]
     return name, mutations[name][1]
 
 
-# ---- fused_experts / run_experts ------------------------------------------------------------------
+# ---- fused_experts / run_experts -----------------------------------------------------------------
 
 def random_ids(rng, g, T, K, E, dtype):
-    ids = torch.randint(-2, E + 2, (T, K), generator=g)  # ~1/3 filtered: -2, -1, E (the EP sentinel), E + 1
+    # ~1/3 filtered: -2, -1, E (the EP sentinel), E + 1
+    ids = torch.randint(-2, E + 2, (T, K), generator=g)
     if dtype == torch.int64 and T and rng.random() < 0.3:
-        ids[rng.randrange(T), rng.randrange(K)] = rng.choice([2**31, 2**32 + 1, 2**40, -2**40])  # never wraps into [0, E)
+        # never wraps into [0, E)
+        ids[rng.randrange(T), rng.randrange(K)] = rng.choice([2**31, 2**32 + 1, 2**40, -2**40])
     return ids.to(dtype)
 
 
 def experts_case(rng: random.Random) -> Case:
     T, E = rng.choice([0, 1, 2, 3, 5, 7]), rng.choice([1, 2, 3, 4, 8])
     K, H, I = rng.choice([1, 2, 3, E, E + 2]), rng.choice([1, 4, 8, 16]), rng.choice([1, 3, 8])
-    dtype, activation = rng.choice([torch.float32, torch.float32, torch.float16]), rng.choice(ACTIVATIONS)
+    dtype, activation = (rng.choice([torch.float32, torch.float32, torch.float16]),
+                         rng.choice(ACTIVATIONS))
     g = seeded(rng)
     a = dict(
         hidden_states=torch.randn(T, H, generator=g).to(dtype),
@@ -158,10 +166,12 @@ def experts_case(rng: random.Random) -> Case:
         a["hidden_states"] = a["hidden_states"][:1].expand(T, H)  # stride 0
         notes.append("x stride-0")
     if rng.random() < 0.3:
-        a["w13"], a["w2"] = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (a["w13"], a["w2"]))
+        a["w13"], a["w2"] = (w.transpose(1, 2).contiguous().transpose(1, 2)
+                             for w in (a["w13"], a["w2"]))
         notes.append("weights transposed storage")
     if T and rng.random() < 0.2:
-        a["topk_ids"], a["topk_weights"] = a["topk_ids"][:1].expand(T, K), a["topk_weights"][:1].expand(T, K)
+        a["topk_ids"], a["topk_weights"] = (a["topk_ids"][:1].expand(T, K),
+                                            a["topk_weights"][:1].expand(T, K))
         notes.append("ids/weights stride-0")
     if T and rng.random() < 0.2:
         a["topk_ids"] = a["topk_ids"].T.contiguous().T
@@ -173,12 +183,15 @@ def experts_case(rng: random.Random) -> Case:
     finite = not (T and rng.random() < 0.15)
     if not finite:
         a["hidden_states"] = a["hidden_states"].clone()
-        a["hidden_states"][rng.randrange(T), rng.randrange(H)] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        a["hidden_states"][rng.randrange(T), rng.randrange(H)] = rng.choice(
+            [float("nan"), float("inf"), -float("inf")])
         notes.append("a non-finite hidden state")
     if rng.random() < 0.3:
         layout = rng.choice(list(LayoutKind))
-        down = GemmConfig(16, rng.choice([16, 32]), rng.choice([16, 32]), split_c=rng.choice([1, 2, 3]))
-        a["config"] = MoEConfig(GemmConfig(16, rng.choice([16, 32]), rng.choice([16, 32]), group_m=rng.choice([1, 2])),
+        down = GemmConfig(16, rng.choice([16, 32]), rng.choice([16, 32]),
+                          split_c=rng.choice([1, 2, 3]))
+        a["config"] = MoEConfig(GemmConfig(16, rng.choice([16, 32]), rng.choice([16, 32]),
+                                           group_m=rng.choice([1, 2])),
                                 down, layout)
         notes.append(a["config"].describe())
     if rng.random() < 0.2:
@@ -205,7 +218,8 @@ def experts_case(rng: random.Random) -> Case:
         args = {k: v() if k == "config" and callable(v) else v for k, v in a.items()}
         if functional:
             return fused_experts(**args)
-        weights = ExpertWeights(args.pop("w13"), args.pop("w2"), gated=getattr(a["activation"], "gated", True))
+        weights = ExpertWeights(args.pop("w13"), args.pop("w2"),
+                                gated=getattr(a["activation"], "gated", True))
         return run_experts(args.pop("hidden_states"), weights, **args)
 
     def check(out):
@@ -217,24 +231,30 @@ def experts_case(rng: random.Random) -> Case:
         if grad:
             assert_experts_grads(out, a, dtype)
 
-    return Case(("fused_experts " if functional else "run_experts ") + ", ".join(notes), call, check, expect)
+    return Case(("fused_experts " if functional else "run_experts ") + ", ".join(notes), call,
+                check, expect)
 
 
 GRAD_ARGS = ("hidden_states", "w13", "w2", "topk_weights")
 
 
 def assert_experts_grads(out, a: dict, dtype):
-    """The gradients of out . grad_out against autograd through fused_experts_torch on float32 copies."""
+    """The gradients of out . grad_out against autograd through fused_experts_torch on float32
+    copies."""
     assert out.requires_grad, "the output has no grad_fn: the gradients were dropped"
     leaves = [a[k] for k in GRAD_ARGS]
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out.dtype)
+    grad_out = torch.randn(out.shape,
+                           generator=torch.Generator().manual_seed(out.numel())).to(out.dtype)
     grads = torch.autograd.grad(out, leaves, grad_out)
     copies = [t.detach().float().requires_grad_() for t in leaves]
-    ref = fused_experts_torch(copies[0], copies[1], copies[2], a["topk_ids"], copies[3], activation=a["activation"])
-    expected = (torch.autograd.grad(ref, copies, grad_out.float(), allow_unused=True) if ref.requires_grad
+    ref = fused_experts_torch(copies[0], copies[1], copies[2], a["topk_ids"], copies[3],
+                              activation=a["activation"])
+    expected = (torch.autograd.grad(ref, copies, grad_out.float(), allow_unused=True)
+                if ref.requires_grad
                 else [None] * len(copies))  # T = 0: nothing flows
     for name, grad, ref_grad, copy in zip(GRAD_ARGS, grads, expected, copies):
-        assert_matches(grad, torch.zeros_like(copy) if ref_grad is None else ref_grad, dtype, what=f"d {name}")
+        assert_matches(grad, torch.zeros_like(copy) if ref_grad is None else ref_grad, dtype,
+                       what=f"d {name}")
 
 
 def _set(key, make):
@@ -250,39 +270,48 @@ EXPERTS_MUTATIONS = {
     "x int": (ALWAYS, _set("hidden_states", lambda a, **s: a["hidden_states"].int())),
     "x list": (ALWAYS, _set("hidden_states", lambda a, **s: a["hidden_states"].tolist())),
     "x meta": (ALWAYS, _set("hidden_states", lambda a, **s: a["hidden_states"].to("meta"))),
-    "x width": (ALWAYS, _set("hidden_states", lambda a, T, H, dtype, **s: torch.zeros(T, H + 1, dtype=dtype))),
-    "w13 dtype": (ALWAYS, _set("w13", lambda a, dtype, **s: a["w13"].to(torch.float16 if dtype == torch.float32
-                                                                          else torch.float32))),
+    "x width": (ALWAYS,
+                _set("hidden_states",
+                     lambda a, T, H, dtype, **s: torch.zeros(T, H + 1, dtype=dtype))),
+    "w13 dtype": (ALWAYS, _set("w13", lambda a, dtype, **s: a["w13"].to(
+        torch.float16 if dtype == torch.float32 else torch.float32))),
     "w13 2-D": (ALWAYS, _set("w13", lambda a, **s: a["w13"][0])),
     "w13 odd rows": (lambda gated, **s: gated, _set("w13", lambda a, **s: a["w13"][:, 1:])),
-    "w2 narrow": (ALWAYS, _set("w2", lambda a, E, H, I, dtype, **s: torch.zeros(E, H, I + 1, dtype=dtype))),
+    "w2 narrow": (ALWAYS,
+                  _set("w2", lambda a, E, H, I, dtype, **s: torch.zeros(E, H, I + 1, dtype=dtype))),
     "w2 fewer experts": (lambda E, **s: E > 1, _set("w2", lambda a, **s: a["w2"][1:])),
     "w2 meta": (ALWAYS, _set("w2", lambda a, **s: a["w2"].to("meta"))),
     "ids float": (ALWAYS, _set("topk_ids", lambda a, **s: a["topk_ids"].float())),
     "ids int16": (ALWAYS, _set("topk_ids", lambda a, **s: a["topk_ids"].short())),
     "ids 1-D": (ALWAYS, _set("topk_ids", lambda a, **s: a["topk_ids"].reshape(-1))),
-    "ids rows": (ALWAYS, _set("topk_ids", lambda a, T, K, **s: torch.zeros(T + 1, K, dtype=torch.int32))),
+    "ids rows": (ALWAYS,
+                 _set("topk_ids", lambda a, T, K, **s: torch.zeros(T + 1, K, dtype=torch.int32))),
     "ids list": (ALWAYS, _set("topk_ids", lambda a, **s: a["topk_ids"].tolist())),
     "K = 0": (ALWAYS, lambda a, T, **s: a.update(topk_ids=torch.zeros(T, 0, dtype=torch.int32),
                                                   topk_weights=torch.zeros(T, 0))),
     "weights shape": (ALWAYS, _set("topk_weights", lambda a, T, K, **s: torch.rand(T, K + 1))),
     "weights int": (ALWAYS, _set("topk_weights", lambda a, **s: a["topk_weights"].int())),
     "weights meta": (ALWAYS, _set("topk_weights", lambda a, **s: a["topk_weights"].to("meta"))),
-    "out shape": (ALWAYS, _set("out", lambda a, T, H, dtype, **s: torch.empty(T + 1, H, dtype=dtype))),
+    "out shape": (ALWAYS,
+                  _set("out", lambda a, T, H, dtype, **s: torch.empty(T + 1, H, dtype=dtype))),
     "out int32": (ALWAYS, _set("out", lambda a, T, H, **s: torch.empty(T, H, dtype=torch.int32))),
     "out dtype": (ALWAYS, _set("out", lambda a, T, H, dtype, **s: torch.empty(
         T, H, dtype=torch.float16 if dtype == torch.float32 else torch.float32))),
-    "out meta": (ALWAYS, _set("out", lambda a, T, H, dtype, **s: torch.empty(T, H, dtype=dtype, device="meta"))),
+    "out meta": (ALWAYS,
+                 _set("out",
+                      lambda a, T, H, dtype, **s: torch.empty(T, H, dtype=dtype, device="meta"))),
     "out column-major": (lambda T, H, **s: T > 1 and H > 1,
                          _set("out", lambda a, T, H, dtype, **s: torch.empty(H, T, dtype=dtype).T)),
     "out list": (ALWAYS, _set("out", lambda a, T, H, **s: [[0.0] * H] * T)),
     "bf16 on the interpreter": (lambda **s: not torch.cuda.is_available(), lambda a, **s: a.update(
         {k: a[k].bfloat16() for k in ("hidden_states", "w13", "w2")})),
     "activation mismatch": (ALWAYS, lambda a, **s: a.update(activation=Activation(
-        ActivationKind.SILU_AND_MUL if a["activation"].kind is ActivationKind.RELU2 else ActivationKind.RELU2))),
+        ActivationKind.SILU_AND_MUL if a["activation"].kind is ActivationKind.RELU2
+        else ActivationKind.RELU2))),
     "activation str": (ALWAYS, _set("activation", lambda a, **s: "silu")),
     "config str": (ALWAYS, _set("config", lambda a, **s: "fast")),
-    "config block 24": (ALWAYS, _set("config", lambda a, **s: lambda: MoEConfig(  # built inside the call
+    # built inside the call
+    "config block 24": (ALWAYS, _set("config", lambda a, **s: lambda: MoEConfig(
         GemmConfig(16, 24, 32), GemmConfig(16, 24, 32), LayoutKind.PER_PAIR))),
 }
 
@@ -291,7 +320,7 @@ def test_fused_experts():
     run_cases("fused_experts", experts_case, 110)
 
 
-# ---- routing --------------------------------------------------------------------------------------
+# ---- routing -------------------------------------------------------------------------------------
 
 def selection_keys(logits, spec: RoutingSpec, bias) -> torch.Tensor:
     """The float64 keys routing selects on (for telling clean rows from near-ties)."""
@@ -302,7 +331,8 @@ def selection_keys(logits, spec: RoutingSpec, bias) -> torch.Tensor:
 
 
 def clean_rows(logits, spec: RoutingSpec, bias) -> torch.Tensor:
-    """Rows without non-finite logits or near-ties, where the kernel must equal the reference exactly."""
+    """Rows without non-finite logits or near-ties, where the kernel must equal the reference
+    exactly."""
     T, E = logits.shape
     key = selection_keys(logits, spec, bias)
     scale = key.abs().amax(dim=1).clamp_min(1e-30)
@@ -310,12 +340,14 @@ def clean_rows(logits, spec: RoutingSpec, bias) -> torch.Tensor:
     if E > 1:
         ok &= key.sort(dim=1).values.diff(dim=1).min(dim=1).values > 1e-4 * scale
     if spec.n_group > 1:
-        group_scores = key.view(T, spec.n_group, E // spec.n_group).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        # [T, G]
+        group_scores = key.view(T, spec.n_group, E // spec.n_group).topk(2, dim=-1).values.sum(-1)
         ok &= group_scores.sort(dim=1).values.diff(dim=1).min(dim=1).values > 1e-4 * scale
     return ok
 
 
-ROUTERS = ("route", "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk", "grouped_topk")
+ROUTERS = ("route", "softmax_topk", "topk_softmax", "topk_sigmoid", "biased_sigmoid_topk",
+           "grouped_topk")
 
 
 def routing_case(rng: random.Random) -> Case:
@@ -342,21 +374,23 @@ def routing_case(rng: random.Random) -> Case:
         notes.append("logits stride-0")
     if T and rng.random() < 0.25:
         logits = logits.clone()
-        logits[rng.randrange(T), rng.randrange(E)] = rng.choice([float("nan"), float("inf"), -float("inf")])
+        logits[rng.randrange(T), rng.randrange(E)] = rng.choice(
+            [float("nan"), float("inf"), -float("inf")])
         notes.append("a non-finite logit")
     out = None
     if rng.random() < 0.2:
         out = (torch.full((T, K), 2**31 - 1, dtype=torch.int32), torch.full((T, K), float("nan")))
         notes.append("out=")
-    a = dict(logits=logits, bias=bias, K=K, n_group=n_group, topk_group=topk_group, renormalize=renormalize,
-             scale=scale, out=out, spec=None)
+    a = dict(logits=logits, bias=bias, K=K, n_group=n_group, topk_group=topk_group,
+             renormalize=renormalize, scale=scale, out=out, spec=None)
     expect = OK
     if rng.random() < 0.4:
         name, mutate = pick(rng, ROUTING_MUTATIONS, router=router, T=T, E=E, K=K)
         mutate(a, T=T, E=E, K=K)
         notes.append(f"INVALID {name}")
         expect = REFUSE
-    grad = rng.random() < 0.3 and isinstance(a["logits"], torch.Tensor) and a["logits"].dtype.is_floating_point
+    grad = (rng.random() < 0.3 and isinstance(a["logits"], torch.Tensor)
+            and a["logits"].dtype.is_floating_point)
     if grad:  # grad mode, the logits requiring grad
         a["logits"] = a["logits"].detach().requires_grad_()
         notes.append("grad mode")
@@ -372,9 +406,10 @@ def routing_case(rng: random.Random) -> Case:
         if router == "topk_sigmoid":
             return RoutingSpec(a["K"], Scoring.SIGMOID, SelectOn.LOGITS, a["renormalize"]), None
         if router == "biased_sigmoid_topk":
-            return RoutingSpec(a["K"], Scoring.SIGMOID, renormalize=True, correction_bias=True), a["bias"]
-        return RoutingSpec(a["K"], Scoring.SIGMOID, SelectOn.SCORES, a["renormalize"], a["n_group"], a["topk_group"],
-                           a["scale"], correction_bias=True), a["bias"]
+            return RoutingSpec(a["K"], Scoring.SIGMOID, renormalize=True,
+                               correction_bias=True), a["bias"]
+        return RoutingSpec(a["K"], Scoring.SIGMOID, SelectOn.SCORES, a["renormalize"], a["n_group"],
+                           a["topk_group"], a["scale"], correction_bias=True), a["bias"]
 
     def call():
         x, k, out_ = a["logits"], a["K"], a["out"]
@@ -388,7 +423,8 @@ def routing_case(rng: random.Random) -> Case:
             return topk_sigmoid(x, k, a["renormalize"], out=out_)
         if router == "biased_sigmoid_topk":
             return biased_sigmoid_topk(x, a["bias"], k, out=out_)
-        return grouped_topk(x, a["bias"], k, a["n_group"], a["topk_group"], a["renormalize"], a["scale"], out=out_)
+        return grouped_topk(x, a["bias"], k, a["n_group"], a["topk_group"], a["renormalize"],
+                            a["scale"], out=out_)
 
     def check(result):
         spec, b = spec_of()
@@ -401,17 +437,22 @@ def routing_case(rng: random.Random) -> Case:
         assert all(len(set(row)) == K for row in ids.tolist()), f"repeated ids: {ids.tolist()}"
         ref_ids, ref_weights = route_torch(logits, spec, b)
         clean = clean_rows(logits, spec, b)
-        assert torch.equal(ids[clean], ref_ids[clean]), f"ids {ids[clean].tolist()} != {ref_ids[clean].tolist()}"
+        assert torch.equal(ids[clean], ref_ids[clean]), (f"ids {ids[clean].tolist()} != "
+                                                         f"{ref_ids[clean].tolist()}")
         torch.testing.assert_close(weights[clean], ref_weights[clean], rtol=1e-4, atol=1e-6)
         if grad:  # an upstream gradient per expert, so that the slot order does not matter
             assert weights.requires_grad, "the weights have no grad_fn: the gradients were dropped"
             per_expert = torch.randn(E, generator=torch.Generator().manual_seed(E))
-            (grad_logits,) = torch.autograd.grad((weights * per_expert[ids.long()]).sum(), a["logits"])
+            (grad_logits,) = torch.autograd.grad((weights * per_expert[ids.long()]).sum(),
+                                                 a["logits"])
             ref_ids, ref_weights = route_torch(a["logits"], spec, b)
-            (expected,) = torch.autograd.grad((ref_weights * per_expert[ref_ids.long()]).sum(), a["logits"])
+            (expected,) = torch.autograd.grad((ref_weights * per_expert[ref_ids.long()]).sum(),
+                                              a["logits"])
             assert grad_logits.dtype == a["logits"].dtype
-            tol = GRAD_TOLERANCE[grad_logits.dtype] * max(expected[clean].abs().max().item() if clean.any() else 0, 1e-6)
-            torch.testing.assert_close(grad_logits[clean].double(), expected[clean].double(), rtol=0, atol=tol)
+            tol = GRAD_TOLERANCE[grad_logits.dtype] * max(
+                expected[clean].abs().max().item() if clean.any() else 0, 1e-6)
+            torch.testing.assert_close(grad_logits[clean].double(), expected[clean].double(),
+                                       rtol=0, atol=tol)
 
     return Case(", ".join(notes), call, check, expect)
 
@@ -421,19 +462,22 @@ GRAD_TOLERANCE = TOLERANCE | {torch.float64: 1e-5}  # logits' gradients come in 
 
 ROUTING_MUTATIONS = {
     "top_k 0": (ALWAYS, lambda a, **s: a.update(K=0)),
-    "top_k > E": (lambda router, **s: router != "grouped_topk", lambda a, E, **s: a.update(K=E + 1)),
+    "top_k > E": (lambda router, **s: router != "grouped_topk",
+                  lambda a, E, **s: a.update(K=E + 1)),
     "top_k float": (ALWAYS, lambda a, K, **s: a.update(K=K + 0.5)),
     "top_k str": (ALWAYS, lambda a, K, **s: a.update(K=str(K))),
     "logits 1-D": (ALWAYS, _set("logits", lambda a, **s: a["logits"].reshape(-1))),
     "logits 3-D": (ALWAYS, _set("logits", lambda a, **s: a["logits"][None])),
     "logits int": (ALWAYS, _set("logits", lambda a, **s: a["logits"].nan_to_num().int())),
-    "logits float8": (ALWAYS, _set("logits", lambda a, **s: a["logits"].float().to(torch.float8_e4m3fn))),
+    "logits float8": (ALWAYS,
+                      _set("logits", lambda a, **s: a["logits"].float().to(torch.float8_e4m3fn))),
     "logits list": (ALWAYS, _set("logits", lambda a, **s: a["logits"].tolist())),
     "logits meta": (ALWAYS, _set("logits", lambda a, **s: a["logits"].to("meta"))),
     "logits E = 0": (ALWAYS, _set("logits", lambda a, T, **s: torch.zeros(T, 0))),
     "bias shape": (lambda router, **s: "bias" in router or router == "grouped_topk",
                    _set("bias", lambda a, E, **s: torch.zeros(E + 1))),
-    "bias strided": (lambda router, E, **s: ("bias" in router or router == "grouped_topk") and E > 1,
+    "bias strided": (lambda router, E, **s: (("bias" in router or router == "grouped_topk")
+                                             and E > 1),
                      _set("bias", lambda a, E, **s: torch.zeros(2 * E)[::2])),
     "bias list": (lambda router, **s: "bias" in router or router == "grouped_topk",
                   _set("bias", lambda a, E, **s: [0.0] * E)),
@@ -443,11 +487,15 @@ ROUTING_MUTATIONS = {
                       lambda a, E, **s: a.update(n_group=E, topk_group=1)),
     "topk_group > n_group": (lambda router, **s: router == "grouped_topk",
                              lambda a, **s: a.update(topk_group=a["n_group"] + 1)),
-    "scaling NaN": (lambda router, **s: router == "grouped_topk", lambda a, **s: a.update(scale=float("nan"))),
+    "scaling NaN": (lambda router, **s: router == "grouped_topk",
+                    lambda a, **s: a.update(scale=float("nan"))),
     "spec str": (lambda router, **s: router == "route", lambda a, **s: a.update(spec="softmax")),
-    "out shape": (ALWAYS, lambda a, T, K, **s: a.update(out=(torch.empty(T + 1, K, dtype=torch.int32),
-                                                             torch.empty(T + 1, K)))),
-    "out dtype": (ALWAYS, lambda a, T, K, **s: a.update(out=(torch.empty(T, K, dtype=torch.int64), torch.empty(T, K)))),
+    "out shape": (ALWAYS,
+                  lambda a, T, K, **s: a.update(out=(torch.empty(T + 1, K, dtype=torch.int32),
+                                                     torch.empty(T + 1, K)))),
+    "out dtype": (ALWAYS,
+                  lambda a, T, K, **s: a.update(out=(torch.empty(T, K, dtype=torch.int64),
+                                                     torch.empty(T, K)))),
     "out strided": (lambda T, K, **s: T > 1 and K > 1, lambda a, T, K, **s: a.update(
         out=(torch.empty(K, T, dtype=torch.int32).T, torch.empty(T, K)))),
     "out single": (ALWAYS, lambda a, T, K, **s: a.update(out=torch.empty(T, K))),
@@ -458,7 +506,7 @@ def test_routing():
     run_cases("routing", routing_case, 110)
 
 
-# ---- FusedMoE ---------------------------------------------------------------------------------------
+# ---- FusedMoE ------------------------------------------------------------------------------------
 
 class SharedMLP(nn.Module):
     def __init__(self, H, dtype, g):
@@ -492,11 +540,14 @@ def layer_case(rng: random.Random) -> Case:
     combination = rng.choice(list(SharedCombination))
     shape = rng.choice([(0, H), (1, H), (3, H), (2, 3, H), (5, H)])
     x = torch.randn(shape, generator=g).to(dtype)
-    a = dict(args=(E, K, H, I), kwargs=dict(routing=routing, activation=activation, shared_experts=shared,
-                                            shared_combination=combination, placement=Placement(backend), dtype=dtype),
+    a = dict(args=(E, K, H, I),
+             kwargs=dict(routing=routing, activation=activation, shared_experts=shared,
+                         shared_combination=combination, placement=Placement(backend), dtype=dtype),
              x=x, materialize=True)
-    notes = [f"FusedMoE E={E} K={K} H={H} I={I} {dtype} {backend} {routing.scoring.value}/{routing.select_on.value}"
-             f" groups={routing.n_group} {activation.kind.name} shared={shared is not None} x{tuple(shape)}"]
+    notes = [f"FusedMoE E={E} K={K} H={H} I={I} {dtype} {backend} "
+             f"{routing.scoring.value}/{routing.select_on.value}"
+             f" groups={routing.n_group} {activation.kind.name} shared={shared is not None}"
+             f" x{tuple(shape)}"]
     if x.dim() == 2 and x.shape[0] and rng.random() < 0.2:
         a["x"] = x.T.contiguous().T
         notes.append("x column-major")
@@ -508,7 +559,8 @@ def layer_case(rng: random.Random) -> Case:
         mutate(a, E=E, K=K, H=H, I=I)
         notes.append(f"INVALID {name}")
         expect = REFUSE
-    grad = rng.random() < 0.25  # grad mode: the parameters require grad (their default), the input too
+    # grad mode: the parameters require grad (their default), the input too
+    grad = rng.random() < 0.25
     if grad and isinstance(a["x"], torch.Tensor) and a["x"].dtype.is_floating_point:
         a["x"] = a["x"].detach().requires_grad_()
     notes += ["grad mode"] if grad else []
@@ -530,7 +582,8 @@ def layer_case(rng: random.Random) -> Case:
         assert out.shape == a["x"].shape and out.dtype == a["x"].dtype
         with torch.no_grad():
             logits = router_logits(x2, layer.gate_weight, layer.routing)
-            ids, weights = layer.runner.route(logits, layer.e_score_correction_bias)  # routing is fuzzed above
+            # routing is fuzzed above
+            ids, weights = layer.runner.route(logits, layer.e_score_correction_bias)
             expected = fused_experts_torch(x2, layer.gate_up_proj, layer.down_proj, ids, weights,
                                            activation=layer.activation)
             if shared is not None:
@@ -546,28 +599,32 @@ def layer_case(rng: random.Random) -> Case:
 
 def assert_layer_grads(layer: FusedMoE, x: torch.Tensor, out: torch.Tensor):
     """The gradients of out . grad_out for x and every parameter, against torch autograd through the
-    same parts in float32: the router, the reference weights at the layer's chosen ids, the experts."""
+    same parts in float32: the router, the reference weights at the layer's chosen ids, the
+    experts."""
     assert out.requires_grad, "the output has no grad_fn: the gradients were dropped"
     leaves = [x, *layer.parameters()]
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(out.numel())).to(out.dtype)
+    grad_out = torch.randn(out.shape,
+                           generator=torch.Generator().manual_seed(out.numel())).to(out.dtype)
     grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
     x2 = x.reshape(-1, x.shape[-1])
     logits = router_logits(x2, layer.gate_weight, layer.routing)
     with torch.no_grad():
         ids, _ = layer.runner.route(logits, layer.e_score_correction_bias)
     expected = fused_experts_torch(x2, layer.gate_up_proj, layer.down_proj, ids,
-                                   topk_weights_torch(logits, ids, layer.routing), activation=layer.activation)
+                                   topk_weights_torch(logits, ids, layer.routing),
+                                   activation=layer.activation)
     if layer.shared_experts is not None:
         expected = expected + layer.shared_experts(x2).float()
         if layer.shared_combination is SharedCombination.AVERAGE:
             expected = expected / 2
-    ref_grads = (torch.autograd.grad(expected, leaves, grad_out.reshape(expected.shape).float(), allow_unused=True)
+    ref_grads = (torch.autograd.grad(expected, leaves, grad_out.reshape(expected.shape).float(),
+                                     allow_unused=True)
                  if expected.requires_grad else [None] * len(leaves))  # T = 0: nothing flows
     names = ["x", *(name for name, _ in layer.named_parameters())]
     for name, leaf, grad, ref in zip(names, leaves, grads, ref_grads):
         zeros = torch.zeros_like(leaf)
-        assert_matches(zeros if grad is None else grad, zeros if ref is None else ref, x.dtype, scale=4,
-                       what=f"d {name}")
+        assert_matches(zeros if grad is None else grad, zeros if ref is None else ref, x.dtype,
+                       scale=4, what=f"d {name}")
 
 
 def _kw(**changes):
@@ -590,13 +647,14 @@ LAYER_MUTATIONS = {
                                   _kw(placement=Placement("flashinfer_cutlass"))),
     "placement str": (ALWAYS, _kw(placement="triton")),
     "activation str": (ALWAYS, _kw(activation="silu")),
-    "x width": (ALWAYS, lambda a, H, **s: a.update(x=torch.randn(3, H + 1, dtype=a["kwargs"]["dtype"]))),
+    "x width": (ALWAYS,
+                lambda a, H, **s: a.update(x=torch.randn(3, H + 1, dtype=a["kwargs"]["dtype"]))),
     "x int": (ALWAYS, lambda a, H, **s: a.update(x=torch.ones(3, H, dtype=torch.int64))),
     "x list": (ALWAYS, lambda a, H, **s: a.update(x=[[0.0] * H])),
     "x meta": (ALWAYS, lambda a, **s: a.update(x=a["x"].to("meta"))),
     "x scalar": (ALWAYS, lambda a, **s: a.update(x=torch.tensor(1.0))),
-    "layer on meta": (ALWAYS, lambda a, **s: (a["kwargs"].update(device="meta"), a.update(materialize=False,
-                                                                                          x=a["x"].to("meta")))),
+    "layer on meta": (ALWAYS, lambda a, **s: (a["kwargs"].update(device="meta"),
+                                              a.update(materialize=False, x=a["x"].to("meta")))),
 }
 
 
@@ -604,22 +662,25 @@ def test_fused_moe_layer():
     run_cases("FusedMoE", layer_case, 45)
 
 
-# ---- load_model on generated tiny checkpoints -------------------------------------------------------
+# ---- load_model on generated tiny checkpoints ----------------------------------------------------
 
 def tiny_config(family: str, E: int, K: int, layers: int):
     common = dict(vocab_size=32, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
-                  num_key_value_heads=1, head_dim=8, num_experts_per_tok=K, tie_word_embeddings=False)
+                  num_key_value_heads=1, head_dim=8, num_experts_per_tok=K,
+                  tie_word_embeddings=False)
     if family == "qwen3_moe":
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        return Qwen3MoeForCausalLM, Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=8, num_experts=E,
-                                                   norm_topk_prob=True, **common)
+        return Qwen3MoeForCausalLM, Qwen3MoeConfig(intermediate_size=24, moe_intermediate_size=8,
+                                                   num_experts=E, norm_topk_prob=True, **common)
     if family == "cohere2_moe":
         from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
 
-        return Cohere2MoeForCausalLM, Cohere2MoeConfig(intermediate_size=8, num_experts=E, num_shared_experts=1,
-                                                       sliding_window=4, layer_types=["full_attention"] * layers,
-                                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+        return Cohere2MoeForCausalLM, Cohere2MoeConfig(intermediate_size=8, num_experts=E,
+                                                       num_shared_experts=1, sliding_window=4,
+                                                       layer_types=["full_attention"] * layers,
+                                                       pad_token_id=0, bos_token_id=1,
+                                                       eos_token_id=2, **common)
     from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
 
     return MiniMaxM2ForCausalLM, MiniMaxM2Config(intermediate_size=8, num_local_experts=E, **common)
@@ -632,7 +693,8 @@ def write_checkpoint(path: Path, family: str, E: int, K: int, layers: int, seed:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name or "lm_head" in name else 0.2))
+            p.copy_(torch.randn(p.shape, generator=g)
+                    * (1.0 if "embed" in name or "lm_head" in name else 0.2))
         for name, b in model.named_buffers():
             if "correction_bias" in name:
                 b.copy_(torch.rand(b.shape, generator=g) * 0.1)
@@ -649,31 +711,40 @@ def edit_tensors(path: Path, edit):
 
 
 def _expert_key(state, proj="up_proj"):
-    return next(k for k in sorted(state) if f"experts.1.{proj}" in k or ("experts.1.w3" in k and proj == "up_proj"))
+    return next(k for k in sorted(state)
+                if f"experts.1.{proj}" in k or ("experts.1.w3" in k and proj == "up_proj"))
 
 
 CHECKPOINT_MUTATIONS = {
     "a tensor missing": lambda p, a: edit_tensors(p, lambda s: s.pop("model.norm.weight")),
-    "an extra tensor": lambda p, a: edit_tensors(p, lambda s: s.update({"model.extra.weight": torch.zeros(2)})),
-    "a misshapen expert": lambda p, a: edit_tensors(p, lambda s: s.update({_expert_key(s): torch.zeros(3, 16)})),
+    "an extra tensor": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {"model.extra.weight": torch.zeros(2)})),
+    "a misshapen expert": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {_expert_key(s): torch.zeros(3, 16)})),
     "an expert missing": lambda p, a: edit_tensors(p, lambda s: s.pop(_expert_key(s))),
     "an e5m2 norm weight": lambda p, a: edit_tensors(p, lambda s: s.update(
         {"model.norm.weight": s["model.norm.weight"].to(torch.float8_e5m2)})),
     "an e5m2 attention weight": lambda p, a: edit_tensors(p, lambda s: s.update(
-        {"model.layers.0.self_attn.q_proj.weight": s["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e5m2)})),
-    "an int tensor": lambda p, a: edit_tensors(p, lambda s: s.update({"model.norm.weight": torch.ones(16, dtype=torch.int32)})),
-    "truncated weights": lambda p, a: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:200]),
+        {"model.layers.0.self_attn.q_proj.weight":
+         s["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e5m2)})),
+    "an int tensor": lambda p, a: edit_tensors(p, lambda s: s.update(
+        {"model.norm.weight": torch.ones(16, dtype=torch.int32)})),
+    "truncated weights": lambda p, a: (p / "model.safetensors").write_bytes(
+        (p / "model.safetensors").read_bytes()[:200]),
     "garbage weights": lambda p, a: (p / "model.safetensors").write_bytes(b"\x07" * 64),
     "no weights": lambda p, a: (p / "model.safetensors").unlink(),
-    "bad index": lambda p, a: (p / "model.safetensors.index.json").write_text('{"weight_map": ["x"]}'),
+    "bad index": lambda p, a: (p / "model.safetensors.index.json").write_text(
+        '{"weight_map": ["x"]}'),
     "config not JSON": lambda p, a: (p / "config.json").write_text("{not json"),
     "config a list": lambda p, a: (p / "config.json").write_text("[1, 2]"),
-    "unknown architecture": lambda p, a: _edit_config(p, architectures=["LlamaForCausalLM"], model_type="llama"),
+    "unknown architecture": lambda p, a: _edit_config(p, architectures=["LlamaForCausalLM"],
+                                                      model_type="llama"),
     "top-k above E": lambda p, a: _edit_config(p, num_experts_per_tok=9),
     "the weights file given": lambda p, a: a.update(path=p / "model.safetensors"),
     "dtype int": lambda p, a: a.update(dtype=torch.int64),
     "dtype name": lambda p, a: a.update(dtype="half_precision"),
-    "device": lambda p, a: a.update(device="cuda:7" if not torch.cuda.is_available() else "nonsense"),
+    "device": lambda p, a: a.update(
+        device="cuda:7" if not torch.cuda.is_available() else "nonsense"),
     "backend": lambda p, a: a.update(backend="fastest"),
     "bf16 triton on the interpreter": lambda p, a: a.update(dtype=torch.bfloat16, backend="triton"),
 }
@@ -694,8 +765,10 @@ def model_case_factory(tmp_path: Path):
         K = rng.randint(1, min(E, 2))
         path = tmp_path / f"ckpt{next(counter)}"
         reference = write_checkpoint(path, family, E, K, layers, seed)
-        a = dict(path=path, dtype=torch.float32, device="cpu", backend=rng.choice(["auto", "triton", "torch"]))
-        notes = [f"load_model {family} E={E} K={K} layers={layers} seed={seed} backend={a['backend']}"]
+        a = dict(path=path, dtype=torch.float32, device="cpu",
+                 backend=rng.choice(["auto", "triton", "torch"]))
+        notes = [f"load_model {family} E={E} K={K} layers={layers} seed={seed} "
+                 f"backend={a['backend']}"]
         expect = OK
         if rng.random() < 0.5:
             name = rng.choice(sorted(CHECKPOINT_MUTATIONS))
@@ -708,12 +781,14 @@ def model_case_factory(tmp_path: Path):
             a["dtype"] = torch.bfloat16 if rng.random() < 0.5 else "bfloat16"
             a["backend"] = rng.choice(["auto", "torch"])
             notes.append(f"{a['dtype']} backend={a['backend']}")
-        ids = torch.randint(0, 32, (rng.choice([1, 2]), rng.choice([1, 3, 5])), generator=seeded(rng))
+        ids = torch.randint(0, 32, (rng.choice([1, 2]), rng.choice([1, 3, 5])),
+                            generator=seeded(rng))
 
         def call():
             from moe_triton.models import load_model
 
-            model = load_model(a["path"], dtype=a["dtype"], device=a["device"], backend=a["backend"])
+            model = load_model(a["path"], dtype=a["dtype"], device=a["device"],
+                               backend=a["backend"])
             model.setup(*ids.shape)
             return model.prefill(ids)
 
@@ -732,23 +807,27 @@ def test_load_model(tmp_path):
     run_cases("load_model", model_case_factory(tmp_path), 16)
 
 
-# ---- a loaded model's setup, decode_step and generate -------------------------------------------------
+# ---- a loaded model's setup, decode_step and generate --------------------------------------------
 
 # name -> (expected, mutate(case)): the case holds setup's args, the decode inputs, generate's count
 DECODE_MUTATIONS = {
     "position at max_seq": (REFUSE, lambda c: c["inputs"]["positions"].fill_(c["max_seq"])),
-    "position far past the cache": (REFUSE, lambda c: c["inputs"]["positions"].__setitem__(0, 2**40)),
+    "position far past the cache": (REFUSE,
+                                    lambda c: c["inputs"]["positions"].__setitem__(0, 2**40)),
     "position -1": (REFUSE, lambda c: c["inputs"]["positions"].__setitem__(-1, -1)),
     "the dummy slot": (REFUSE, lambda c: c["inputs"]["slots"].__setitem__(0, c["max_batch"])),
     "slot -1": (REFUSE, lambda c: c["inputs"]["slots"].__setitem__(-1, -1)),
-    "a slot past the cache": (REFUSE, lambda c: c["inputs"]["slots"].__setitem__(0, c["max_batch"] + 5)),
+    "a slot past the cache": (REFUSE,
+                              lambda c: c["inputs"]["slots"].__setitem__(0, c["max_batch"] + 5)),
     "a token past the vocabulary": (REFUSE, lambda c: c["inputs"]["token_ids"].__setitem__(0, 32)),
-    "float positions": (REFUSE, lambda c: c["inputs"].update(positions=c["inputs"]["positions"].float())),
+    "float positions": (REFUSE,
+                        lambda c: c["inputs"].update(positions=c["inputs"]["positions"].float())),
     "setup(0, S)": (REFUSE, lambda c: c.update(setup=(0, c["max_seq"]))),
     "setup(B, -1)": (REFUSE, lambda c: c.update(setup=(c["max_batch"], -1))),
     "setup(2.5, S)": (REFUSE, lambda c: c.update(setup=(2.5, c["max_seq"]))),
     "setup(True, S)": (REFUSE, lambda c: c.update(setup=(True, c["max_seq"]))),
-    "setup with a bucket past max_batch": (REFUSE, lambda c: c.update(setup=(*c["setup"], (c["max_batch"] + 1,)))),
+    "setup with a bucket past max_batch": (REFUSE, lambda c: c.update(
+        setup=(*c["setup"], (c["max_batch"] + 1,)))),
     "numpy setup sizes": (OK, lambda c: c.update(setup=tuple(np.int64(v) for v in c["setup"]))),
     "generate 10**12 tokens": (REFUSE, lambda c: c.update(generate=10**12)),
     "generate -1 tokens": (REFUSE, lambda c: c.update(generate=-1)),
@@ -762,16 +841,20 @@ def decode_case_factory(tmp_path: Path):
     from moe_triton.models import load_model
 
     reference = write_checkpoint(tmp_path / "decode", "qwen3_moe", E=2, K=1, layers=1, seed=5)
-    model = load_model(tmp_path / "decode", dtype=torch.float32, backend="torch")  # the attention kernels are fuzzed
+    # the attention kernels are fuzzed
+    model = load_model(tmp_path / "decode", dtype=torch.float32, backend="torch")
 
     def decode_case(rng: random.Random) -> Case:
         max_batch, max_seq = rng.randint(1, 3), rng.randint(3, 8)
         B, L = rng.randint(1, max_batch), rng.randint(1, max_seq - 1)
         g = seeded(rng)
-        prompt, token = torch.randint(0, 32, (B, L), generator=g), torch.randint(0, 32, (B,), generator=g)
+        prompt, token = (torch.randint(0, 32, (B, L), generator=g),
+                         torch.randint(0, 32, (B,), generator=g))
         slots = torch.tensor(rng.sample(range(max_batch), B))
-        c = {"max_batch": max_batch, "max_seq": max_seq, "setup": (max_batch, max_seq), "generate": None,
-             "inputs": {"token_ids": token.clone(), "positions": torch.full((B,), L), "slots": slots.clone()}}
+        c = {"max_batch": max_batch, "max_seq": max_seq, "setup": (max_batch, max_seq),
+             "generate": None, "inputs": {"token_ids": token.clone(),
+                                          "positions": torch.full((B,), L),
+                                          "slots": slots.clone()}}
         name = rng.choice([None, None, *DECODE_MUTATIONS])
         expect = OK
         if name is not None:
@@ -788,13 +871,17 @@ def decode_case_factory(tmp_path: Path):
         def check(out):
             with torch.no_grad():
                 if c["generate"] is not None:
-                    assert torch.equal(out, reference.generate(prompt, max_new_tokens=int(c["generate"]), do_sample=False))
+                    assert torch.equal(out,
+                                       reference.generate(prompt, max_new_tokens=int(c["generate"]),
+                                                          do_sample=False))
                     return
                 expected = reference(torch.cat([prompt, token[:, None]], dim=1)).logits[:, -1]
             assert_matches(out, expected, torch.float32, scale=5)
 
-        what = f"generate({c['generate']!r})" if c["generate"] is not None else f"setup{c['setup']!r}, decode_step"
-        return Case(f"B={B} L={L} slots={slots.tolist()} {what} {name or 'valid'}", call, check, expect)
+        what = (f"generate({c['generate']!r})" if c["generate"] is not None
+                else f"setup{c['setup']!r}, decode_step")
+        return Case(f"B={B} L={L} slots={slots.tolist()} {what} {name or 'valid'}", call, check,
+                    expect)
 
     return decode_case
 
@@ -803,10 +890,11 @@ def test_setup_decode_step_and_generate(tmp_path):
     run_cases("decode", decode_case_factory(tmp_path), 40)
 
 
-# ---- the CLI: main(argv) -----------------------------------------------------------------------------
+# ---- the CLI: main(argv) -------------------------------------------------------------------------
 
 QUANT_POOL = [None, {"quant_method": "modelopt", "quant_algo": "NVFP4"}, {"quant_method": "fp8"},
-              {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+              {"quant_method": "compressed-tensors",
+               "config_groups": {"g": {"targets": ["Linear"], "weights": {
                   "num_bits": 4, "type": "float", "group_size": 16}}}},
               {"quant_method": "modelopt", "quantization": "NVFP4"}, "hf_quant_config.json", [1]]
 
@@ -820,8 +908,8 @@ def cli_case_factory(tmp_path: Path, capsys):
     def model_dir(rng) -> str:
         path = tmp_path / f"model{next(counter)}"
         path.mkdir()
-        config = {"architectures": [rng.choice(["Cohere2MoeForCausalLM", "MiniMaxM2ForCausalLM", "Qwen3MoeForCausalLM",
-                                                "SomethingElse"])]}
+        config = {"architectures": [rng.choice(["Cohere2MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                                                "Qwen3MoeForCausalLM", "SomethingElse"])]}
         quant = rng.choice(QUANT_POOL)
         if quant is not None:
             config["quantization_config"] = quant
@@ -834,17 +922,20 @@ def cli_case_factory(tmp_path: Path, capsys):
         if command == "resolve":
             argv.append(model_dir(rng) if rng.random() < 0.9 else str(tmp_path / "missing"))
             if rng.random() < 0.7:
-                argv += ["--platform", rng.choice(["cpu", "sm90", "sm100", "sm103", "sm120", "SM100", "sm1000",
-                                                   "h200", "sm9"])]
+                argv += ["--platform",
+                         rng.choice(["cpu", "sm90", "sm100", "sm103", "sm120", "SM100", "sm1000",
+                                     "h200", "sm9"])]
             if rng.random() < 0.3:
-                argv += ["--backend", rng.choice(["auto", "triton", "torch", "flashinfer_trtllm", "cuda"])]
+                argv += ["--backend",
+                         rng.choice(["auto", "triton", "torch", "flashinfer_trtllm", "cuda"])]
             if rng.random() < 0.2:
                 argv += ["--all-to-all", rng.choice(["deepep", "pplx", "bogus"])]
             if rng.random() < 0.2:
                 argv.append("--lora")
             valid = EITHER
         elif command == "probe":
-            argv += [rng.choice(["torch", "triton", "auto", "flashinfer_cutlass", "nonsense"]) for _ in range(2)]
+            argv += [rng.choice(["torch", "triton", "auto", "flashinfer_cutlass", "nonsense"])
+                     for _ in range(2)]
             tokens = rng.choice(["1", "2", "0", "-3", "x"])
             argv += ["--tokens", tokens]
             if rng.random() < 0.3:
@@ -852,7 +943,8 @@ def cli_case_factory(tmp_path: Path, capsys):
             if rng.random() < 0.2:
                 argv += ["--min-agreement", rng.choice(["0.5", "1.5", "-0.1"])]
             valid = EITHER
-            heavy = tokens in ("1", "2") and all(b in ("torch", "triton", "auto") for b in argv[1:3])
+            heavy = tokens in ("1", "2") and all(b in ("torch", "triton", "auto")
+                                                 for b in argv[1:3])
         elif command == "bench":
             argv += ["--tokens", *rng.sample(["1", "0", "-1", "two"], rng.randint(1, 2))]
             heavy = all(t == "1" for t in argv[2:])
@@ -866,14 +958,16 @@ def cli_case_factory(tmp_path: Path, capsys):
             elif choice == 2:
                 argv += ["--model", str(tmp_path / "missing")]
             else:
-                argv += ["--model", model_dir(rng).removesuffix("/config.json")]  # no weights: refused
+                # no weights: refused
+                argv += ["--model", model_dir(rng).removesuffix("/config.json")]
             valid = False
         else:
             argv = [rng.choice(["junk", "--frobnicate", "resolve"])]
             valid = False
         if heavy:
             if budget["heavy"] <= 0:
-                argv = ["resolve", str(tmp_path / "missing")]  # keep CI fast: a cheap refusal instead
+                # keep CI fast: a cheap refusal instead
+                argv = ["resolve", str(tmp_path / "missing")]
                 valid, heavy = False, False
             budget["heavy"] -= 1
         expect = OK if valid is True else (EITHER if valid is EITHER else REFUSE)
@@ -883,7 +977,8 @@ def cli_case_factory(tmp_path: Path, capsys):
             code = main(argv)
             err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
             if code == 2:
-                assert len(err) == 1 and err[0].startswith("moe-triton"), f"exit 2 without one line: {err}"
+                assert len(err) == 1 and err[0].startswith("moe-triton"), (
+                    f"exit 2 without one line: {err}")
                 raise ValueError(err[0])  # a clean refusal
             return code
 
@@ -899,11 +994,13 @@ def test_cli(tmp_path, capsys, monkeypatch):
     import moe_triton.tools.cli as cli
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(cli.os, "execve", lambda *a: pytest.fail("the CLI tried to restart the test process"))
+    monkeypatch.setattr(cli.os, "execve",
+                        lambda *a: pytest.fail("the CLI tried to restart the test process"))
     run_cases("cli", cli_case_factory(tmp_path, capsys), 50)
 
 
-@pytest.mark.skipif(SCALE < 2, reason="the demo takes tens of seconds: MOE_TRITON_FUZZ_SCALE >= 2 runs it")
+@pytest.mark.skipif(SCALE < 2,
+                    reason="the demo takes tens of seconds: MOE_TRITON_FUZZ_SCALE >= 2 runs it")
 def test_cli_demo_runs(tmp_path, capsys, monkeypatch):
     from moe_triton.tools.cli import main
 
@@ -912,14 +1009,16 @@ def test_cli_demo_runs(tmp_path, capsys, monkeypatch):
     assert "tokens match transformers' generate: yes" in capsys.readouterr().out
 
 
-# ---- the quantization reader: malformed configs are unreadable ----------------------------------------
+# ---- the quantization reader: malformed configs are unreadable -----------------------------------
 
 VALID_QUANT = [
     {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["lm_head"]},
-    {"quant_method": "modelopt", "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}},
+    {"quant_method": "modelopt",
+     "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": None}},
     {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "ignore": ["lm_head"],
-     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
-                                                                      "group_size": 16, "strategy": "tensor_group"}}}},
+     "config_groups": {"group_0": {"targets": ["Linear"],
+                                   "weights": {"num_bits": 4, "type": "float",
+                                               "group_size": 16, "strategy": "tensor_group"}}}},
     {"quant_method": "compressed-tensors", "config_groups": {
         "attn": {"targets": ["re:.*self_attn.*"], "format": "nvfp4-pack-quantized"},
         "experts": {"targets": ["re:.*mlp.experts.*"], "format": "float-quantized",
@@ -927,21 +1026,26 @@ VALID_QUANT = [
 ]
 # The fields the reader uses and their schema types (a path element "*" is any key or index).
 READ_FIELDS = {
-    ("quant_method",): str, ("quant_algo",): (str, type(None)), ("quantization",): (dict, type(None)),
+    ("quant_method",): str, ("quant_algo",): (str, type(None)),
+    ("quantization",): (dict, type(None)),
     ("quantization", "quant_algo"): (str, type(None)), ("exclude_modules",): (list, type(None)),
     ("exclude_modules", "*"): str, ("format",): (str, type(None)), ("ignore",): (list, type(None)),
     ("ignore", "*"): str, ("config_groups",): dict, ("config_groups", "*"): dict,
     ("config_groups", "*", "targets"): list, ("config_groups", "*", "targets", "*"): str,
-    ("config_groups", "*", "format"): (str, type(None)), ("config_groups", "*", "weights"): (dict, type(None)),
-    ("config_groups", "*", "weights", "num_bits"): int, ("config_groups", "*", "weights", "type"): str,
+    ("config_groups", "*", "format"): (str, type(None)),
+    ("config_groups", "*", "weights"): (dict, type(None)),
+    ("config_groups", "*", "weights", "num_bits"): int,
+    ("config_groups", "*", "weights", "type"): str,
     ("config_groups", "*", "weights", "group_size"): (int, type(None)),
 }
-JUNK = [None, True, 4, 4.0, -1, "NVFP4", "re:[", "", [], ["Linear"], [3], {}, {"quant_algo": "NVFP4"}, float("nan")]
+JUNK = [None, True, 4, 4.0, -1, "NVFP4", "re:[", "", [], ["Linear"], [3], {},
+        {"quant_algo": "NVFP4"}, float("nan")]
 
 
 def nodes(tree, path=()):
     yield path
-    children = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else ()
+    children = (tree.items() if isinstance(tree, dict)
+                else enumerate(tree) if isinstance(tree, list) else ())
     for key, child in children:
         yield from nodes(child, path + (key,))
 
@@ -973,7 +1077,8 @@ def quant_case(rng: random.Random) -> Case:
     value = rng.choice(JUNK)
     config = replaced(base, path, value)
     types = schema_type(path)
-    # a value of the wrong type in a field the reader uses must read as unreadable, never as a format
+    # a value of the wrong type in a field the reader uses must read as unreadable, never as a
+    # format
     must_be_unreadable = types is not None and not well_typed(value, types)
 
     def check(quant):
@@ -993,11 +1098,12 @@ def random_json(rng: random.Random, depth: int = 0):
     if kind == "list":
         return [random_json(rng, depth + 1) for _ in range(rng.randint(0, 3))]
     if kind == "dict":
-        keys = ["quant_method", "quant_algo", "quantization", "config_groups", "targets", "format", "weights",
-                "num_bits", "type", "group_size", "ignore", "exclude_modules", "x"]
+        keys = ["quant_method", "quant_algo", "quantization", "config_groups", "targets", "format",
+                "weights", "num_bits", "type", "group_size", "ignore", "exclude_modules", "x"]
         return {rng.choice(keys): random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))}
-    return {"none": None, "bool": rng.random() < 0.5, "int": rng.choice([0, 4, 8, 16]), "float": math.inf,
-            "str": rng.choice(["modelopt", "compressed-tensors", "NVFP4", "Linear", "re:.*", "re:(", "fp8"])}[kind]
+    return {"none": None, "bool": rng.random() < 0.5, "int": rng.choice([0, 4, 8, 16]),
+            "float": math.inf, "str": rng.choice(["modelopt", "compressed-tensors", "NVFP4",
+                                                  "Linear", "re:.*", "re:(", "fp8"])}[kind]
 
 
 def test_quantization_reader_never_raises_on_random_json():
@@ -1012,7 +1118,8 @@ def test_quantization_reader_never_raises_on_random_json():
 
 
 def test_checkpoint_format_refuses_in_one_line_or_reads():
-    """The loader's reader raises only a ValueError (naming the key) on any JSON, and reads the valid ones."""
+    """The loader's reader raises only a ValueError (naming the key) on any JSON, and reads the
+    valid ones."""
     from moe_triton.quant_config import CheckpointFormat, checkpoint_format
 
     def case(rng):
@@ -1020,6 +1127,7 @@ def test_checkpoint_format_refuses_in_one_line_or_reads():
         if isinstance(config, dict) and rng.random() < 0.7:
             config["quant_method"] = rng.choice(["modelopt", "compressed-tensors", "fp8"])
         return Case(f"checkpoint_format({config!r})", lambda: checkpoint_format(config),
-                    lambda fmt: None if isinstance(fmt, CheckpointFormat) else pytest.fail(repr(fmt)), EITHER)
+                    lambda fmt: (None if isinstance(fmt, CheckpointFormat)
+                                 else pytest.fail(repr(fmt))), EITHER)
 
     run_cases("checkpoint-format-json", case, 300)

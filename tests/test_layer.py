@@ -1,5 +1,6 @@
 """layer.py: FusedMoE holds its weights and calls its runner; routing, shared experts and backends
-each have one owner. The whole layer against the float32 reference, and a backend added from a test."""
+each have one owner. The whole layer against the float32 reference, and a backend added from a
+test."""
 from dataclasses import replace
 
 import pytest
@@ -30,9 +31,10 @@ from moe_triton.weights import FP8_DTYPE, NATIVE
 E, K, H, I = 8, 2, 32, 24
 
 
-def make_layer(backend="triton", *, routing=RoutingSpec(K, renormalize=True), shared=None, combination="sum", seed=0):
-    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, shared_experts=shared, shared_combination=combination,
-                     placement=Placement(backend))
+def make_layer(backend="triton", *, routing=RoutingSpec(K, renormalize=True), shared=None,
+               combination="sum", seed=0):
+    layer = FusedMoE(E, routing.top_k, H, I, routing=routing, shared_experts=shared,
+                     shared_combination=combination, placement=Placement(backend))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in layer.parameters():
@@ -43,7 +45,8 @@ def make_layer(backend="triton", *, routing=RoutingSpec(K, renormalize=True), sh
 
 
 def reference(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
-    """The layer computed by hand in float32: router, routing reference, experts reference, shared experts."""
+    """The layer computed by hand in float32: router, routing reference, experts reference, shared
+    experts."""
     logits = x.float() @ layer.gate_weight.float().T  # [T, E]
     ids, weights = route_torch(logits, layer.routing, layer.e_score_correction_bias)  # [T, K]
     out = fused_experts_torch(x, layer.gate_up_proj, layer.down_proj, ids, weights)  # [T, H]
@@ -59,7 +62,8 @@ def reference(layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
 def test_layer_matches_its_parts(backend, combination):
     shared = torch.nn.Linear(H, H) if combination else None
     layer = make_layer(backend, shared=shared, combination=combination or "sum")
-    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))  # (..., H): leading dims kept
+    # (..., H): leading dims kept
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out = layer(x)
         assert out.shape == x.shape
@@ -69,7 +73,8 @@ def test_layer_matches_its_parts(backend, combination):
 
 def test_routed_scaling_is_applied_once_by_the_routing():
     spec = RoutingSpec(K, Scoring.SIGMOID, renormalize=True, correction_bias=True)
-    plain, scaled = make_layer(routing=spec), make_layer(routing=replace(spec, routed_scaling_factor=2.5))
+    plain, scaled = (make_layer(routing=spec),
+                     make_layer(routing=replace(spec, routed_scaling_factor=2.5)))
     x = torch.randn(7, H, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert_close(scaled(x), 2.5 * plain(x), torch.float32)
@@ -96,9 +101,11 @@ def test_weights_replaced_after_prepare_weights_are_the_ones_that_run(backend, h
             for name in ("gate_weight", "gate_up_proj", "down_proj"):
                 setattr(layer, name, torch.nn.Parameter(getattr(other, name).detach().clone()))
         else:
-            layer.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+            layer.load_state_dict({k: v.clone() for k, v in other.state_dict().items()},
+                                  assign=True)
         after, expected = layer(x), other(x)
-    assert not torch.equal(before, expected)  # the two weight sets differ, so a stale layer would show
+    # the two weight sets differ, so a stale layer would show
+    assert not torch.equal(before, expected)
     assert torch.equal(after, expected)
 
 
@@ -132,9 +139,11 @@ def toy_backend():
 def test_a_backend_defined_here_runs_in_the_layer(toy_backend):
     layer = make_layer("negated_torch")
     assert layer.backend == "negated_torch" and layer.resolution.rule == "explicit request"
-    count = NegatedTorchRunner.prepared_count  # a class-wide counter: other tests prepare toy layers too
+    # a class-wide counter: other tests prepare toy layers too
+    count = NegatedTorchRunner.prepared_count
     layer.prepare_weights()
-    assert NegatedTorchRunner.prepared_count == count + 1 and layer.down_proj.shape[2] == 32  # I = 24 padded to 32
+    # I = 24 padded to 32
+    assert NegatedTorchRunner.prepared_count == count + 1 and layer.down_proj.shape[2] == 32
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(3))
     expected = make_layer("torch")
     with torch.no_grad():
@@ -144,8 +153,10 @@ def test_a_backend_defined_here_runs_in_the_layer(toy_backend):
 
 
 def test_a_registered_backend_is_checked_like_the_others(monkeypatch):
-    monkeypatch.setitem(SPECS, "gpu_only_toy", replace(SPECS[ExpertBackend.TORCH], backend="gpu_only_toy", on_cpu=None))
-    with pytest.raises(ValueError, match="backend='gpu_only_toy' cannot run on CPU.*needs a CUDA GPU"):
+    monkeypatch.setitem(SPECS, "gpu_only_toy",
+                        replace(SPECS[ExpertBackend.TORCH], backend="gpu_only_toy", on_cpu=None))
+    with pytest.raises(ValueError,
+                       match="backend='gpu_only_toy' cannot run on CPU.*needs a CUDA GPU"):
         FusedMoE(E, K, H, I, placement=Placement("gpu_only_toy", platform=Platform("cpu")))
 
 
@@ -160,7 +171,8 @@ def test_bad_construction_names_the_argument():
 
 def test_shared_experts_of_the_wrong_width_are_named():
     layer = make_layer("torch", shared=torch.nn.Linear(H, H + 1))
-    with torch.no_grad(), pytest.raises(ValueError, match=r"shared_experts returned \(3, 33\) .* \(3, 32\)"):
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match=r"shared_experts returned \(3, 33\) .* \(3, 32\)"):
         layer(torch.randn(3, H))
 
 
@@ -192,12 +204,12 @@ def test_the_experts_format_is_the_models_unless_given(quant_config, expected):
     layer = FusedMoE(E, K, 128, 128, placement=placement, dtype=torch.bfloat16, device="meta")
     assert layer.weight_format == expected
     assert (layer.gate_up_proj.dtype == FP8_DTYPE) == (expected.fp8 is not None)
-    given = FusedMoE(E, K, 128, 128, weight_format=NATIVE, placement=placement, dtype=torch.bfloat16,
-                     device="meta")
+    given = FusedMoE(E, K, 128, 128, weight_format=NATIVE, placement=placement,
+                     dtype=torch.bfloat16, device="meta")
     assert given.weight_format == NATIVE and given.gate_up_proj.dtype == torch.bfloat16
 
 
-# ---- gradients: every backend differentiable, and in agreement ------------------------------------
+# ---- gradients: every backend differentiable, and in agreement -----------------------------------
 
 def layer_grads(layer: FusedMoE, x: torch.Tensor, grad_out: torch.Tensor) -> dict:
     """d(output . grad_out) for the input and every parameter (None where a parameter gets none)."""
@@ -207,16 +219,21 @@ def layer_grads(layer: FusedMoE, x: torch.Tensor, grad_out: torch.Tensor) -> dic
     return {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
 
 
-@pytest.mark.parametrize("variant", ["plain", "shared-average", "biased-sigmoid-scaled", "logits-softmax"])
+@pytest.mark.parametrize("variant",
+                         ["plain", "shared-average", "biased-sigmoid-scaled", "logits-softmax"])
 def test_layer_gradients_match_the_torch_backend(variant):
     """The linear loss keeps the comparison to the backward: triton's forward rounds differently."""
-    kwargs = {"plain": dict, "shared-average": lambda: dict(shared=torch.nn.Linear(H, H), combination="average"),
-              "biased-sigmoid-scaled": lambda: dict(routing=RoutingSpec(K, Scoring.SIGMOID, renormalize=True,
-                                                                        routed_scaling_factor=2.5, correction_bias=True)),
-              "logits-softmax": lambda: dict(routing=RoutingSpec(K, select_on=SelectOn.LOGITS))}[variant]
+    kwargs = {"plain": dict,
+              "shared-average": lambda: dict(shared=torch.nn.Linear(H, H), combination="average"),
+              "biased-sigmoid-scaled": lambda: dict(
+                  routing=RoutingSpec(K, Scoring.SIGMOID, renormalize=True,
+                                      routed_scaling_factor=2.5, correction_bias=True)),
+              "logits-softmax": lambda: dict(
+                  routing=RoutingSpec(K, select_on=SelectOn.LOGITS))}[variant]
     g = torch.Generator().manual_seed(4)
     x, grad_out = torch.randn(2, 5, H, generator=g), torch.randn(2, 5, H, generator=g)
-    grads = {backend: layer_grads(make_layer(backend, **kwargs()), x, grad_out) for backend in ("triton", "torch")}
+    grads = {backend: layer_grads(make_layer(backend, **kwargs()), x, grad_out)
+             for backend in ("triton", "torch")}
     assert grads["triton"].keys() == grads["torch"].keys()
     for name, expected in grads["torch"].items():
         assert expected is not None and grads["triton"][name] is not None, name
@@ -224,17 +241,21 @@ def test_layer_gradients_match_the_torch_backend(variant):
 
 
 def test_fp8_layer_gradients_match_the_torch_backend():
-    """FP8 experts: straight-through on both backends (the input, the router), none for e4m3 or scales."""
+    """FP8 experts: straight-through on both backends (the input, the router), none for e4m3 or
+    scales."""
     fmt = WeightFormat.fp8_block(32, 32)
     layers = []
     for backend in ("triton", "torch"):
-        layer = FusedMoE(E, K, 64, 32, weight_format=fmt, placement=Placement(backend), dtype=torch.float16)
+        layer = FusedMoE(E, K, 64, 32, weight_format=fmt, placement=Placement(backend),
+                         dtype=torch.float16)
         g = torch.Generator().manual_seed(5)
-        experts = ExpertWeights(torch.randn(E, 64, 64, generator=g) / 8, torch.randn(E, 64, 32, generator=g) / 6
+        experts = ExpertWeights(torch.randn(E, 64, 64, generator=g) / 8,
+                                torch.randn(E, 64, 32, generator=g) / 6
                                 ).to_format(fmt)
         with torch.no_grad():
             layer.gate_weight.copy_(torch.randn(E, 64, generator=g) / 8)
-            for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"), ("gate_up_proj_scale", "w13_scale"),
+            for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
+                                ("gate_up_proj_scale", "w13_scale"),
                                 ("down_proj_scale", "w2_scale")):
                 getattr(layer, name).copy_(getattr(experts, field))
         layers.append(layer)
@@ -249,21 +270,23 @@ def test_fp8_layer_gradients_match_the_torch_backend():
 
 @pytest.mark.gpu
 def test_layer_gradients_bf16_at_a_real_size_match_the_torch_backend():
-    """E=64 K=8 H=1024 I=512, 512 tokens, bf16. The router runs in float32 (router_in_float32) so that
-    both backends pick the same experts (bf16 logits tie often at this size). Both backends compute
-    the backward in float32 from the same bf16 values and round each gradient once to bf16."""
+    """E=64 K=8 H=1024 I=512, 512 tokens, bf16. The router runs in float32 (router_in_float32) so
+    that both backends pick the same experts (bf16 logits tie often at this size). Both backends
+    compute the backward in float32 from the same bf16 values and round each gradient once to
+    bf16."""
     routing = RoutingSpec(8, renormalize=True, router_in_float32=True)
     grads = {}
     for backend in ("triton", "torch"):
-        layer = FusedMoE(64, 8, 1024, 512, routing=routing, placement=Placement(backend), dtype=torch.bfloat16,
-                         device="cuda")
+        layer = FusedMoE(64, 8, 1024, 512, routing=routing, placement=Placement(backend),
+                         dtype=torch.bfloat16, device="cuda")
         g = torch.Generator(device="cuda").manual_seed(0)
         with torch.no_grad():
             for p in layer.parameters():
                 p.copy_(torch.randn(p.shape, generator=g, device="cuda") / p.shape[-1] ** 0.5)
         g = torch.Generator(device="cuda").manual_seed(1)
         x = torch.randn(512, 1024, generator=g, device="cuda").bfloat16()
-        grads[backend] = layer_grads(layer, x, torch.randn(512, 1024, generator=g, device="cuda").bfloat16())
+        grads[backend] = layer_grads(layer, x,
+                                     torch.randn(512, 1024, generator=g, device="cuda").bfloat16())
     for name, expected in grads["torch"].items():
         error = relative_error(grads["triton"][name], expected)
         assert error < 1e-2, (name, error)
