@@ -56,14 +56,17 @@ RELU2 = Activation(ActivationKind.RELU2)
 REDUCTION_TABLE = [
     # (ep, tp, dispatch, output) -> reduction
     ((1, 1, A2A, FULL), NONE),  # one rank
-    ((1, 2, A2A, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),  # TP only; dispatch is moot without EP
+    # TP only; dispatch is moot without EP
+    ((1, 2, A2A, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),
     ((1, 2, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),
     ((1, 2, A2A, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.TP)),
     ((2, 1, A2A, FULL), NONE),  # the all-to-all combine already summed: no all-reduce
     ((2, 1, A2A, SCATTERED), NONE),  # tokens are each rank's own already
-    ((2, 1, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.EP)),  # EP without all-to-all
+    # EP without all-to-all
+    ((2, 1, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.EP)),
     ((2, 1, REPLICATED, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.EP)),
-    ((2, 2, A2A, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),  # combine sums EP; TP slices remain
+    # combine sums EP; TP slices remain
+    ((2, 2, A2A, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.TP)),
     ((2, 2, A2A, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.TP)),
     ((2, 2, REPLICATED, FULL), Reduction(Collective.ALL_REDUCE, ReduceOver.MOE)),
     ((2, 2, REPLICATED, SCATTERED), Reduction(Collective.REDUCE_SCATTER, ReduceOver.MOE)),
@@ -94,8 +97,8 @@ def test_rank_grid():
         spec.coords(4)
 
 
-@pytest.mark.parametrize("bad", [dict(ep_size=0), dict(tp_size=-1), dict(ep_size=1.5), dict(dispatch="all_to_all"),
-                                 dict(output="full")], ids=str)
+@pytest.mark.parametrize("bad", [dict(ep_size=0), dict(tp_size=-1), dict(ep_size=1.5),
+                                 dict(dispatch="all_to_all"), dict(output="full")], ids=str)
 def test_spec_rejects(bad):
     with pytest.raises(ValueError, match="ParallelSpec"):
         ParallelSpec(**bad)
@@ -123,7 +126,8 @@ def _layer(E, K, H, I, activation, T=9, seed=0):
 
 
 @pytest.mark.parametrize("ep,tp", [(1, 2), (1, 3), (2, 1), (4, 1), (2, 2)])
-@pytest.mark.parametrize("activation", [Activation(), RELU2, Activation(ActivationKind.CLAMPED_SWIGLU, 0.5)],
+@pytest.mark.parametrize("activation",
+                         [Activation(), RELU2, Activation(ActivationKind.CLAMPED_SWIGLU, 0.5)],
                          ids=lambda a: a.kind.name)
 def test_shards_sum_to_the_full_layer(ep, tp, activation):
     E, K, H, I = 8, 3, 12, 15 if tp == 3 else 10
@@ -132,30 +136,36 @@ def test_shards_sum_to_the_full_layer(ep, tp, activation):
     total = torch.zeros(len(x), H)
     for rank in range(spec.world_size):
         w13_r, w2_r = shard_experts(w13, w2, spec, rank, activation=activation)
-        assert w13_r.shape == (E // ep, w13.shape[1] // tp, H) and w2_r.shape == (E // ep, H, I // tp)
+        assert (w13_r.shape == (E // ep, w13.shape[1] // tp, H)
+                and w2_r.shape == (E // ep, H, I // tp))
         assert w13_r.is_contiguous() and w2_r.is_contiguous()
         local = localize_ids(ids, spec.coords(rank)[0] * (E // ep), E // ep)
-        total += torch_experts(x, ExpertWeights(w13_r, w2_r, activation.gated), *compact_slots(local, weights, E // ep),
-                               activation=activation)
-    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32, scale=2)
+        total += torch_experts(x, ExpertWeights(w13_r, w2_r, activation.gated),
+                               *compact_slots(local, weights, E // ep), activation=activation)
+    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation),
+                 torch.float32, scale=2)
 
 
 def test_triton_on_a_tp_shard_with_an_odd_slice():
-    x, w13, w2, ids, weights = _layer(4, 2, 16, 2 * 33, Activation())  # I/tp = 33: the backend's own tail masking
+    # I/tp = 33: the backend's own tail masking
+    x, w13, w2, ids, weights = _layer(4, 2, 16, 2 * 33, Activation())
     spec = ParallelSpec(tp_size=2)
-    total = sum(fused_experts(x, *shard_experts(w13, w2, spec, rank), ids, weights) for rank in range(2))
+    total = sum(fused_experts(x, *shard_experts(w13, w2, spec, rank), ids, weights)
+                for rank in range(2))
     assert_close(total, fused_experts_torch(x, w13, w2, ids, weights), torch.float32, scale=2)
 
 
 def test_backend_padding_applies_per_partition():
-    """Shard first, then pad I/tp to the backend's multiple (7688 / 8 = 961 in the field): still exact."""
+    """Shard first, then pad I/tp to the backend's multiple (7688 / 8 = 961 in the field): still
+    exact."""
     from moe_triton.runners.padding import pad_experts
 
     x, w13, w2, ids, weights = _layer(4, 2, 16, 30, Activation())
     spec = ParallelSpec(tp_size=2)
     total = torch.zeros(len(x), 16)
     for rank in range(2):
-        w13_r, w2_r = pad_experts(*shard_experts(w13, w2, spec, rank), 16, gated=True)  # I/tp = 15 -> 16
+        # I/tp = 15 -> 16
+        w13_r, w2_r = pad_experts(*shard_experts(w13, w2, spec, rank), 16, gated=True)
         assert w13_r.shape[1] == 32 and w2_r.shape[2] == 16
         total += torch_experts(x, ExpertWeights(w13_r, w2_r), ids, weights)
     assert_close(total, fused_experts_torch(x, w13, w2, ids, weights), torch.float32, scale=2)
@@ -163,15 +173,18 @@ def test_backend_padding_applies_per_partition():
 
 def test_tp_shard_slices_gate_and_up_separately():
     E, H, I = 1, 1, 4
-    w13 = torch.arange(2 * I, dtype=torch.float32).reshape(E, 2 * I, H)  # gate rows 0..3, up rows 4..7
+    # gate rows 0..3, up rows 4..7
+    w13 = torch.arange(2 * I, dtype=torch.float32).reshape(E, 2 * I, H)
     w2 = torch.zeros(E, H, I)
     assert shard_experts(w13, w2, ParallelSpec(tp_size=2), 1)[0].flatten().tolist() == [2, 3, 6, 7]
 
 
 # ---- FP8: scales cut with their weights -------------------------------------------------------
 
-FP8_SHARD_FORMATS = {"block32": WeightFormat.fp8_block(32, 32), "block16x32": WeightFormat.fp8_block(16, 32),
-                     "channel": WeightFormat.fp8_channel(), "tensor-static": WeightFormat.fp8_tensor(static_input=True)}
+FP8_SHARD_FORMATS = {"block32": WeightFormat.fp8_block(32, 32),
+                     "block16x32": WeightFormat.fp8_block(16, 32),
+                     "channel": WeightFormat.fp8_channel(),
+                     "tensor-static": WeightFormat.fp8_tensor(static_input=True)}
 
 
 def fp8_experts(fmt, E, H, I, activation=Activation(), seed=0):
@@ -186,7 +199,8 @@ def fp8_experts(fmt, E, H, I, activation=Activation(), seed=0):
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("activation", [Activation(), RELU2], ids=lambda a: a.kind.name)
 @pytest.mark.parametrize("name", list(FP8_SHARD_FORMATS))
-def test_fp8_shards_hold_exactly_their_slice_of_the_dequantized_weights(name, activation, ep, tp, I):
+def test_fp8_shards_hold_exactly_their_slice_of_the_dequantized_weights(name, activation, ep,
+                                                                        tp, I):
     """Every shard dequantizes to its slice of the full dequantized weights, bit for bit, behind
     block_lead zero columns (I/tp = 24 or 18 starts inside a 32-wide block); the shards' outputs sum
     to the full layer's."""
@@ -201,25 +215,31 @@ def test_fp8_shards_hold_exactly_their_slice_of_the_dequantized_weights(name, ac
         ep_rank, tp_rank = spec.coords(rank)
         lead, cols = block_lead(fmt, I, spec, rank), I // tp
         first, experts = tp_rank * cols, slice(ep_rank * (E // ep), (ep_rank + 1) * (E // ep))
-        assert shard.intermediate_size == lead + cols and shard.format == fmt and shard.input_scale is full.input_scale
+        assert (shard.intermediate_size == lead + cols and shard.format == fmt
+                and shard.input_scale is full.input_scale)
         assert lead == (first % 32 if fmt.block else 0)
         s13, s2 = shard.dequantized()
         for local, glob in zip(s13.chunk(halves, 1), w13.chunk(halves, 1)):
-            assert not local[:, :lead].any() and torch.equal(local[:, lead:], glob[experts, first:first + cols])
-        assert not s2[:, :, :lead].any() and torch.equal(s2[:, :, lead:], w2[experts, :, first:first + cols])
+            assert not local[:, :lead].any() and torch.equal(local[:, lead:],
+                                                             glob[experts, first:first + cols])
+        assert not s2[:, :, :lead].any() and torch.equal(s2[:, :, lead:],
+                                                         w2[experts, :, first:first + cols])
         local_ids = localize_ids(ids, ep_rank * (E // ep), E // ep)
-        total += torch_experts(x.float(), ExpertWeights(s13, s2, activation.gated), *compact_slots(local_ids, weights, E // ep),
-                               activation=activation)
-    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32, scale=2)
+        total += torch_experts(x.float(), ExpertWeights(s13, s2, activation.gated),
+                               *compact_slots(local_ids, weights, E // ep), activation=activation)
+    assert_close(total, fused_experts_torch(x, w13, w2, ids, weights, activation=activation),
+                 torch.float32, scale=2)
 
 
 def test_fp8_tp_shards_on_triton_sum_to_the_unsharded_fp8_layer():
-    """I/tp a multiple of the epilogue's 32-column activation groups: every rank quantizes exactly the
-    intermediate values the unsharded layer does, so the sum differs only in fp16 rounding of the partials."""
+    """I/tp a multiple of the epilogue's 32-column activation groups: every rank quantizes exactly
+    the intermediate values the unsharded layer does, so the sum differs only in fp16 rounding of
+    the partials."""
     full = fp8_experts(WeightFormat.fp8_block(32, 32), 4, 32, 64)
     x, ids, weights = torch.randn(7, 32).half(), random_ids(7, 2, 4, seed=1).int(), torch.rand(7, 2)
     spec = ParallelSpec(tp_size=2)
-    total = sum(run_experts(x, shard_expert_weights(full, spec, rank), ids, weights).float() for rank in range(2))
+    total = sum(run_experts(x, shard_expert_weights(full, spec, rank), ids, weights).float()
+                for rank in range(2))
     assert_close(total, run_experts(x, full, ids, weights).float(), torch.float16, scale=2)
 
 
@@ -228,16 +248,17 @@ def test_fused_moe_cuts_fp8_scales_when_it_loads_a_full_state_dict(ep, tp):
     from moe_triton.parallel import ParallelGroups
 
     fmt, spec = WeightFormat.fp8_block(32, 32), ParallelSpec(ep, tp)
-    full = FusedMoE(4, 2, 32, 48, weight_format=fmt, placement=Placement("torch"), dtype=torch.float16)
+    full = FusedMoE(4, 2, 32, 48, weight_format=fmt, placement=Placement("torch"),
+                    dtype=torch.float16)
     experts = fp8_experts(fmt, 4, 32, 48)
     with torch.no_grad():
-        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"), ("gate_up_proj_scale", "w13_scale"),
-                            ("down_proj_scale", "w2_scale")):
+        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
+                            ("gate_up_proj_scale", "w13_scale"), ("down_proj_scale", "w2_scale")):
             getattr(full, name).copy_(getattr(experts, field))
     for rank in range(2):
         groups = ParallelGroups(spec, rank, None, None, None)  # loading needs no collective
-        sharded = FusedMoE(4, 2, 32, 48, weight_format=fmt, placement=Placement("torch", parallel=groups),
-                           dtype=torch.float16)
+        sharded = FusedMoE(4, 2, 32, 48, weight_format=fmt,
+                           placement=Placement("torch", parallel=groups), dtype=torch.float16)
         sharded.load_state_dict(full.state_dict())
         expected = shard_expert_weights(experts, spec, rank)
         for field in ("w13", "w2", "w13_scale", "w2_scale"):
@@ -260,7 +281,8 @@ def test_localize_and_compact():
     local = localize_ids(ids, first_expert=4, num_local=2)  # the rank owning experts 4 and 5 of 16
     assert local.tolist() == [[1, -1, -1], [0, 1, -1], [-1, -1, -1]]
     weights = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
-    ids2, weights2 = compact_slots(local, weights, num_local=2)  # K = 3 > E/ep = 2: local slots first
+    # K = 3 > E/ep = 2: local slots first
+    ids2, weights2 = compact_slots(local, weights, num_local=2)
     assert ids2.tolist() == [[1, -1], [0, 1], [-1, -1]]
     assert torch.equal(weights2[:2, 0], weights[:2, 0]) and weights2[1, 1] == weights[1, 1]
     assert compact_slots(local, weights, num_local=3)[0] is local  # K <= E/ep: untouched
@@ -291,9 +313,11 @@ CASES = {
     ],
     4: [
         Case(ParallelSpec(tp_size=4), (5,), intermediate=12),  # I/tp = 3
-        Case(ParallelSpec(tp_size=4, output=SCATTERED), (3,), intermediate=12),  # a rank keeps no row
+        # a rank keeps no row
+        Case(ParallelSpec(tp_size=4, output=SCATTERED), (3,), intermediate=12),
         Case(ParallelSpec(ep_size=4), (3, 0, 7, 1)),
-        Case(ParallelSpec(ep_size=4), (2, 5, 0, 3), top_k=4, filtered=True, backend="torch"),  # K > E/ep
+        # K > E/ep
+        Case(ParallelSpec(ep_size=4), (2, 5, 0, 3), top_k=4, filtered=True, backend="torch"),
         Case(ParallelSpec(ep_size=4, dispatch=REPLICATED), (6,)),
         Case(ParallelSpec(ep_size=2, tp_size=2), (4, 0)),
         Case(ParallelSpec(ep_size=2, tp_size=2), (3, 6), filtered=True),
@@ -312,25 +336,30 @@ LAYER = dict(module="fused_moe", hidden=24, intermediate=12)
 for world_size, specs in {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2),
                               ParallelSpec(ep_size=2, dispatch=REPLICATED)],
                           4: [ParallelSpec(ep_size=2, tp_size=2)]}.items():
-    CASES[world_size] += [Case(spec, (5,) if not spec.all_to_all else (5, 0, 3, 2)[:spec.ep_size], **LAYER)
+    CASES[world_size] += [Case(spec, (5,) if not spec.all_to_all else (5, 0, 3, 2)[:spec.ep_size],
+                               **LAYER)
                           for spec in specs]
-CASES[2].append(Case(ParallelSpec(ep_size=2), (4, 3), module="fused_moe", activation=RELU2, backend="torch"))
-# FP8 layers, float16 activations (FP8 takes no float32 on the kernels): I/tp = 32 keeps the intermediate's
-# 32-column quantization groups where the unsharded layer has them, so Triton shards sum to its output
-# up to fp16 rounding; I/tp = 24 starts rank 1 inside a 32-wide block (block_lead zero columns), run on
-# the dequantizing torch reference, which shows the scales were cut exactly.
+CASES[2].append(Case(ParallelSpec(ep_size=2), (4, 3), module="fused_moe", activation=RELU2,
+                     backend="torch"))
+# FP8 layers, float16 activations (FP8 takes no float32 on the kernels): I/tp = 32 keeps the
+# intermediate's 32-column quantization groups where the unsharded layer has them, so Triton shards
+# sum to its output up to fp16 rounding; I/tp = 24 starts rank 1 inside a 32-wide block (block_lead
+# zero columns), run on the dequantizing torch reference, which shows the scales were cut exactly.
 FP8_LAYER = dict(module="fused_moe", dtype=torch.float16, hidden=32)
 CASES[2] += [
-    Case(ParallelSpec(tp_size=2), (5,), intermediate=64, weight_format=WeightFormat.fp8_block(32, 32), **FP8_LAYER),
-    Case(ParallelSpec(tp_size=2), (5,), intermediate=48, weight_format=WeightFormat.fp8_block(32, 32), backend="torch",
+    Case(ParallelSpec(tp_size=2), (5,), intermediate=64,
+         weight_format=WeightFormat.fp8_block(32, 32), **FP8_LAYER),
+    Case(ParallelSpec(tp_size=2), (5,), intermediate=48,
+         weight_format=WeightFormat.fp8_block(32, 32), backend="torch", **FP8_LAYER),
+    Case(ParallelSpec(ep_size=2), (5, 3), intermediate=24, weight_format=WeightFormat.fp8_channel(),
          **FP8_LAYER),
-    Case(ParallelSpec(ep_size=2), (5, 3), intermediate=24, weight_format=WeightFormat.fp8_channel(), **FP8_LAYER),
     Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (4,), intermediate=64, activation=RELU2,
          weight_format=WeightFormat.fp8_tensor(static_input=True), **FP8_LAYER),
 ]
-# The gathered EP dispatch (decode graphs: a fixed capacity, nothing read on the host), run in graphs'
-# capture mode: every EP rank the same rows, all-padding ranks (0 rows) and filtered ids included;
-# unequal rows must be a ValueError on every rank (checked before any payload moves), never a hang.
+# The gathered EP dispatch (decode graphs: a fixed capacity, nothing read on the host), run in
+# graphs' capture mode: every EP rank the same rows, all-padding ranks (0 rows) and filtered ids
+# included; unequal rows must be a ValueError on every rank (checked before any payload moves),
+# never a hang.
 CAPTURED = dict(captured=True)
 CASES[2] += [
     Case(ParallelSpec(ep_size=2), (5, 5), **CAPTURED),
@@ -339,20 +368,26 @@ CASES[2] += [
     Case(ParallelSpec(ep_size=2), (3, 3), num_experts=4, top_k=3, **CAPTURED),  # K > E/ep
     Case(ParallelSpec(ep_size=2), (4, 4), **HUGE, **CAPTURED),
     Case(ParallelSpec(ep_size=2), (5, 3), **CAPTURED),  # refused
-    Case(ParallelSpec(ep_size=2), (4, 4), module="fused_moe", hidden=24, intermediate=12, **CAPTURED),
+    Case(ParallelSpec(ep_size=2), (4, 4), module="fused_moe", hidden=24, intermediate=12,
+         **CAPTURED),
 ]
 CASES[4] += [
-    Case(ParallelSpec(ep_size=4), (3, 3, 3, 3), top_k=4, filtered=True, backend="torch", **CAPTURED),
+    Case(ParallelSpec(ep_size=4), (3, 3, 3, 3), top_k=4, filtered=True, backend="torch",
+         **CAPTURED),
     Case(ParallelSpec(ep_size=2, tp_size=2), (4, 4), **CAPTURED),
     Case(ParallelSpec(ep_size=4), (2, 2, 0, 2), **CAPTURED),  # refused
 ]
-MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)], 4: [ParallelSpec(ep_size=2, tp_size=2)]}
+MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)],
+               4: [ParallelSpec(ep_size=2, tp_size=2)]}
 
 
-@pytest.mark.parametrize("world_size,spec", [(w, s) for w, specs in MODEL_SPECS.items() for s in specs],
-                         ids=lambda v: f"ep{v.ep_size}xtp{v.tp_size}" if isinstance(v, ParallelSpec) else f"ws{v}")
+@pytest.mark.parametrize("world_size,spec",
+                         [(w, s) for w, specs in MODEL_SPECS.items() for s in specs],
+                         ids=lambda v: f"ep{v.ep_size}xtp{v.tp_size}" if isinstance(v, ParallelSpec)
+                                       else f"ws{v}")
 def test_sharded_model_matches_the_whole_checkpoint(pools, qwen3_checkpoint, world_size, spec):
-    tokens = (7, 4)[:spec.ep_size] if spec.all_to_all else (6,)  # under all-to-all, uneven prompts per rank
+    # under all-to-all, uneven prompts per rank
+    tokens = (7, 4)[:spec.ep_size] if spec.all_to_all else (6,)
     pools(world_size).run(Case(spec, tokens, module="model", checkpoint=qwen3_checkpoint))
 
 
@@ -360,27 +395,36 @@ def test_sharded_model_matches_the_whole_checkpoint(pools, qwen3_checkpoint, wor
 def qwen3_fp8_checkpoint(tmp_path_factory):
     """A tiny Qwen3-MoE quantized by transformers' FineGrainedFP8 (32 x 32 blocks, I = 32) in the
     published per-expert layout: at tp 2, rank 1's slice starts inside a block (block_lead 16)."""
-    from helpers import per_expert_fp8_layout, randomize_, save_checkpoint, transformers_fp8_checkpoint
+    from helpers import (
+        per_expert_fp8_layout,
+        randomize_,
+        save_checkpoint,
+        transformers_fp8_checkpoint,
+    )
     from safetensors.torch import load_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     root = tmp_path_factory.mktemp("qwen3_fp8")
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=64, intermediate_size=64,
+                            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
     model = randomize_(Qwen3MoeForCausalLM(config).eval(), seed=1)
     written, _ = transformers_fp8_checkpoint(model, root / "written", (32, 32))
-    return str(save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")), written, root / "fp8"))
+    return str(save_checkpoint(per_expert_fp8_layout(load_file(written / "model.safetensors")),
+                               written, root / "fp8"))
 
 
 @pytest.mark.parametrize("spec", [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)],
                          ids=lambda s: f"ep{s.ep_size}xtp{s.tp_size}")
 def test_sharded_fp8_model_matches_the_whole_checkpoint(pools, qwen3_fp8_checkpoint, spec):
-    """load_model(parallel=...) of an FP8 checkpoint: each rank cuts its experts and their block scales
-    (float32 on the dequantizing torch reference, so the whole checkpoint's logits exactly)."""
+    """load_model(parallel=...) of an FP8 checkpoint: each rank cuts its experts and their block
+    scales (float32 on the dequantizing torch reference, so the whole checkpoint's logits
+    exactly)."""
     tokens = (7, 4) if spec.all_to_all else (6,)
-    pools(2).run(Case(spec, tokens, module="model", checkpoint=qwen3_fp8_checkpoint, backend="torch"))
+    pools(2).run(Case(spec, tokens, module="model", checkpoint=qwen3_fp8_checkpoint,
+                      backend="torch"))
 
 
 def test_fused_moe_rejects_a_scattered_output():
@@ -392,7 +436,8 @@ def test_fused_moe_rejects_a_scattered_output():
         FusedMoE(8, 2, 16, 10, placement=Placement(parallel=groups))
 
 
-@pytest.mark.parametrize("spec", [ParallelSpec(ep_size=2), ParallelSpec(tp_size=2)], ids=["ep2", "tp2"])
+@pytest.mark.parametrize("spec", [ParallelSpec(ep_size=2), ParallelSpec(tp_size=2)],
+                         ids=["ep2", "tp2"])
 def test_gradients_are_refused_not_detached(spec):
     """The collectives are not differentiated: a sharded layer in grad mode with its parameters
     requiring grad (their default) refuses in one line before any collective."""
@@ -409,7 +454,8 @@ def test_gradients_are_refused_not_detached(spec):
 
 
 @pytest.mark.parametrize("overlap,gathered", [(True, True), (False, True), (True, False)])
-def test_the_all_to_all_reads_the_gathered_dispatch_switch_not_the_overlap(overlap, gathered, monkeypatch):
+def test_the_all_to_all_reads_the_gathered_dispatch_switch_not_the_overlap(overlap, gathered,
+                                                                           monkeypatch):
     """parallel_experts picks its dispatch by graphs' gathered_dispatch() alone."""
     import moe_triton.parallel.experts as parallel
     from moe_triton.graphs import capture_mode
@@ -425,10 +471,12 @@ def test_the_all_to_all_reads_the_gathered_dispatch_switch_not_the_overlap(overl
 
     monkeypatch.setattr(parallel, "dispatch", fake("dispatch"))
     monkeypatch.setattr(parallel, "dispatch_gathered", fake("dispatch_gathered"))
-    groups = ParallelGroups(ParallelSpec(ep_size=2, dispatch=TokenDispatch.ALL_TO_ALL), 0, None, None, None)
+    groups = ParallelGroups(ParallelSpec(ep_size=2, dispatch=TokenDispatch.ALL_TO_ALL), 0, None,
+                            None, None)
     weights = ExpertWeights(*random_expert_weights(torch.Generator().manual_seed(0), 4, 16, 8))
     ids = random_ids(3, 2, 8, seed=1)
-    with torch.no_grad(), capture_mode(overlap=overlap, gathered=gathered), pytest.raises(Dispatched) as taken:
+    with torch.no_grad(), capture_mode(overlap=overlap, gathered=gathered), \
+            pytest.raises(Dispatched) as taken:
         parallel.parallel_experts(torch.randn(3, 16), weights, ids, torch.rand(3, 2), groups,
                                   experts=torch_experts)
     assert str(taken.value) == ("dispatch_gathered" if gathered else "dispatch")
@@ -462,14 +510,18 @@ def test_parallel_experts_match_the_reference(pools, world_size, case):
 
 
 def test_docs_example_runs_under_torchrun(tmp_path):
-    """docs/DISTRIBUTED.md's example, launched as the doc says, on 2 gloo ranks; it checks itself."""
+    """docs/DISTRIBUTED.md's example, launched as the doc says, on 2 gloo ranks; it checks
+    itself."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "DISTRIBUTED.md").read_text()
-    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "init_process_group(" in block]
+    [example] = [block for block in re.findall(r"```python\n(.*?)```", text, re.S)
+                 if "init_process_group(" in block]
     script = tmp_path / "example.py"
     script.write_text(example)
-    env = {**os.environ, **SUBPROCESS_ENV, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, on any machine
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], env=env, capture_output=True, text=True, timeout=180)
+    # the CPU path, on any machine
+    env = {**os.environ, **SUBPROCESS_ENV, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(script)], env=env, capture_output=True,
+                         text=True, timeout=180)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 # ---- NCCL, one GPU per rank (pytest -m gpu) ------------------------------------------------------
@@ -492,7 +544,8 @@ NCCL_CASES = {
         Case(ParallelSpec(ep_size=2), (512, 3), **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2), (4096, 1500), **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2), (64, 64), filtered=True, **NCCL_SHAPE),
-        Case(ParallelSpec(ep_size=2), (1, 5), **dict(NCCL_SHAPE, num_experts=8, top_k=8)),  # K > E/ep
+        # K > E/ep
+        Case(ParallelSpec(ep_size=2), (1, 5), **dict(NCCL_SHAPE, num_experts=8, top_k=8)),
         Case(ParallelSpec(ep_size=2), (128, 77), **dict(NCCL_SHAPE, dtype=torch.float16)),
         Case(ParallelSpec(ep_size=2), (8, 8), **NCCL_HUGE),
         Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (64,), **NCCL_SHAPE),
@@ -500,9 +553,11 @@ NCCL_CASES = {
         Case(ParallelSpec(ep_size=2, dispatch=REPLICATED), (8,), **NCCL_HUGE),
         Case(ParallelSpec(tp_size=2), (64,), module="fused_moe", **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2), (300, 0), module="fused_moe", **NCCL_SHAPE),
-        # the gathered dispatch, captured in a CUDA graph with NCCL inside and replayed (bit-equal to eager)
+        # the gathered dispatch, captured in a CUDA graph with NCCL inside and replayed (bit-equal
+        # to eager)
         Case(ParallelSpec(ep_size=2), (64, 64), captured=True, **NCCL_SHAPE),
-        Case(ParallelSpec(ep_size=2), (1, 1), captured=True, **dict(NCCL_SHAPE, num_experts=8, top_k=8)),
+        Case(ParallelSpec(ep_size=2), (1, 1), captured=True,
+             **dict(NCCL_SHAPE, num_experts=8, top_k=8)),
         Case(ParallelSpec(ep_size=2), (8, 8), filtered=True, captured=True, **NCCL_SHAPE),
         Case(ParallelSpec(ep_size=2), (8, 8), captured=True, **NCCL_HUGE),
         Case(ParallelSpec(ep_size=2), (37, 5), captured=True, **NCCL_SHAPE),  # refused
@@ -528,7 +583,8 @@ def nccl_pools(tmp_path_factory):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size,case", [
-    pytest.param(w, c, marks=pytest.mark.skipif(torch.cuda.device_count() < w, reason=f"needs {w} GPUs"))
+    pytest.param(w, c,
+                 marks=pytest.mark.skipif(torch.cuda.device_count() < w, reason=f"needs {w} GPUs"))
     for w, cases in NCCL_CASES.items() for c in cases
 ], ids=lambda v: str(v) if isinstance(v, Case) else f"ws{v}")
 def test_parallel_experts_match_the_reference_nccl(nccl_pools, world_size, case):
@@ -544,4 +600,5 @@ def test_parallel_experts_match_the_reference_nccl(nccl_pools, world_size, case)
                          ids=lambda s: f"ep{s.ep_size}xtp{s.tp_size}")
 def test_sharded_model_matches_the_whole_checkpoint_nccl(nccl_pools, qwen3_checkpoint, spec):
     tokens = (7, 4) if spec.all_to_all else (6,)
-    nccl_pools(2).run(Case(spec, tokens, dtype=torch.float32, module="model", checkpoint=qwen3_checkpoint))
+    nccl_pools(2).run(Case(spec, tokens, dtype=torch.float32, module="model",
+                           checkpoint=qwen3_checkpoint))

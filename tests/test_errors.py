@@ -46,19 +46,23 @@ def experts(T, E, K, H=16, I=8, dtype=torch.float32, seed=0):
     return x, w13, w2, ids, weights
 
 
-# ---- bf16 on the Triton interpreter: refused, never computed wrongly ------------------------------
+# ---- bf16 on the Triton interpreter: refused, never computed wrongly -----------------------------
 
 def test_auto_runs_bf16_layers_on_torch_under_the_interpreter():
     bf16 = LayerTraits(16, torch.bfloat16, moe_triton.SILU_AND_MUL, RoutingSpec(2))
     resolution = resolve("auto", CPU_INTERPRETED, ModelContext(), bf16)
-    assert resolution.backend == "torch" and "bfloat16" in resolution.reason and "interpreter" in resolution.reason
+    assert (resolution.backend == "torch" and "bfloat16" in resolution.reason
+            and "interpreter" in resolution.reason)
     fp16 = LayerTraits(16, torch.float16, moe_triton.SILU_AND_MUL, RoutingSpec(2))
     assert resolve("auto", CPU_INTERPRETED, ModelContext(), fp16).backend == "triton"
-    assert FusedMoE(4, 2, 16, 8, dtype=torch.bfloat16).backend == "torch"  # the interpreter is on in the tests
+    # the interpreter is on in the tests
+    assert FusedMoE(4, 2, 16, 8, dtype=torch.bfloat16).backend == "torch"
 
 
 def test_explicit_triton_with_bf16_on_the_interpreter_fails_at_construction():
-    with pytest.raises(ValueError, match=r"backend='triton' cannot run on CPU \(Triton interpreter on\).*bfloat16"):
+    with pytest.raises(ValueError,
+                       match=r"backend='triton' cannot run on CPU \(Triton interpreter "
+                             r"on\).*bfloat16"):
         FusedMoE(4, 2, 16, 8, dtype=torch.bfloat16, placement=Placement("triton"))
 
 
@@ -70,7 +74,8 @@ def test_a_bf16_layer_computes_correctly_under_auto():
             p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
     x = torch.randn(5, 16, generator=g).bfloat16()
     ids, weights = route_torch(x.float() @ layer.gate_weight.float().T, layer.routing)
-    assert_close(layer(x), fused_experts_torch(x, layer.gate_up_proj, layer.down_proj, ids, weights), scale=2)
+    assert_close(layer(x),
+                 fused_experts_torch(x, layer.gate_up_proj, layer.down_proj, ids, weights), scale=2)
 
 
 @pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
@@ -82,7 +87,8 @@ def test_fused_experts_refuses_bf16_under_the_interpreter(layout, no_launch):
 
 
 def test_the_bf16_refusal_of_fp8_experts_advises_the_dtype_they_take(no_launch):
-    # Following the advice must not lead into a second refusal: FP8 experts refuse float32 activations.
+    # Following the advice must not lead into a second refusal: FP8 experts refuse float32
+    # activations.
     from moe_triton import ExpertWeights, WeightFormat, run_experts
 
     x, w13, w2, ids, weights = experts(3, 4, 2, dtype=torch.float32)
@@ -97,7 +103,8 @@ def test_bf16_through_experts_implementation_is_refused_on_the_interpreter(tmp_p
     from helpers import all_sparse_qwen3_moe_checkpoint
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(all_sparse_qwen3_moe_checkpoint(tmp_path), experts_implementation="moe_triton",
+    model = AutoModelForCausalLM.from_pretrained(all_sparse_qwen3_moe_checkpoint(tmp_path),
+                                                 experts_implementation="moe_triton",
                                                  dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16"), torch.no_grad():
         model(torch.tensor([[1, 2, 3]]))
@@ -109,14 +116,16 @@ def test_bf16_routing_is_exact_under_the_interpreter():
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(64, 16, generator=g) * 3).bfloat16()
     bias = torch.rand(16, generator=g) * 0.1
-    for spec, b in [(RoutingSpec(4, renormalize=True), None), (RoutingSpec(2, Scoring.SOFTMAX, SelectOn.LOGITS), None),
-                    (RoutingSpec(4, Scoring.SIGMOID, SelectOn.SCORES, True, 4, 2, 2.5, correction_bias=True), bias)]:
+    for spec, b in [(RoutingSpec(4, renormalize=True), None),
+                    (RoutingSpec(2, Scoring.SOFTMAX, SelectOn.LOGITS), None),
+                    (RoutingSpec(4, Scoring.SIGMOID, SelectOn.SCORES, True, 4, 2, 2.5,
+                                 correction_bias=True), bias)]:
         ids, weights = route(logits, spec, b)
         ids_f32, weights_f32 = route(logits.float(), spec, b)
         assert torch.equal(ids, ids_f32) and torch.equal(weights, weights_f32)
 
 
-# ---- out= ------------------------------------------------------------------------------------------
+# ---- out= ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T", [0, 3])
 @pytest.mark.parametrize("out,match", [
@@ -146,7 +155,7 @@ def test_a_valid_out_is_filled_and_returned():
     assert fused_experts(x[:0], w13, w2, ids[:0], weights[:0], out=empty) is empty
 
 
-# ---- top-k larger than E: the expert-parallel sentinel case ----------------------------------------
+# ---- top-k larger than E: the expert-parallel sentinel case --------------------------------------
 
 @pytest.mark.parametrize("T", [0, 1, 2, 5])
 @pytest.mark.parametrize("layout", list(LayoutKind), ids=lambda k: k.value)
@@ -170,7 +179,8 @@ def test_top_k_above_num_experts_with_filtered_ids(T, layout):
 def test_top_k_above_num_experts_with_the_default_config():
     x, w13, w2, _, weights = experts(6, 2, 4)
     ids = torch.tensor([[0, 1, 2, 3]] * 6, dtype=torch.int32)
-    assert_close(fused_experts(x, w13, w2, ids, weights), fused_experts_torch(x, w13, w2, ids, weights))
+    assert_close(fused_experts(x, w13, w2, ids, weights),
+                 fused_experts_torch(x, w13, w2, ids, weights))
 
 
 def test_gpu_config_with_top_k_above_num_experts(monkeypatch):
@@ -179,10 +189,11 @@ def test_gpu_config_with_top_k_above_num_experts(monkeypatch):
 
     monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
     for T in (1, 2, 3, 8):
-        choose_config(T, 8, 4, 64, 64, torch.device("cuda"))  # no ZeroDivisionError from (1 - K/E)^T
+        # no ZeroDivisionError from (1 - K/E)^T
+        choose_config(T, 8, 4, 64, 64, torch.device("cuda"))
 
 
-# ---- raw errors where a clear one belongs ----------------------------------------------------------
+# ---- raw errors where a clear one belongs --------------------------------------------------------
 
 def test_routing_without_the_interpreter_names_the_fix(monkeypatch):
     monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
@@ -197,9 +208,12 @@ def test_routing_without_the_interpreter_names_the_fix(monkeypatch):
     (lambda: softmax_topk(torch.randn(3, 4), True), "top_k"),
     (lambda: softmax_topk([[0.0, 1.0]], 1), "logits"),
     (lambda: softmax_topk(torch.randn(3, 4).to(torch.float8_e4m3fn), 2), "logits"),
-    (lambda: moe_triton.grouped_topk(torch.randn(3, 8), torch.zeros(8), 2, 2.0, 1, True, 1.0), "n_group"),
-    (lambda: moe_triton.grouped_topk(torch.randn(3, 8), torch.zeros(8), 2, 2, 1, True, "x"), "routed_scaling_factor"),
-], ids=["meta", "float-top_k", "str-top_k", "bool-top_k", "list", "float8", "float-n_group", "str-scale"])
+    (lambda: moe_triton.grouped_topk(torch.randn(3, 8), torch.zeros(8), 2, 2.0, 1, True, 1.0),
+     "n_group"),
+    (lambda: moe_triton.grouped_topk(torch.randn(3, 8), torch.zeros(8), 2, 2, 1, True, "x"),
+     "routed_scaling_factor"),
+], ids=["meta", "float-top_k", "str-top_k", "bool-top_k", "list", "float8", "float-n_group",
+        "str-scale"])
 def test_routing_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -233,7 +247,8 @@ def test_layer_sizes_are_positive_integers(args, match):
 def test_layer_dtype_and_device(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusedMoE(4, 2, 16, 8, **kwargs)
-    assert FusedMoE(4, 2, 16, 8, dtype="float16").gate_up_proj.dtype == torch.float16  # a dtype's name, as load_model
+    # a dtype's name, as load_model
+    assert FusedMoE(4, 2, 16, 8, dtype="float16").gate_up_proj.dtype == torch.float16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
@@ -275,9 +290,11 @@ def test_layer_empty_batch():
 def test_a_misshapen_expert_tensor_is_named():
     from moe_triton.models.checkpoint import fuse_per_expert
 
-    tensors = {f"m.experts.{e}.{proj}.weight": torch.zeros(4, 8) for e in range(3) for proj in ("gate_proj", "up_proj")}
+    tensors = {f"m.experts.{e}.{proj}.weight": torch.zeros(4, 8) for e in range(3)
+               for proj in ("gate_proj", "up_proj")}
     tensors["m.experts.2.up_proj.weight"] = torch.zeros(5, 8)
-    with pytest.raises(ValueError, match=r"m\.experts\.2\.up_proj\.weight has shape \(5, 8\).*\(4, 8\)"):
+    with pytest.raises(ValueError,
+                       match=r"m\.experts\.2\.up_proj\.weight has shape \(5, 8\).*\(4, 8\)"):
         fuse_per_expert(tensors)
 
 
@@ -329,9 +346,10 @@ def test_generate_takes_integer_like_counts(tiny_model):
 def test_generate_more_tokens_than_memory_holds_is_refused_before_allocating(tiny_model):
     tiny_model.setup(1, 8)
     cache = tiny_model.cache
-    with pytest.raises(ValueError, match=r"^generate\(1 x 3 prompt tokens, max_new_tokens=1000000000000\) needs a KV "
-                                         r"cache of .* GiB .* free on cpu: ask for fewer new tokens \(config\.json's "
-                                         r"max_position_embeddings is \d+\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^generate\(1 x 3 prompt tokens, max_new_tokens=1000000000000\) "
+                             r"needs a KV cache of .* GiB .* free on cpu: ask for fewer new "
+                             r"tokens \(config\.json's max_position_embeddings is \d+\)$"):
         tiny_model.generate(torch.tensor([[1, 2, 3]]), 10**12)
     assert tiny_model.cache is cache  # nothing was freed or allocated
 
@@ -347,8 +365,9 @@ def test_generate_more_tokens_than_memory_holds_is_refused_before_allocating(tin
     ((2, 8, (0,)), r"batch_sizes must be integers in \[1, max_batch=2\]"),
     ((2, 8, ()), r"batch_sizes must be integers in \[1, max_batch=2\]"),
     ((2, 8, 3), r"batch_sizes must be integers in \[1, max_batch=2\], got 3"),
-    ((10**9, 10**9), r"^setup\(1000000000, 1000000000\) needs a KV cache of .* GiB for 1000000000 x 1000000000 "
-                     r"tokens, more than the .* GiB free on cpu: ask for fewer sequences"),
+    ((10**9, 10**9),
+     r"^setup\(1000000000, 1000000000\) needs a KV cache of .* GiB for 1000000000 x 1000000000 "
+     r"tokens, more than the .* GiB free on cpu: ask for fewer sequences"),
 ])
 def test_setup_sizes_are_refused_in_one_line(tiny_model, args, match):
     with pytest.raises(ValueError, match=match):
@@ -364,7 +383,9 @@ def test_setup_takes_integer_like_sizes(tiny_model):
 
 def test_ragged_prompts_as_a_nested_tensor_are_refused(tiny_model):
     ragged = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])])
-    with pytest.raises(ValueError, match=r"input_ids is a nested \(ragged\) tensor: pass prompts of equal length"):
+    with pytest.raises(ValueError,
+                       match=r"input_ids is a nested \(ragged\) tensor: pass prompts of equal "
+                             r"length"):
         tiny_model.generate(ragged, 2)
 
 
@@ -375,20 +396,28 @@ def decode_inputs(B=2, position=3, **changes):
 
 
 @pytest.mark.parametrize("inputs,match", [
-    (decode_inputs(position=8), r"^positions must lie in \[0, setup\(\)'s max_seq=8\), got values in \[8, 8\]: call "
-                                r"model\.setup\(max_batch, max_seq\) with a larger max_seq$"),
-    (decode_inputs(positions=torch.tensor([3, 10**12])), r"positions must lie in \[0, setup\(\)'s max_seq=8\), got "
-                                                         r"values in \[3, 1000000000000\]"),
-    (decode_inputs(positions=torch.tensor([-1, 2])), r"positions must lie in \[0, .*got values in \[-1, 2\]"),
-    (decode_inputs(slots=torch.tensor([0, -1])), r"^slots must lie in \[0, setup\(\)'s max_batch=2\), got values in "
-                                                 r"\[-1, 0\]: call model\.setup\(max_batch, max_seq\) with a larger "
-                                                 "max_batch$"),
-    (decode_inputs(slots=torch.tensor([0, 2])), r"slots must lie in \[0, setup\(\)'s max_batch=2\)"),  # the dummy
+    (decode_inputs(position=8),
+     r"^positions must lie in \[0, setup\(\)'s max_seq=8\), got values in \[8, 8\]: call "
+     r"model\.setup\(max_batch, max_seq\) with a larger max_seq$"),
+    (decode_inputs(positions=torch.tensor([3, 10**12])),
+     r"positions must lie in \[0, setup\(\)'s max_seq=8\), got "
+     r"values in \[3, 1000000000000\]"),
+    (decode_inputs(positions=torch.tensor([-1, 2])),
+     r"positions must lie in \[0, .*got values in \[-1, 2\]"),
+    (decode_inputs(slots=torch.tensor([0, -1])),
+     r"^slots must lie in \[0, setup\(\)'s max_batch=2\), got values in "
+     r"\[-1, 0\]: call model\.setup\(max_batch, max_seq\) with a larger "
+     "max_batch$"),
+    (decode_inputs(slots=torch.tensor([0, 2])),
+     r"slots must lie in \[0, setup\(\)'s max_batch=2\)"),  # the dummy
     (decode_inputs(token_ids=torch.tensor([1, 97])), r"token_ids must lie in \[0, vocab_size=97\)"),
-    (decode_inputs(slots=torch.tensor([0.0, 1.0])), "decode_step's slots must be an int64/int32 tensor"),
-    (decode_inputs(slots=torch.tensor([0, 1, 1])), r"decode_step's inputs must have one batch size, got token_ids \(2,\), "
-                                                   r"positions \(2,\), slots \(3,\)"),
-    ({"token_ids": torch.tensor([1]), "positions": torch.tensor([1])}, "decode_step takes a dict of exactly"),
+    (decode_inputs(slots=torch.tensor([0.0, 1.0])),
+     "decode_step's slots must be an int64/int32 tensor"),
+    (decode_inputs(slots=torch.tensor([0, 1, 1])),
+     r"decode_step's inputs must have one batch size, got token_ids \(2,\), "
+     r"positions \(2,\), slots \(3,\)"),
+    ({"token_ids": torch.tensor([1]), "positions": torch.tensor([1])},
+     "decode_step takes a dict of exactly"),
     ([1, 2, 3], "decode_step takes a dict of exactly"),
 ])
 def test_decode_step_refuses_inputs_outside_the_cache_before_writing(tiny_model, inputs, match):
@@ -407,7 +436,8 @@ def test_decode_step_before_setup_says_to_call_setup(qwen3_checkpoint):
 
 
 def test_decode_step_in_bounds_matches_prefill(tiny_model):
-    """The checked eager step: the token after a prompt, at its position, equals prefill over both."""
+    """The checked eager step: the token after a prompt, at its position, equals prefill over
+    both."""
     tiny_model.setup(2, 8)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     tiny_model.prefill(ids[:, :3])
@@ -417,18 +447,22 @@ def test_decode_step_in_bounds_matches_prefill(tiny_model):
 
 
 def test_the_step_the_graphs_capture_records_no_autograd(tiny_model):
-    """setup() captures the unchecked step outside any no_grad: it must not record a backward graph."""
+    """setup() captures the unchecked step outside any no_grad: it must not record a backward
+    graph."""
     tiny_model.setup(2, 8)
     tiny_model.prefill(torch.tensor([[5, 6, 7], [9, 10, 11]]))
     with torch.enable_grad():
-        logits = tiny_model._decode_step({"token_ids": torch.tensor([1, 2]), "positions": torch.tensor([3, 3]),
+        logits = tiny_model._decode_step({"token_ids": torch.tensor([1, 2]),
+                                          "positions": torch.tensor([3, 3]),
                                           "slots": torch.arange(2)})
     assert logits.grad_fn is None and not logits.requires_grad
 
 
 @pytest.mark.parametrize("slots,match", [
-    (torch.tensor([0, 2]), r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[0, 2\]"),
-    (torch.tensor([-1, 0]), r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[-1, 0\]"),
+    (torch.tensor([0, 2]),
+     r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[0, 2\]"),
+    (torch.tensor([-1, 0]),
+     r"slots must lie in \[0, setup\(\)'s max_batch=2\), got values in \[-1, 0\]"),
     (torch.tensor([0]), r"slots must be an int64/int32 tensor of shape \(2,\)"),
 ])
 def test_prefill_slots_are_checked(tiny_model, slots, match):
@@ -488,7 +522,7 @@ def test_load_model_bf16_on_the_interpreter_runs_on_torch(qwen3_checkpoint):
     assert model.generate(torch.tensor([[1, 2, 3]]), 2).shape == (1, 5)
 
 
-# ---- the torch fallback says so ---------------------------------------------------------------------
+# ---- the torch fallback says so ------------------------------------------------------------------
 
 def fallback_warnings(build):
     from moe_triton.runners import resolver
@@ -505,8 +539,8 @@ def test_from_transformers_warns_once_when_it_falls_back_to_torch(monkeypatch):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=40, num_experts=8,
-                                                  num_experts_per_tok=2))
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=40,
+                                                  num_experts=8, num_experts_per_tok=2))
     monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
     caught = fallback_warnings(lambda: moe_triton.from_transformers(block))
     assert len(caught) == 1 and "TRITON_INTERPRET=1" in str(caught[0].message)
@@ -538,17 +572,25 @@ NVFP4 = {"num_bits": 4, "type": "float", "group_size": 16}
     {"quant_method": "modelopt", "quantization": {"quant_algo": 4}},
     {"quant_method": "modelopt", "quant_algo": "NVFP4", "quantization": {"quant_algo": "FP8"}},
     {"quant_method": ["modelopt"]},
-    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": "Linear", "weights": NVFP4}}},
-    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": [3], "weights": NVFP4}}},
-    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": [None, "Linear"], "weights": NVFP4}}},
-    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["re:[unclosed"], "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": "Linear", "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": [3], "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": [None, "Linear"], "weights": NVFP4}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": ["re:[unclosed"], "weights": NVFP4}}},
     {"quant_method": "compressed-tensors", "config_groups": {"g": "Linear"}},
-    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": "nvfp4"}}},
-    {"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "format": 4}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": ["Linear"], "weights": "nvfp4"}}},
+    {"quant_method": "compressed-tensors",
+     "config_groups": {"g": {"targets": ["Linear"], "format": 4}}},
     {"quant_method": "compressed-tensors", "format": ["nvfp4-pack-quantized"],
      "config_groups": {"g": {"targets": ["Linear"]}}},
-    {"quant_method": "compressed-tensors", "ignore": "lm_head", "config_groups": {"g": {"targets": ["Linear"]}}},
-    {"quant_method": "compressed-tensors", "ignore": [1], "config_groups": {"g": {"targets": ["Linear"]}}},
+    {"quant_method": "compressed-tensors", "ignore": "lm_head",
+     "config_groups": {"g": {"targets": ["Linear"]}}},
+    {"quant_method": "compressed-tensors", "ignore": [1],
+     "config_groups": {"g": {"targets": ["Linear"]}}},
     {"quant_method": "compressed-tensors",
      "config_groups": {"g": {"targets": ["Linear"], "weights": {**NVFP4, "num_bits": 4.0}}}},
     {"quant_method": "compressed-tensors",
@@ -576,7 +618,8 @@ def cli(capsys, *argv):
 
 
 def write_config(tmp_path, config):
-    (tmp_path / "config.json").write_text(json.dumps(config) if not isinstance(config, str) else config)
+    (tmp_path / "config.json").write_text(json.dumps(config) if not isinstance(config, str)
+                                          else config)
     return str(tmp_path)
 
 
@@ -614,13 +657,16 @@ def test_cli_resolve_malformed_config_json(config, tmp_path, capsys):
 
 def test_cli_resolve_malformed_quantization_is_unreadable(tmp_path, capsys):
     model = write_config(tmp_path, {"architectures": ["Cohere2MoeForCausalLM"],
-                                    "quantization_config": {"quant_method": "modelopt", "quantization": "NVFP4"}})
+                                    "quantization_config": {"quant_method": "modelopt",
+                                                            "quantization": "NVFP4"}})
     code, out, _ = cli(capsys, "resolve", model, "--platform", "sm100")
     assert code == 0 and "unreadable" in out and "backend:       triton" in out
 
 
-@pytest.mark.parametrize("argv", [["resolve", "MODEL"], ["probe", "torch", "triton"], ["bench"], ["demo"]])
-def test_every_subcommand_restarts_under_the_interpreter_on_a_cpu_machine(argv, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("argv",
+                         [["resolve", "MODEL"], ["probe", "torch", "triton"], ["bench"], ["demo"]])
+def test_every_subcommand_restarts_under_the_interpreter_on_a_cpu_machine(argv, tmp_path, capsys,
+                                                                          monkeypatch):
     import moe_triton.tools.cli as cli_module
 
     class Restarted(Exception):
@@ -632,16 +678,18 @@ def test_every_subcommand_restarts_under_the_interpreter_on_a_cpu_machine(argv, 
     monkeypatch.setattr(platforms, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cli_module.os, "execve", execve)
-    argv = [a.replace("MODEL", write_config(tmp_path, {"architectures": ["Qwen3MoeForCausalLM"]})) for a in argv]
+    argv = [a.replace("MODEL", write_config(tmp_path, {"architectures": ["Qwen3MoeForCausalLM"]}))
+            for a in argv]
     with pytest.raises(Restarted) as restarted:
         main(argv)
     args, env = restarted.value.args
     assert args[-len(argv):] == argv and env["TRITON_INTERPRET"] == "1"
 
 
-# ---- found by the fuzz test -----------------------------------------------------------------------
+# ---- found by the fuzz test ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("activation", [moe_triton.Activation(kind) for kind in moe_triton.ActivationKind],
+@pytest.mark.parametrize("activation",
+                         [moe_triton.Activation(kind) for kind in moe_triton.ActivationKind],
                          ids=lambda a: a.kind.name)
 def test_nan_hidden_states_stay_in_their_rows_for_every_activation(activation):
     """relu^2 and the clamped swiglu used max/min, which drop NaN: a NaN row came out as zeros."""
@@ -652,13 +700,15 @@ def test_nan_hidden_states_stay_in_their_rows_for_every_activation(activation):
     x[1, 3] = float("nan")
     out = fused_experts(x, w13, w2, ids, weights, activation=activation)
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
-    assert_close(out[[0, 2, 3]], fused_experts_torch(x, w13, w2, ids, weights, activation=activation)[[0, 2, 3]])
+    assert_close(out[[0, 2, 3]],
+                 fused_experts_torch(x, w13, w2, ids, weights, activation=activation)[[0, 2, 3]])
 
 
 @pytest.mark.parametrize("config,match", [
     (lambda: MoEConfig(GemmConfig(16, 24, 32), GemmConfig(16, 32, 32)), "block_n"),
     (lambda: MoEConfig(GemmConfig(16, 32, 8), GemmConfig(16, 32, 32)), "block_c"),
-    (lambda: MoEConfig(GemmConfig(12, 32, 32), GemmConfig(12, 32, 32), LayoutKind.PER_PAIR), "block_m"),
+    (lambda: MoEConfig(GemmConfig(12, 32, 32), GemmConfig(12, 32, 32), LayoutKind.PER_PAIR),
+     "block_m"),
     (lambda: MoEConfig(GemmConfig(16, 32, 32, num_warps=3), GemmConfig(16, 32, 32)), "num_warps"),
     (lambda: "fast", "config"),
 ])

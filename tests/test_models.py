@@ -1,7 +1,7 @@
 """models/: each family's logits and greedy tokens equal transformers' for the same tiny random
-checkpoint (written by save_pretrained, loaded back by our loader), in float32 on the CPU; on the GPU,
-parity in bf16 and float32, generation through CUDA graphs, overlap on vs off, and a race-forcing
-test that proves the inplace-free contract matters."""
+checkpoint (written by save_pretrained, loaded back by our loader), in float32 on the CPU; on the
+GPU, parity in bf16 and float32, generation through CUDA graphs, overlap on vs off, and a
+race-forcing test that proves the inplace-free contract matters."""
 import copy
 import json
 import re
@@ -63,36 +63,45 @@ def test_greedy_generation_matches_transformers(checkpoint):
     ids = prompt()
     expected = reference.generate(ids, max_new_tokens=16, do_sample=False)
     actual = ours.generate(ids, max_new_tokens=16)
-    assert len(set(expected[:, 7:].flatten().tolist())) > 2, "degenerate reference generation: pick another seed"
+    assert len(set(expected[:, 7:].flatten().tolist())) > 2, (
+        "degenerate reference generation: pick another seed")
     assert torch.equal(actual, expected)
 
 
 def test_generation_stops_at_eos_as_transformers_does(tmp_path):
     """Per-sequence stop, pad after it, and the early return once every row has stopped, against
-    transformers' own generate: eos ids passed in, or read from generation_config.json, or turned off."""
+    transformers' own generate: eos ids passed in, or read from generation_config.json, or turned
+    off."""
     from transformers import AutoModelForCausalLM
 
-    make, seed = FAMILIES["minimax_m2"]  # two layers: the cheapest family to decode under the interpreter
+    # two layers: the cheapest family to decode under the interpreter
+    make, seed = FAMILIES["minimax_m2"]
     torch.manual_seed(0)
     reference = randomize_(make().eval(), seed=seed)
     reference.save_pretrained(tmp_path)
     ids, N = prompt(), 12
     L = ids.shape[1]
-    free = reference.generate(ids, max_new_tokens=N, do_sample=False)  # its config's eos lies outside the vocab
+    # its config's eos lies outside the vocab
+    free = reference.generate(ids, max_new_tokens=N, do_sample=False)
     eos, stops = eos_for_early_stops(free, L)
-    assert None not in stops and max(stops) < FINISHED_CHECK_EVERY - 1, (eos, stops)  # both rows stop, early
-    pad = next(t for t in range(reference.config.vocab_size - 1, 0, -1) if t not in ids and t not in eos)
-    ours = load_model(tmp_path, dtype=torch.float32, backend="torch")  # the experts' backend is not what is tested
+    # both rows stop, early
+    assert None not in stops and max(stops) < FINISHED_CHECK_EVERY - 1, (eos, stops)
+    pad = next(t for t in range(reference.config.vocab_size - 1, 0, -1)
+               if t not in ids and t not in eos)
+    # the experts' backend is not what is tested
+    ours = load_model(tmp_path, dtype=torch.float32, backend="torch")
     expected = reference.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eos)
     assert expected.shape[1] == L + max(stops) + 1  # every row stopped: transformers returns early
     assert torch.equal(ours.generate(ids, N, eos_token_id=eos), expected)
     one = dict(eos_token_id=eos[0], pad_token_id=pad)  # an int, and a pad of our own
-    assert torch.equal(ours.generate(ids, N, **one), reference.generate(ids, max_new_tokens=N, do_sample=False, **one))
+    assert torch.equal(ours.generate(ids, N, **one),
+                       reference.generate(ids, max_new_tokens=N, do_sample=False, **one))
     generation = json.loads((tmp_path / "generation_config.json").read_text())
     (tmp_path / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": eos}))
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ours = load_model(tmp_path, dtype=torch.float32, backend="torch")
-    assert torch.equal(ours.generate(ids, N), theirs.generate(ids, max_new_tokens=N, do_sample=False))
+    assert torch.equal(ours.generate(ids, N),
+                       theirs.generate(ids, max_new_tokens=N, do_sample=False))
     assert torch.equal(ours.generate(ids, N, eos_token_id=None), free)  # off
     steps, step = [], ours._decode_step
     ours._decode_step = lambda inputs: steps.append(1) or step(inputs)
@@ -104,7 +113,8 @@ def test_generation_stops_at_eos_as_transformers_does(tmp_path):
 
 def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
     reference, path = checkpoint
-    state = {k: v.clone() for k, v in reference.state_dict().items()}  # transformers 5 fused experts; untied copies
+    # transformers 5 fused experts; untied copies
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
     assert any(k.endswith("experts.gate_up_proj") for k in state)
     names = sorted(state)
     shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
@@ -116,12 +126,14 @@ def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     fused = load_model(tmp_path, dtype=torch.float32)
     per_expert = load_model(path, dtype=torch.float32)
-    for (name, a), (_, b) in zip(sorted(fused.state_dict().items()), sorted(per_expert.state_dict().items())):
+    for (name, a), (_, b) in zip(sorted(fused.state_dict().items()),
+                                 sorted(per_expert.state_dict().items())):
         assert torch.equal(a, b), name
 
 
 def write_shards(tmp_path, config_dir, shards: dict, weight_map: dict):
-    """shards: file -> {name: tensor}; weight_map as the index should say it, written beside config_dir's config."""
+    """shards: file -> {name: tensor}; weight_map as the index should say it, written beside
+    config_dir's config."""
     for file, tensors in shards.items():
         save_file(tensors, tmp_path / file)
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
@@ -136,14 +148,16 @@ def two_shards(state):
 
 
 def test_a_tensor_in_two_shards_is_read_from_the_one_the_index_names(checkpoint, tmp_path):
-    """model.norm.weight lies in both shards, a stale copy in the file read last: the index names the first."""
+    """model.norm.weight lies in both shards, a stale copy in the file read last: the index names
+    the first."""
     from safetensors.torch import load_file
 
     _, path = checkpoint
     state = load_file(path / "model.safetensors")
     name = "model.norm.weight"
     shards = two_shards({k: v for k, v in state.items() if k != name})
-    weight_map = {k: file for file, tensors in shards.items() for k in tensors} | {name: "a.safetensors"}
+    weight_map = {k: file for file, tensors in shards.items()
+                  for k in tensors} | {name: "a.safetensors"}
     shards["a.safetensors"][name] = state[name]
     shards["b.safetensors"][name] = torch.full_like(state[name], 7.0)
     ours = load_model(write_shards(tmp_path, path, shards, weight_map), dtype=torch.float32)
@@ -151,11 +165,14 @@ def test_a_tensor_in_two_shards_is_read_from_the_one_the_index_names(checkpoint,
 
 
 @pytest.mark.parametrize("case,match", [
-    ("mapped, not held", r"index\.json maps tensor model\.norm\.weight to b\.safetensors, which does not hold it"),
-    ("held, not listed", r"a\.safetensors holds tensor model\.extra\.weight, which model\.safetensors\.index\.json "
-                         r"does not list"),
+    ("mapped, not held",
+     r"index\.json maps tensor model\.norm\.weight to b\.safetensors, which does not hold it"),
+    ("held, not listed",
+     r"a\.safetensors holds tensor model\.extra\.weight, which model\.safetensors\.index\.json "
+     r"does not list"),
 ])
-def test_an_index_that_disagrees_with_its_shards_is_refused_naming_both(checkpoint, tmp_path, case, match):
+def test_an_index_that_disagrees_with_its_shards_is_refused_naming_both(checkpoint, tmp_path, case,
+                                                                        match):
     from safetensors.torch import load_file
 
     _, path = checkpoint
@@ -171,15 +188,19 @@ def test_an_index_that_disagrees_with_its_shards_is_refused_naming_both(checkpoi
 
 
 def test_experts_in_both_layouts_are_refused_naming_both_keys(checkpoint, tmp_path):
-    """The per-expert tensors of the Hub layout and transformers 5's fused ones, for the same layer."""
+    """The per-expert tensors of the Hub layout and transformers 5's fused ones, for the same
+    layer."""
     reference, path = checkpoint  # saved in the Hub layout: experts.N.gate_proj.weight, ...
-    fused = {k: v.clone() for k, v in reference.state_dict().items() if re.search(r"layers\.0\..*experts\.", k)}
+    fused = {k: v.clone() for k, v in reference.state_dict().items()
+             if re.search(r"layers\.0\..*experts\.", k)}
     assert fused and all(not re.search(r"experts\.\d", k) for k in fused)
     with pytest.raises(ValueError, match=r"holds these experts twice") as refused:
         load_model(break_checkpoint(path, tmp_path, lambda s: s.update(fused)))
     message = str(refused.value)
-    assert re.search(r"fused as model\.layers\.0\.\S*experts\.(gate_up_proj|down_proj)", message), message
-    assert re.search(r"per expert as model\.layers\.0\.\S*experts\.\d+\.\w+\.weight", message), message
+    assert re.search(r"fused as model\.layers\.0\.\S*experts\.(gate_up_proj|down_proj)",
+                     message), message
+    assert re.search(r"per expert as model\.layers\.0\.\S*experts\.\d+\.\w+\.weight",
+                     message), message
 
 
 def break_checkpoint(path, tmp_path, edit):
@@ -194,13 +215,16 @@ def break_checkpoint(path, tmp_path, edit):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda s: s.pop("model.norm.weight"), "missing tensor in checkpoint: model.norm.weight"),
-    (lambda s: s.update({"model.extra.weight": torch.zeros(2)}), "unexpected tensor in checkpoint: model.extra.weight"),
+    (lambda s: s.update({"model.extra.weight": torch.zeros(2)}),
+     "unexpected tensor in checkpoint: model.extra.weight"),
     (lambda s: s.update({"model.norm.weight": torch.zeros(3)}), "model.norm.weight has shape"),
-    (lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"),  # the three are fused into qkv_proj at load
+    # the three are fused into qkv_proj at load
+    (lambda s: s.pop("model.layers.1.self_attn.k_proj.weight"),
      r"missing tensor in checkpoint: model\.layers\.1\.self_attn\.k_proj\.weight"),
     (lambda s: s.update({"model.layers.0.self_attn.v_proj.weight": torch.zeros(3, 3)}),
      r"model\.layers\.0\.self_attn\.v_proj\.weight has shape \(3, 3\)"),
-    (lambda s: s.pop(next(k for k in sorted(s) if re.search(r"layers\.0\..*experts\.1\.(up_proj|w3)\.weight", k))),
+    (lambda s: s.pop(next(k for k in sorted(s)
+                          if re.search(r"layers\.0\..*experts\.1\.(up_proj|w3)\.weight", k))),
      "gate_proj weights without up_proj|missing"),
 ])
 def test_bad_checkpoints_are_rejected_naming_the_tensor(checkpoint, tmp_path, edit, match):
@@ -212,7 +236,8 @@ def test_bad_checkpoints_are_rejected_naming_the_tensor(checkpoint, tmp_path, ed
 def test_unsupported_architecture_and_missing_files(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         load_model(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         load_model(tmp_path)
 
@@ -225,8 +250,9 @@ def m3_block():
 
     from moe_triton.models.minimax_m3 import MiniMaxM3MoeBlock
 
-    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40, shared_intermediate_size=24,
-                                   num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.0,
+    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40,
+                                   shared_intermediate_size=24, num_local_experts=8,
+                                   num_experts_per_tok=2, routed_scaling_factor=2.0,
                                    swiglu_limit=0.7, swiglu_alpha=1.702)
     return MiniMaxM3VLSparseMoeBlock(config), MiniMaxM3MoeBlock(config)
 
@@ -237,8 +263,9 @@ def nemotron_block(latent):
 
     from moe_triton.models.nemotron_h import NemotronHMoeBlock
 
-    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40, moe_shared_expert_intermediate_size=24,
-                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40,
+                             moe_shared_expert_intermediate_size=24, n_routed_experts=8,
+                             num_experts_per_tok=2, n_group=2, topk_group=1,
                              routed_scaling_factor=2.5, norm_topk_prob=True, moe_latent_size=latent)
     return NemotronHMoE(config), NemotronHMoeBlock(config)
 
@@ -285,17 +312,19 @@ def qwen3_moe(norm):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=40, num_experts=8,
-                                                 num_experts_per_tok=2, norm_topk_prob=norm))
+    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=48, moe_intermediate_size=40,
+                                                 num_experts=8, num_experts_per_tok=2,
+                                                 norm_topk_prob=norm))
 
 
 def cohere2_moe(fn, strategy):
     from transformers import Cohere2MoeConfig
     from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeSparseMoeBlock
 
-    return Cohere2MoeSparseMoeBlock(Cohere2MoeConfig(hidden_size=48, intermediate_size=40, num_experts=8,
-                                                     num_experts_per_tok=2, expert_selection_fn=fn,
-                                                     num_shared_experts=1, norm_topk_prob=True,
+    return Cohere2MoeSparseMoeBlock(Cohere2MoeConfig(hidden_size=48, intermediate_size=40,
+                                                     num_experts=8, num_experts_per_tok=2,
+                                                     expert_selection_fn=fn, num_shared_experts=1,
+                                                     norm_topk_prob=True,
                                                      shared_expert_combination_strategy=strategy))
 
 
@@ -303,16 +332,17 @@ def minimax_m2():
     from transformers import MiniMaxM2Config
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
 
-    return MiniMaxM2SparseMoeBlock(MiniMaxM2Config(hidden_size=48, intermediate_size=40, num_local_experts=8,
-                                                   num_experts_per_tok=2))
+    return MiniMaxM2SparseMoeBlock(MiniMaxM2Config(hidden_size=48, intermediate_size=40,
+                                                   num_local_experts=8, num_experts_per_tok=2))
 
 
 def minimax_m3():
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLSparseMoeBlock
 
-    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40, shared_intermediate_size=24,
-                                   num_local_experts=8, num_experts_per_tok=2, routed_scaling_factor=2.5,
+    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40,
+                                   shared_intermediate_size=24, num_local_experts=8,
+                                   num_experts_per_tok=2, routed_scaling_factor=2.5,
                                    swiglu_limit=0.7, swiglu_alpha=1.702)
     return MiniMaxM3VLSparseMoeBlock(config)
 
@@ -321,8 +351,9 @@ def nemotron_h(latent):
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
 
-    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40, moe_shared_expert_intermediate_size=24,
-                             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40,
+                             moe_shared_expert_intermediate_size=24, n_routed_experts=8,
+                             num_experts_per_tok=2, n_group=2, topk_group=1,
                              routed_scaling_factor=2.5, norm_topk_prob=True, moe_latent_size=latent)
     return NemotronHMoE(config)
 
@@ -344,8 +375,10 @@ TRANSFORMERS_BLOCKS = {
 def test_from_transformers(name, backend):
     block = randomize_all_(TRANSFORMERS_BLOCKS[name]().eval(), seed=len(name))
     layer = moe_triton.from_transformers(block, backend=backend)
-    assert layer.gate_up_proj.data_ptr() == (block.experts.gate_up_proj if hasattr(block.experts, "gate_up_proj")
-                                             else block.experts.up_proj).data_ptr()  # shared, not copied
+    # shared, not copied
+    assert layer.gate_up_proj.data_ptr() == (block.experts.gate_up_proj
+                                             if hasattr(block.experts, "gate_up_proj")
+                                             else block.experts.up_proj).data_ptr()
     x = torch.randn(2, 9, 48)
     with torch.no_grad():
         expected, actual = block(x), layer(x)
@@ -458,9 +491,9 @@ def test_float32_generation_through_graphs_matches_transformers(checkpoint):
 
 @pytest.mark.gpu
 def test_decode_past_the_cache_through_graphs_is_refused_and_writes_nothing(checkpoint):
-    """decode_step and the graph runner refuse positions and slots outside setup()'s cache before any
-    copy; the captured step replayed unchecked (graphs.run) with them writes nothing and faults nowhere;
-    generation afterwards still equals transformers'."""
+    """decode_step and the graph runner refuse positions and slots outside setup()'s cache before
+    any copy; the captured step replayed unchecked (graphs.run) with them writes nothing and faults
+    nowhere; generation afterwards still equals transformers'."""
     reference, path = checkpoint
     model = load_model(path, dtype=torch.float32, device="cuda")
     ids = prompt().cuda()
@@ -480,12 +513,15 @@ def test_decode_past_the_cache_through_graphs_is_refused_and_writes_nothing(chec
             model.decode_step(bad)
         with pytest.raises(ValueError, match="must lie in"):
             model.graphs(bad)
-        assert all(torch.equal(model.graphs.static[n], t) for n, t in static.items())  # nothing copied in
-    for unchecked in (inputs(positions=(12, 2**40)), inputs(slots=(-1, 5))):  # inside the graph: the kernels mask
+        # nothing copied in
+        assert all(torch.equal(model.graphs.static[n], t) for n, t in static.items())
+    # inside the graph: the kernels mask
+    for unchecked in (inputs(positions=(12, 2**40)), inputs(slots=(-1, 5))):
         logits = model.graphs.run(unchecked)
         torch.cuda.synchronize()
         assert logits.isnan().all()  # attention read nothing
-    assert all(torch.equal(a, b) for a, b in zip(model.cache.keys + model.cache.values, before))  # wrote nothing
+    # wrote nothing
+    assert all(torch.equal(a, b) for a, b in zip(model.cache.keys + model.cache.values, before))
     expected = copy.deepcopy(reference).to("cuda").generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(model.generate(ids, 5), expected)
 
@@ -496,7 +532,8 @@ def test_eos_stopping_through_graphs_equals_eager_and_transformers():
     torch.manual_seed(0)
     reference = randomize_(make().eval(), seed=seed)
     ids, N = prompt(), 12
-    eos, stops = eos_for_early_stops(reference.generate(ids, max_new_tokens=N, do_sample=False), ids.shape[1])
+    eos, stops = eos_for_early_stops(reference.generate(ids, max_new_tokens=N, do_sample=False),
+                                     ids.shape[1])
     expected = reference.generate(ids, max_new_tokens=N, do_sample=False, eos_token_id=eos)
     import tempfile
 
@@ -513,7 +550,8 @@ def test_eos_stopping_through_graphs_equals_eager_and_transformers():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("cohere2_moe")])  # the overlapping family
+@pytest.mark.parametrize("family", [f for f in FAMILIES
+                                    if f.startswith("cohere2_moe")])  # the overlapping family
 def test_overlap_on_and_off_give_the_same_tokens(family, tmp_path, monkeypatch):
     import moe_triton.layer as layer
     import moe_triton.models.cohere2_moe as cohere
@@ -556,11 +594,13 @@ def test_race_inplace_output_corrupts_the_other_branch(inplace):
     def writer():
         return fused_experts(x, w13, w2, ids, weights, out=x if inplace else None)
 
-    fused_experts(x, w13, w2, ids, weights)  # compile first: a JIT pause would let the reader finish before the write
+    # compile first: a JIT pause would let the reader finish before the write
+    fused_experts(x, w13, w2, ids, weights)
     torch.cuda.synchronize()
     _, side = run_branches(writer, held_back_reader, role="alt")
     torch.cuda.synchronize()
     if inplace:
-        assert not torch.equal(side, expected_side), "the in-place write did not race: the test cannot fail"
+        assert not torch.equal(side, expected_side), (
+            "the in-place write did not race: the test cannot fail")
     else:
         assert torch.equal(side, expected_side)

@@ -1,4 +1,5 @@
-"""fused_experts: the whole Triton layer against the float32 torch reference; on the GPU, in bf16 at real sizes."""
+"""fused_experts: the whole Triton layer against the float32 torch reference; on the GPU, in bf16 at
+real sizes."""
 from dataclasses import replace
 
 import pytest
@@ -50,7 +51,8 @@ def config_for(layout: LayoutKind) -> MoEConfig:
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("E,K", [(1, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 8)])
 def test_fused_experts(T, E, K, seed, dtype, layout, poisoned_empty):
-    x, w13, w2, ids, weights = make_layer(T, E, K, H=40, I=33, dtype=dtype, seed=seed, filtered=0.2 * seed)
+    x, w13, w2, ids, weights = make_layer(T, E, K, H=40, I=33, dtype=dtype, seed=seed,
+                                          filtered=0.2 * seed)
     out = fused_experts(x, w13, w2, ids, weights, config=config_for(layout))
     assert out.shape == (T, 40) and out.dtype == dtype
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights), dtype, scale=2)
@@ -59,8 +61,8 @@ def test_fused_experts(T, E, K, seed, dtype, layout, poisoned_empty):
 @pytest.mark.parametrize("T,E,K,H,I", [(17, 4, 2, 72, 961), (3, 8, 8, 100, 96)])
 def test_fused_experts_awkward_widths(T, E, K, H, I, poisoned_empty):
     x, w13, w2, ids, weights = make_layer(T, E, K, H, I, torch.float16, seed=T)
-    assert_close(fused_experts(x, w13, w2, ids, weights), fused_experts_torch(x, w13, w2, ids, weights),
-                 torch.float16, scale=2)
+    assert_close(fused_experts(x, w13, w2, ids, weights),
+                 fused_experts_torch(x, w13, w2, ids, weights), torch.float16, scale=2)
 
 
 @pytest.mark.parametrize("activation", [
@@ -69,9 +71,11 @@ def test_fused_experts_awkward_widths(T, E, K, H, I, poisoned_empty):
     Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5, swiglu_alpha=1.702),
 ], ids=lambda a: a.kind.name)
 def test_fused_experts_activations(activation, poisoned_empty):
-    x, w13, w2, ids, weights = make_layer(17, 8, 2, 40, 33, torch.float32, seed=3, activation=activation)
+    x, w13, w2, ids, weights = make_layer(17, 8, 2, 40, 33, torch.float32, seed=3,
+                                          activation=activation)
     out = fused_experts(x, w13, w2, ids, weights, activation=activation)
-    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), torch.float32)
+    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation),
+                 torch.float32)
 
 
 # Split-C (split-K) of the second GEMM: float32 partials per C slice, summed by finalize. Slices
@@ -85,11 +89,14 @@ def test_fused_experts_activations(activation, poisoned_empty):
 ], ids=lambda a: a.kind.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_split_c(splits, layout, activation, dtype, poisoned_empty):
-    x, w13, w2, ids, weights = make_layer(5, 8, 2, 40, 65, dtype, seed=7, activation=activation, filtered=0.2)
-    config = MoEConfig(GemmConfig(16, 32, 32, group_m=2), GemmConfig(16, 32, 16, split_c=splits), layout)
+    x, w13, w2, ids, weights = make_layer(5, 8, 2, 40, 65, dtype, seed=7, activation=activation,
+                                          filtered=0.2)
+    config = MoEConfig(GemmConfig(16, 32, 32, group_m=2), GemmConfig(16, 32, 16, split_c=splits),
+                       layout)
     out = fused_experts(x, w13, w2, ids, weights, activation=activation, config=config)
     assert out.dtype == dtype
-    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), dtype, scale=2)
+    assert_close(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation), dtype,
+                 scale=2)
 
 
 def test_split_c_is_bit_stable(poisoned_empty):
@@ -133,17 +140,19 @@ def plan_of(x, w13, w2, ids, weights):
     import moe_triton.pipeline as pipeline
     from moe_triton import ExpertWeights
 
-    signature = pipeline._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL, None, None)
+    signature = pipeline._call_signature(x, ExpertWeights(w13, w2), ids, weights, SILU_AND_MUL,
+                                         None, None)
     return pipeline._PLANS.get(signature)
 
 
 def test_one_plan_serves_every_call_of_a_signature(poisoned_empty):
-    """Later calls with fresh tensors of one signature reuse its plan and still compute their own data."""
+    """Later calls with fresh tensors of one signature reuse its plan and still compute their own
+    data."""
     plans = []
     for seed in (11, 12, 13):
         x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=seed)
-        assert_close(fused_experts(x, w13, w2, ids, weights), fused_experts_torch(x, w13, w2, ids, weights),
-                     torch.float32)
+        assert_close(fused_experts(x, w13, w2, ids, weights),
+                     fused_experts_torch(x, w13, w2, ids, weights), torch.float32)
         plans.append(plan_of(x, w13, w2, ids, weights))
     assert plans[0] is not None and plans[0] is plans[1] is plans[2]
 
@@ -171,19 +180,23 @@ def test_plans_do_not_keep_weights_alive():
     assert all(ref() is None for ref in alive)
 
 
-@pytest.mark.parametrize("fmt", [None, WeightFormat.fp8_block(16, 16)], ids=["bf16-like", "fp8-block"])
+@pytest.mark.parametrize("fmt", [None, WeightFormat.fp8_block(16, 16)],
+                         ids=["bf16-like", "fp8-block"])
 @pytest.mark.parametrize("T", [1, 9], ids=["per-pair", "sorted"])
 def test_the_plan_is_built_from_the_signature_before_anything_launches(T, fmt, no_launch):
-    """plan_experts plans every stage itself, launching nothing: a frozen plan, one field per stage."""
+    """plan_experts plans every stage itself, launching nothing: a frozen plan, one field per
+    stage."""
     import dataclasses
 
     from moe_triton.expand import ExpandPlan, PerPairPlan
     from moe_triton.pipeline import plan_experts
 
     x, w13, w2, ids, weights = make_layer(T, 4, 2, 32, 16, torch.float16, seed=T)
-    experts = ExpertWeights(w13, w2) if fmt is None else ExpertWeights(w13.float(), w2.float()).to_format(fmt)
+    experts = (ExpertWeights(w13, w2) if fmt is None
+               else ExpertWeights(w13.float(), w2.float()).to_format(fmt))
     plan = plan_experts(x, experts, ids, weights, activation=SILU_AND_MUL, config=None, out=None)
-    assert [f.name for f in dataclasses.fields(plan)][-5:] == ["expand", "quantize", "up", "down", "finalize"]
+    assert [f.name for f in dataclasses.fields(plan)][-5:] == ["expand", "quantize", "up", "down",
+                                                               "finalize"]
     assert isinstance(plan.expand, PerPairPlan if T == 1 else ExpandPlan)
     assert (plan.quantize is not None) == (fmt is not None)
     assert all(stage.launch is not None for stage in (plan.up, plan.down, plan.finalize))
@@ -224,7 +237,8 @@ def _bad(**changes):
     (_bad(w2=lambda a: a["w2"][:, :, :4]), "w2"),
     (_bad(topk_ids=lambda a: a["topk_ids"].float()), "topk_ids"),
     (_bad(topk_ids=lambda a: a["topk_ids"][:2]), "topk_ids"),
-    (_bad(topk_ids=lambda a: a["topk_ids"][:, :0], topk_weights=lambda a: a["topk_weights"][:, :0]), "top_k"),
+    (_bad(topk_ids=lambda a: a["topk_ids"][:, :0], topk_weights=lambda a: a["topk_weights"][:, :0]),
+     "top_k"),
     (_bad(topk_weights=lambda a: a["topk_weights"][:, :1]), "topk_weights"),
     (_bad(topk_weights=lambda a: a["topk_ids"]), "topk_weights"),
 ], ids=lambda v: v if isinstance(v, str) else "")
@@ -249,16 +263,20 @@ def test_nan_hidden_states_stay_in_their_rows():
 def reference_grads(x, w13, w2, ids, weights, grad_out, activation=SILU_AND_MUL):
     """Autograd through fused_experts_torch on float32 copies: (d x, d w13, d w2, d weights)."""
     leaves = [t.detach().float().requires_grad_() for t in (x, w13, w2, weights)]
-    out = fused_experts_torch(leaves[0], leaves[1], leaves[2], ids, leaves[3], activation=activation)
+    out = fused_experts_torch(leaves[0], leaves[1], leaves[2], ids, leaves[3],
+                              activation=activation)
     grads = torch.autograd.grad(out, leaves, grad_out.float(), allow_unused=True)
     return [torch.zeros_like(t) if grad is None else grad for t, grad in zip(leaves, grads)]
 
 
 def grad_layer(T, E, K, dtype, seed, activation=SILU_AND_MUL, filtered=0.0):
-    """make_layer's tensors requiring grad, with ids drawn with repeats when K > E, and a grad_out."""
-    x, w13, w2, ids, weights = make_layer(T, E, min(K, E), 40, 33, dtype, seed, activation, filtered)
+    """make_layer's tensors requiring grad, with ids drawn with repeats when K > E, and a
+    grad_out."""
+    x, w13, w2, ids, weights = make_layer(T, E, min(K, E), 40, 33, dtype, seed, activation,
+                                          filtered)
     g = torch.Generator().manual_seed(seed)
-    if K > E:  # an expert-parallel shard's view: more slots than local experts, others' ids filtered
+    # an expert-parallel shard's view: more slots than local experts, others' ids filtered
+    if K > E:
         ids = torch.randint(-1, E + 1, (T, K), generator=g).int()
         weights = torch.rand(T, K, generator=g)
     leaves = [t.requires_grad_() for t in (x, w13, w2, weights)]
@@ -268,8 +286,9 @@ def grad_layer(T, E, K, dtype, seed, activation=SILU_AND_MUL, filtered=0.0):
 GRAD_CASES = {"T1": (1, 4, 2, 0.0), "T17-filtered": (17, 8, 2, 0.3), "K>E": (9, 3, 5, 0.0)}
 
 
-@pytest.mark.parametrize("activation", [Activation(ActivationKind.SILU_AND_MUL), Activation(ActivationKind.RELU2)],
-                         ids=lambda a: a.kind.name)
+@pytest.mark.parametrize("activation",
+                         [Activation(ActivationKind.SILU_AND_MUL),
+                          Activation(ActivationKind.RELU2)], ids=lambda a: a.kind.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 def test_fused_experts_gradients(case, dtype, activation):
@@ -280,18 +299,21 @@ def test_fused_experts_gradients(case, dtype, activation):
     assert out.grad_fn is not None
     grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
     expected = reference_grads(x, w13, w2, ids, weights, grad_out, activation)
-    for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected, (x, w13, w2, weights)):
+    for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected,
+                                     (x, w13, w2, weights)):
         assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
         assert_close(grad, ref, dtype, scale=2)
 
 
 @pytest.mark.parametrize("activation", [Activation(ActivationKind.GELU_TANH_AND_MUL),
-                                        Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=0.5)],
+                                        Activation(ActivationKind.CLAMPED_SWIGLU,
+                                                   swiglu_limit=0.5)],
                          ids=lambda a: a.kind.name)
 def test_run_experts_gradients(activation):
-    (x, w13, w2, weights), ids, grad_out = grad_layer(17, 8, 2, torch.float32, seed=5, activation=activation,
-                                                      filtered=0.2)
-    out = run_experts(x, ExpertWeights(w13, w2, activation.gated), ids, weights, activation=activation)
+    (x, w13, w2, weights), ids, grad_out = grad_layer(17, 8, 2, torch.float32, seed=5,
+                                                      activation=activation, filtered=0.2)
+    out = run_experts(x, ExpertWeights(w13, w2, activation.gated), ids, weights,
+                      activation=activation)
     grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
     for grad, ref in zip(grads, reference_grads(x, w13, w2, ids, weights, grad_out, activation)):
         assert_close(grad, ref, torch.float32)
@@ -302,7 +324,8 @@ def test_gradients_of_an_empty_batch():
     out = fused_experts(x, w13, w2, ids, weights)
     assert out.shape == (0, 40) and out.grad_fn is not None
     grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
-    assert all(grad.shape == t.shape and not grad.any() for grad, t in zip(grads, (x, w13, w2, weights)))
+    assert all(grad.shape == t.shape and not grad.any()
+               for grad, t in zip(grads, (x, w13, w2, weights)))
 
 
 def test_only_the_gradients_needed_are_computed(monkeypatch):
@@ -336,7 +359,8 @@ def test_inference_takes_the_planned_path_not_the_op():
     with OpsSeen() as ops:
         out = fused_experts(x, w13, w2, ids, weights)  # grad mode on, nothing requires grad
         with torch.no_grad():
-            fused_experts(x, w13.requires_grad_(), w2, ids, weights)  # the weights do, grad mode off
+            # the weights do, grad mode off
+            fused_experts(x, w13.requires_grad_(), w2, ids, weights)
     assert "moe_triton.experts.default" not in ops.seen and out.grad_fn is None
     with OpsSeen() as ops:  # the spy sees the op where it runs
         fused_experts(x, w13, w2, ids, weights)
@@ -346,7 +370,8 @@ def test_inference_takes_the_planned_path_not_the_op():
 @pytest.mark.parametrize("tool", ["out", "config"])
 def test_eager_tools_refuse_when_gradients_are_needed(tool, no_launch):
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=4)
-    kwargs = {"out": dict(out=torch.empty(9, 40)), "config": dict(config=config_for(LayoutKind.SORTED))}[tool]
+    kwargs = {"out": dict(out=torch.empty(9, 40)),
+              "config": dict(config=config_for(LayoutKind.SORTED))}[tool]
     with pytest.raises(ValueError, match="have no backward") as refusal:
         fused_experts(x, w13.requires_grad_(), w2, ids, weights, **kwargs)
     assert "\n" not in str(refusal.value)
@@ -356,7 +381,8 @@ def test_capture_refuses_gradients(no_launch):
     from moe_triton.graphs import capture_mode
 
     x, w13, w2, ids, weights = make_layer(9, 4, 2, 40, 33, torch.float32, seed=4)
-    with capture_mode(), pytest.raises(ValueError, match="cannot be captured in a CUDA graph") as refusal:
+    with capture_mode(), pytest.raises(ValueError,
+                                       match="cannot be captured in a CUDA graph") as refusal:
         fused_experts(x.requires_grad_(), w13, w2, ids, weights)
     assert "\n" not in str(refusal.value)
 
@@ -366,13 +392,16 @@ def test_fp8_gradients_are_straight_through():
     quantization counts as the identity); e4m3 weights and their scales get none."""
     g = torch.Generator().manual_seed(6)
     E, K, H, I, T = 4, 2, 64, 32, 9
-    fp8 = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / 8, torch.randn(E, H, I, generator=g) / 6
+    fp8 = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / 8,
+                        torch.randn(E, H, I, generator=g) / 6
                         ).to_format(WeightFormat.fp8_block(32, 32))
-    tensors = [torch.nn.Parameter(t) for t in (fp8.w13, fp8.w2, fp8.w13_scale, fp8.w2_scale)]  # as FusedMoE holds them
+    # as FusedMoE holds them
+    tensors = [torch.nn.Parameter(t) for t in (fp8.w13, fp8.w2, fp8.w13_scale, fp8.w2_scale)]
     x = torch.randn(T, H, generator=g).half().requires_grad_()  # the interpreter's FP8 dtype
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).int()
     weights = torch.rand(T, K, generator=g).requires_grad_()
-    out = run_experts(x, ExpertWeights(tensors[0], tensors[1], True, fp8.format, tensors[2], tensors[3]), ids, weights)
+    out = run_experts(x, ExpertWeights(tensors[0], tensors[1], True, fp8.format, tensors[2],
+                                       tensors[3]), ids, weights)
     grad_out = torch.randn(T, H, generator=g).half()
     grads = torch.autograd.grad(out, (x, weights, *tensors), grad_out, allow_unused=True)
     assert all(grad is None for grad in grads[2:])
@@ -411,12 +440,15 @@ def test_layer_bf16(real_layer, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 512])
-@pytest.mark.parametrize("activation", [Activation(ActivationKind.RELU2), Activation(ActivationKind.GELU_TANH_AND_MUL),
-                                        Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=7.0, swiglu_alpha=1.702)],
+@pytest.mark.parametrize("activation",
+                         [Activation(ActivationKind.RELU2),
+                          Activation(ActivationKind.GELU_TANH_AND_MUL),
+                          Activation(ActivationKind.CLAMPED_SWIGLU, swiglu_limit=7.0,
+                                     swiglu_alpha=1.702)],
                          ids=lambda a: a.kind.name)
 def test_activations_bf16_and_nan_rows(real_layer, activation, T):
-    """The non-SiLU epilogues compiled, at real size; a NaN token stays in its own row (relu^2 and the
-    clamped swiglu once dropped it through max / min: tests/test_errors.py has the CPU case)."""
+    """The non-SiLU epilogues compiled, at real size; a NaN token stays in its own row (relu^2 and
+    the clamped swiglu once dropped it through max / min: tests/test_errors.py has the CPU case)."""
     shape, w13, w2 = real_layer
     if not activation.gated:
         w13 = w13[:, : shape.intermediate_size].contiguous()  # [E, I, H]: relu^2 has no gate half
@@ -424,7 +456,9 @@ def test_activations_bf16_and_nan_rows(real_layer, activation, T):
     x, ids, weights = inputs.hidden_states[0].clone(), inputs.topk_ids[0], inputs.topk_weights[0]
     out = fused_experts(x, w13, w2, ids, weights, activation=activation)
     assert not out.isnan().any()
-    assert relative_error(out, fused_experts_torch(x, w13, w2, ids, weights, activation=activation)) < 1e-2
+    assert relative_error(out,
+                          fused_experts_torch(x, w13, w2, ids, weights,
+                                              activation=activation)) < 1e-2
     x[0, 0] = float("nan")
     poisoned = fused_experts(x, w13, w2, ids, weights, activation=activation)
     assert poisoned[0].isnan().all() and not poisoned[1:].isnan().any()
@@ -442,9 +476,11 @@ def test_stages_bf16(real_layer, T, poisoned_empty):
     spec = RoutingSpec(shape.top_k, renormalize=True)
     got_ids, got_w = route(logits, spec)
     ref_ids, ref_w = route_torch(logits, spec)
-    differ = (got_ids.sort(dim=1).values != ref_ids.sort(dim=1).values.int()).any(dim=1).nonzero().flatten()
-    assert differ.numel() == 0, (f"rows {differ[:4].tolist()}: ids {got_ids[differ[:4]].tolist()} vs "
-                                 f"{ref_ids[differ[:4]].tolist()}, scores {logits[differ[:4]].softmax(-1).tolist()}")
+    differ = ((got_ids.sort(dim=1).values != ref_ids.sort(dim=1).values.int()).any(dim=1)
+              .nonzero().flatten())
+    assert differ.numel() == 0, (f"rows {differ[:4].tolist()}: ids {got_ids[differ[:4]].tolist()} "
+                                 f"vs {ref_ids[differ[:4]].tolist()}, scores "
+                                 f"{logits[differ[:4]].softmax(-1).tolist()}")
     assert_close(got_w.sort(dim=1).values, ref_w.sort(dim=1).values, torch.float32)
     # expand
     layout = expand(ids, shape.num_experts, 16)
@@ -453,11 +489,13 @@ def test_stages_bf16(real_layer, T, poisoned_empty):
     assert torch.equal(layout.sorted_pair_ids[:rows].cpu(), expected["sorted_pair_ids"])
     assert torch.equal(layout.pair_to_row.cpu(), expected["pair_to_row"])
     # activation (standalone kernel)
-    gate_up = torch.randn(T * shape.top_k, 2 * shape.intermediate_size, device="cuda", dtype=torch.bfloat16)
+    gate_up = torch.randn(T * shape.top_k, 2 * shape.intermediate_size, device="cuda",
+                          dtype=torch.bfloat16)
     assert relative_error(activate(gate_up), activation_torch(gate_up, SILU_AND_MUL)) < 1e-2
     # finalize
     y = torch.randn(layout.max_rows, shape.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert relative_error(finalize(y, weights, layout), finalize_torch(y, weights, layout.pair_to_row, shape.top_k)) < 1e-2
+    assert relative_error(finalize(y, weights, layout),
+                          finalize_torch(y, weights, layout.pair_to_row, shape.top_k)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -469,11 +507,13 @@ def test_split_c_bf16(real_layer, T, splits):
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
     x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
     ref = fused_experts_torch(x, w13, w2, ids, weights)
-    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size, shape.intermediate_size,
-                           torch.device("cuda"), down_split=splits)  # tiles fitted to shared memory
+    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
+                           shape.intermediate_size, torch.device("cuda"),
+                           down_split=splits)  # tiles fitted to shared memory
     for layout in LayoutKind:
         out = fused_experts(x, w13, w2, ids, weights, config=replace(config, layout=layout))
-        assert out.dtype == torch.bfloat16 and relative_error(out, ref) < 1e-2, (layout, relative_error(out, ref))
+        assert (out.dtype == torch.bfloat16
+                and relative_error(out, ref) < 1e-2), (layout, relative_error(out, ref))
 
 
 @pytest.mark.gpu
@@ -490,10 +530,12 @@ def test_planned_calls_bf16(real_layer, T):
         inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=100 + i)
         x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
         if i == 3:
-            x = torch.empty(T * H + 1, device="cuda", dtype=torch.bfloat16)[1:].view(T, H).copy_(x)  # 2 bytes off
+            # 2 bytes off
+            x = torch.empty(T * H + 1, device="cuda", dtype=torch.bfloat16)[1:].view(T, H).copy_(x)
         for experts in ((w13, w2), other):
             out = fused_experts(x, *experts, ids, weights)
-            assert relative_error(out, fused_experts_torch(x, *experts, ids, weights)) < 1e-2, (i, T)
+            assert relative_error(out,
+                                  fused_experts_torch(x, *experts, ids, weights)) < 1e-2, (i, T)
 
 
 @pytest.mark.gpu
@@ -502,7 +544,8 @@ def test_fp32_operands_use_ieee_dot():
     w13, w2 = random_experts(shape, torch.float32, "cuda")
     inputs = random_inputs(shape, 64, torch.float32, "cuda", num_variants=1)
     x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
-    assert relative_error(fused_experts(x, w13, w2, ids, weights), fused_experts_torch(x, w13, w2, ids, weights)) < 1e-5
+    assert relative_error(fused_experts(x, w13, w2, ids, weights),
+                          fused_experts_torch(x, w13, w2, ids, weights)) < 1e-5
 
 
 @pytest.mark.gpu
@@ -510,13 +553,15 @@ def test_layer_is_graph_capturable():
     shape = QWEN3_30B_A3B
     w13, w2 = random_experts(shape, torch.bfloat16, "cuda")
     inputs = random_inputs(shape, 8, torch.bfloat16, "cuda", num_variants=2)
-    static = [t.clone() for t in (inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0])]
+    static = [t.clone()
+              for t in (inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0])]
     fused_experts(*static[:1], w13, w2, *static[1:])  # warm-up compiles outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(static[0], w13, w2, static[1], static[2])
     for i in range(2):  # different routing each replay: no stale state
-        for buf, new in zip(static, (inputs.hidden_states[i], inputs.topk_ids[i], inputs.topk_weights[i])):
+        for buf, new in zip(static,
+                            (inputs.hidden_states[i], inputs.topk_ids[i], inputs.topk_weights[i])):
             buf.copy_(new)
         graph.replay()
         ref = fused_experts_torch(static[0], w13, w2, static[1], static[2])
