@@ -15,7 +15,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 _ALIGNMENT = 16  # bytes: Triton specializes pointer arguments on this divisibility
 
-# The interpreter swaps tl's functions while a kernel runs: threads at once raise InterpreterError.
+# The interpreter swaps tl's functions during a kernel: concurrent threads get InterpreterError.
 _INTERPRETER_LOCK = threading.RLock()
 
 
