@@ -1,18 +1,5 @@
-"""The expert pipeline on Triton kernels: `run_experts` on `ExpertWeights`, and the functional
-`fused_experts(x, w13, w2, ids, weights)` (the module, `FusedMoE`, lives in layer.py).
-
-    hidden_states [T, H], topk_ids [T, K], topk_weights [T, K]
-      (FP8 weights: quantize.py quantizes hidden_states once per token: [T, H] e4m3 + scales)
-      -> expand      (expand.py)       pairs sorted by expert, block-padded (or one pair per tile at decode)
-      -> expert GEMM (expert_gemm.py)  gather + w13 + activation epilogue   [R, I]  (FP8: e4m3 + scales)
-      -> expert GEMM (expert_gemm.py)  w2                                   [R, H]  (decode: [S, R, H] float32
-                                                                                     split-C partials)
-      -> finalize    (finalize.py)     weighted un-permute into a fresh     [T, H]
-
-Every argument is checked here, before any kernel launches, once per call signature (shapes,
-strides, dtypes, devices, options): the signature's `LayerPlan` keeps the configuration and each
-stage's plan, and later calls of that signature only allocate and launch (launch.py).
-"""
+"""The expert pipeline: `run_experts` on `ExpertWeights`, `fused_experts` on plain tensors; every
+argument is checked once per call signature, whose `LayerPlan.__call__` is the diagram."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,39 +19,45 @@ from .reference import fused_experts_backward_torch
 from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
 
 
-def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_weights) -> tuple[int, int]:
-    """Validate the inputs beside already-validated `weights`; returns (T, K). Raises ValueError naming the argument."""
+def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids,
+                       topk_weights) -> tuple[int, int]:
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be a 2-D tensor (T, H), got {_describe(hidden_states)}; "
+        raise ValueError(f"hidden_states must be a 2-D tensor (T, H), "
+                         f"got {_describe(hidden_states)}; "
                          "flatten leading dimensions with hidden_states.reshape(-1, H)")
     if hidden_states.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not supported; use one of {FLOAT_DTYPES}")
+        raise ValueError(f"hidden_states dtype {hidden_states.dtype} is not supported; "
+                         f"use one of {FLOAT_DTYPES}")
     T, H = hidden_states.shape
     device, dtype = hidden_states.device, hidden_states.dtype
     if weights.format.fp8 is not None and dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"hidden_states is {dtype}; FP8 experts take bfloat16 or float16 activations (their "
-                         "output dtype): cast hidden_states")
+        raise ValueError(f"hidden_states is {dtype}; FP8 experts take bfloat16 or float16 "
+                         "activations (their output dtype): cast hidden_states")
     if (weights.format.fp8 is None and weights.dtype != dtype) or weights.device != device:
-        raise ValueError(f"the expert weights are {weights.dtype} on {weights.device} but hidden_states is {dtype} "
-                         f"on {device}; cast/move the weights (w13, w2) to match")
+        raise ValueError(f"the expert weights are {weights.dtype} on {weights.device} but "
+                         f"hidden_states is {dtype} on {device}; "
+                         "cast/move the weights (w13, w2) to match")
     if weights.hidden_size != H:
         raise ValueError(f"w13 has input size {weights.hidden_size} but hidden_states has H={H}")
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), got {_describe(topk_ids)}")
+    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2
+            or topk_ids.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), "
+                         f"got {_describe(topk_ids)}")
     K = topk_ids.shape[1]
     if topk_ids.shape[0] != T or topk_ids.device != device:
-        raise ValueError(f"topk_ids must have {T} rows on {device}, got {tuple(topk_ids.shape)} on {topk_ids.device}")
+        raise ValueError(f"topk_ids must have {T} rows on {device}, "
+                         f"got {tuple(topk_ids.shape)} on {topk_ids.device}")
     if K < 1:  # K > E is legal: expert-parallel shards filter the ids of other ranks' experts
         raise ValueError(f"top_k (topk_ids.shape[1]) must be >= 1, got {K}")
     if (not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_ids.shape
             or not topk_weights.dtype.is_floating_point):
-        raise ValueError(f"topk_weights must be a floating tensor of shape {tuple(topk_ids.shape)}, "
-                         f"got {_describe(topk_weights)}")
+        raise ValueError(f"topk_weights must be a floating tensor of shape "
+                         f"{tuple(topk_ids.shape)}, got {_describe(topk_weights)}")
     if topk_weights.device != device:
         raise ValueError(f"topk_weights is on {topk_weights.device}, hidden_states on {device}")
     if not triton_can_run_on(device):
-        raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA device, "
-                         f"{interpreter_hint()}, or use the torch backend")
+        raise ValueError(f"Triton kernels cannot run on {device}: move the tensors to a CUDA "
+                         f"device, {interpreter_hint()}, or use the torch backend")
     if device.type == "cpu" and dtype not in INTERPRETER_DOT_DTYPES:
         reason = interpreter_dot_reason(dtype, fp8_experts=weights.format.fp8 is not None)
         raise ValueError(f"hidden_states and the expert weights are {dtype} on CPU, but {reason} "
@@ -73,25 +66,29 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids, topk_wei
 
 
 def check_specs(activation, config) -> None:
-    if not isinstance(activation, Activation) or not (config is None or isinstance(config, MoEConfig)):
+    if (not isinstance(activation, Activation)
+            or not (config is None or isinstance(config, MoEConfig))):
         raise ValueError(f"activation must be an Activation and config a MoEConfig or None, got "
                          f"{type(activation).__name__} and {type(config).__name__}")
 
 
 def check_out(out, T: int, H: int, hidden_states: torch.Tensor) -> None:
-    """`out` must be a (T, H) tensor in hidden_states' dtype, on its device, with unit last stride."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor):
-        raise ValueError(f"out must be a tensor of shape ({T}, {H}) or None, got {type(out).__name__}")
+        raise ValueError(f"out must be a tensor of shape ({T}, {H}) or None, "
+                         f"got {type(out).__name__}")
     if tuple(out.shape) != (T, H):
         raise ValueError(f"out must have shape (T, H) = ({T}, {H}), got {tuple(out.shape)}")
     if out.dtype != hidden_states.dtype:
-        raise ValueError(f"out must have dtype {hidden_states.dtype} (hidden_states' dtype), got {out.dtype}")
+        raise ValueError(f"out must have dtype {hidden_states.dtype} (hidden_states' dtype), "
+                         f"got {out.dtype}")
     if out.device != hidden_states.device:
-        raise ValueError(f"out must be on device {hidden_states.device} (hidden_states'), got {out.device}")
+        raise ValueError(f"out must be on device {hidden_states.device} (hidden_states'), "
+                         f"got {out.device}")
     if T > 0 and out.stride(1) != 1:
-        raise ValueError(f"out must have unit last stride (rows of H contiguous elements), got strides {out.stride()}")
+        raise ValueError(f"out must have unit last stride (rows of H contiguous elements), "
+                         f"got strides {out.stride()}")
 
 
 def run_experts(
@@ -104,58 +101,50 @@ def run_experts(
     config: MoEConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The expert layer on Triton kernels: a fresh output of shape (T, H) in hidden_states' dtype.
-
-    hidden_states (T, H); topk_ids (T, K) int32/int64, where an id outside [0, E) is *filtered*:
-    that (token, slot) pair contributes nothing (transformers' expert-parallel sentinel is E,
-    other engines use -1; both work), so K may exceed E (an expert-parallel shard's 4 local experts
-    under top-8); topk_weights (T, K). `config` overrides the launch configuration.
-    Under torch.compile or torch.export, and in grad mode with an input or weight requiring grad,
-    this is the registered op `torch.ops.moe_triton.experts` (its backward: reference.py).
-
-    The checks, the configuration and every launch argument are worked out once per call
-    signature (shapes, strides, dtypes, devices, options: `LayerPlan`) and reused by later calls
-    with the same one, whatever their values: an eager call's host time is mostly launches.
-    """
+    """hidden_states (T, H) -> a fresh (T, H). An id outside [0, E) is filtered (no contribution;
+    E and -1 both work), so K may exceed E. Compiled, exported or with gradients needed: the
+    registered op `torch.ops.moe_triton.experts` (its backward: reference.py)."""
     if torch.compiler.is_compiling():
         _refuse_eager_tools(config, out)
-        return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
-                                            *_activation_fields(activation))
-    if checks.grad_needed(hidden_states, topk_weights, getattr(weights, "w13", None), getattr(weights, "w2", None)):
-        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
+        return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids,
+                                            topk_weights, *_activation_fields(activation))
+    if checks.grad_needed(hidden_states, topk_weights, getattr(weights, "w13", None),
+                          getattr(weights, "w2", None)):
+        return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation,
+                                  config, out)
     plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
     return plan(hidden_states, weights, topk_ids, topk_weights, out)
 
 
 def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> LayerPlan:
-    """The call signature's plan: made (every check) by its first call, then looked up."""
-    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
+    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config,
+                                out)
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS.add(signature, plan_experts(hidden_states, weights, topk_ids, topk_weights,
-                                                  activation=activation, config=config, out=out))
+                                                  activation=activation, config=config,
+                                                  out=out))
     return plan
 
 
 def _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
-    """Gradients needed: the checks, then the registered op, whose backward is registered below."""
     if config is not None or out is not None:
         raise ValueError("config= and out= have no backward; with gradients needed (grad "
-                         "mode on, an input or weight requiring grad) call the experts without them, or under "
-                         "torch.no_grad()")
+                         "mode on, an input or weight requiring grad) call the experts without "
+                         "them, or under torch.no_grad()")
     checks.not_capturing("run_experts")
     _plan(hidden_states, weights, topk_ids, topk_weights, activation, None, None)
-    return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids, topk_weights,
-                                        *_activation_fields(activation))
+    return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids,
+                                        topk_weights, *_activation_fields(activation))
 
 
-def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *, activation: Activation,
-                 config: MoEConfig | None, out) -> LayerPlan:
-    """Check a call of run_experts and choose its configuration: the `LayerPlan` of its signature."""
+def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, *,
+                 activation: Activation, config: MoEConfig | None, out) -> LayerPlan:
     check_specs(activation, config)
     if weights.gated != activation.gated:
-        raise ValueError(f"the weights are {'gated' if weights.gated else 'non-gated'} but activation "
-                         f"{activation.kind.name} is {'gated' if activation.gated else 'not'}")
+        raise ValueError(f"the weights are {'gated' if weights.gated else 'non-gated'} but "
+                         f"activation {activation.kind.name} is "
+                         f"{'gated' if activation.gated else 'not'}")
     T, K = check_experts_args(hidden_states, weights, topk_ids, topk_weights)
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     check_out(out, T, H, hidden_states)
@@ -169,35 +158,37 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """run_experts for one call signature: every stage's plan, built from the signature's metadata
-    before anything launches; a call allocates and launches, stage after stage."""
+    """run_experts for one call signature: every stage's plan, built before anything launches."""
 
     num_tokens: int  # T; 0 launches nothing
     hidden_size: int  # H
-    expand: ExpandPlan | PerPairPlan  # topk_ids -> ExpertLayout (decode: one pair per tile, no launch)
+    expand: ExpandPlan | PerPairPlan  # topk_ids -> ExpertLayout (decode: pair per tile, no launch)
     quantize: QuantizePlan | None  # FP8 only: hidden_states -> e4m3 [T, H] + scales
     up: ExpertGemmPlan  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
     down: ExpertGemmPlan  # w2 -> [R, H], or [S, R, H] float32 split-C partials
     finalize: FinalizePlan  # weighted un-permute -> a fresh [T, H] (or `out`)
 
-    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, out=None) -> torch.Tensor:
+    def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
+                 out=None) -> torch.Tensor:
         if self.num_tokens == 0:
             H, dtype, device = self.hidden_size, hidden_states.dtype, hidden_states.device
             return torch.empty(0, H, dtype=dtype, device=device) if out is None else out
         layout = self.expand(topk_ids)
         x, x_scales = hidden_states, None
-        if self.quantize is not None:  # FP8
+        if self.quantize is not None:
             x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
-        h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)  # [R, I], [R, I / BLOCK_N]
+        # [R, I], [R, I / BLOCK_N]
+        h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)
         y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale)  # [R, H] or [S, R, H]
         return self.finalize(y, topk_weights, layout, out)  # [T, H]
 
     @classmethod
-    def build(cls, hidden_states, weights: ExpertWeights, topk_ids, topk_weights, activation: Activation,
-              config: MoEConfig, out) -> LayerPlan:
-        """The plan for checked arguments; each stage plans from the meta stand-ins of its inputs."""
+    def build(cls, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
+              activation: Activation, config: MoEConfig, out) -> LayerPlan:
+        """The plan for checked arguments; each stage plans from meta stand-ins of its inputs."""
         T, K = topk_ids.shape
-        E, H, dtype, block_m = weights.num_experts, weights.hidden_size, hidden_states.dtype, config.block_m
+        E, H, dtype, block_m = (weights.num_experts, weights.hidden_size, hidden_states.dtype,
+                                config.block_m)
         layout = layout_like(config.layout, T, K, E, block_m)
         sorted_layout = config.layout is LayoutKind.SORTED
         expand = plan_expand(T, K, E, block_m) if sorted_layout else PerPairPlan(E, block_m)
@@ -209,31 +200,32 @@ class LayerPlan:
         h, h_scales = up.outputs("meta")
         down_scales = None
         if quantize is not None:  # the intermediate: one scale per row and up.block_n columns
-            down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale, weights.format.block)
-        down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False, scales=down_scales,
-                                out_dtype=dtype)
+            down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale,
+                                    weights.format.block)
+        down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False,
+                                scales=down_scales, out_dtype=dtype)
         y, _ = down.outputs("meta")
         finalize = plan_finalize(y, topk_weights, layout, dtype, out)
         return cls(T, H, expand, quantize, up, down, finalize)
 
 
-def _plan_quantize(hidden_states, weights: ExpertWeights) -> tuple[QuantizePlan, torch.Tensor, Fp8Scales]:
-    """FP8: the input quantized once per token (per block_c group for block scales, per row
-    otherwise, or with the static scale); its plan, the stand-in of its output, the up GEMM's scales."""
+def _plan_quantize(hidden_states,
+                   weights: ExpertWeights) -> tuple[QuantizePlan, torch.Tensor, Fp8Scales]:
     block = weights.format.block
     group = block[1] if block is not None else None
     quantize = plan_quantize(hidden_states, group, weights.input_scale is not None)
     x, x_scales = quantize.outputs("meta", weights.input_scale)  # [T, H] e4m3, [T, G]
-    scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block, weights.w13_scale_up_offset)
+    scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block,
+                       weights.w13_scale_up_offset)
     return quantize, x, scales
 
 
 def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
-    """Everything run_experts' checks and launch arguments depend on; None where an argument is not
-    even of the right kind (the checks then name it)."""
+    """What the checks and launches depend on; None for a wrong-kind argument (checks name it)."""
     try:
-        signature = (tensor_signature(hidden_states), weights.signature, tensor_signature(topk_ids),
-                     tensor_signature(topk_weights), activation, config, None if out is None else tensor_signature(out))
+        signature = (tensor_signature(hidden_states), weights.signature,
+                     tensor_signature(topk_ids), tensor_signature(topk_weights), activation,
+                     config, None if out is None else tensor_signature(out))
         hash(signature)
     except (AttributeError, TypeError):
         return None
@@ -249,9 +241,8 @@ _FP8 = [None, *Fp8Scaling]
 
 
 def _weights_fields(weights: ExpertWeights) -> tuple:
-    """ExpertWeights as the op's plain arguments: tensors, then the format's fields."""
-    return (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale, weights.input_scale, weights.gated,
-            *_format_fields(weights.format))
+    return (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale, weights.input_scale,
+            weights.gated, *_format_fields(weights.format))
 
 
 def _format_fields(fmt: WeightFormat) -> tuple:
@@ -273,54 +264,62 @@ def _experts_fake(hidden_states, *args):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
-# ---- its backward: the float32 torch recomputation (reference.py), itself an opaque op -----------
-
 def _experts_setup_context(ctx, inputs, output):
-    hidden_states, w13, w2, w13_scale, w2_scale, _, gated, fp8, block_n, block_c, _, ids, weights, *act = inputs
+    (hidden_states, w13, w2, w13_scale, w2_scale, _, gated, fp8, block_n, block_c, _, ids, weights,
+     *act) = inputs
     ctx.save_for_backward(hidden_states, w13, w2, w13_scale, w2_scale, ids, weights)
     ctx.fields = (gated, fp8, block_n, block_c, *act)
 
 
 def _experts_backward(ctx, grad_out):
     hidden_states, w13, w2, w13_scale, w2_scale, ids, weights = ctx.saved_tensors
-    x_needed, w13_needed, w2_needed, *_, weights_needed = ctx.needs_input_grad[:13]  # inputs 0, 1, 2, 12
+    # inputs 0, 1, 2, 12
+    x_needed, w13_needed, w2_needed, *_, weights_needed = ctx.needs_input_grad[:13]
     fp8 = ctx.fields[1] != 0  # e4m3 weights and their scales get no gradient
     wanted = [x_needed, w13_needed and not fp8, w2_needed and not fp8, weights_needed]
-    grads = torch.ops.moe_triton.experts_backward(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, ids,
-                                                  weights, *ctx.fields, wanted)
+    grads = torch.ops.moe_triton.experts_backward(grad_out, hidden_states, w13, w2, w13_scale,
+                                                  w2_scale, ids, weights, *ctx.fields, wanted)
     dx, dw13, dw2, dweights = (grad if want else None for grad, want in zip(grads, wanted))
-    return dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights, None, None, None
+    return (dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights,
+            None, None, None)
 
 
-@register_op("experts", _experts_fake, backward=_experts_backward, setup_context=_experts_setup_context)
-def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                w2_scale: torch.Tensor | None, input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
-                block_c: int, static_input: bool, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                activation: int, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+@register_op("experts", _experts_fake, backward=_experts_backward,
+             setup_context=_experts_setup_context)
+def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+                input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
+                block_c: int, static_input: bool, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, activation: int, swiglu_limit: float,
+                swiglu_alpha: float) -> torch.Tensor:
     fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
     weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
     act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
     return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
 
 
-def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids, topk_weights, *args):
+def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids,
+                           topk_weights, *args):
     wanted = args[-1]
     return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
                  for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
 
 
 @register_op("experts_backward", _experts_backward_fake)
-def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, topk_ids: torch.Tensor,
-                         topk_weights: torch.Tensor, gated: bool, fp8: int, block_n: int, block_c: int,
-                         activation: int, swiglu_limit: float, swiglu_alpha: float,
-                         wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor,
+                         w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                         w2_scale: torch.Tensor | None, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, gated: bool, fp8: int, block_n: int,
+                         block_c: int, activation: int, swiglu_limit: float, swiglu_alpha: float,
+                         wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor]:
     """(d hidden_states, d w13, d w2, d topk_weights); an empty tensor where not wanted."""
-    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None)  # the input scale plays no part
+    # the input scale plays no part
+    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None)
     weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale)
     act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
-    grads = fused_experts_backward_torch(grad_out, hidden_states, weights, topk_ids, topk_weights, activation=act,
-                                         needs=tuple(wanted))
+    grads = fused_experts_backward_torch(grad_out, hidden_states, weights, topk_ids, topk_weights,
+                                         activation=act, needs=tuple(wanted))
     return tuple(grad if grad is not None else grad_out.new_empty(0) for grad in grads)
 
 
@@ -343,16 +342,16 @@ def fused_experts(
     config: MoEConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`run_experts` on plain weight tensors: w13 (E, 2I, H) [gate; up], or (E, I, H) for a
-    non-gated activation; w2 (E, H, I). A fresh (T, H) in hidden_states' dtype."""
-    if torch.compiler.is_compiling():  # the op takes plain data: no ExpertWeights is built inside the graph
+    """`run_experts` on w13 (E, 2I, H) [gate; up], or (E, I, H) non-gated, and w2 (E, H, I)."""
+    if torch.compiler.is_compiling():  # the op takes plain data: no ExpertWeights in the graph
         _refuse_eager_tools(config, out)
-        return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None, activation.gated,
-                                            *_format_fields(NATIVE), topk_ids, topk_weights,
-                                            *_activation_fields(activation))
+        return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None,
+                                            activation.gated, *_format_fields(NATIVE), topk_ids,
+                                            topk_weights, *_activation_fields(activation))
     check_specs(activation, config)
     weights = ExpertWeights(w13, w2, gated=activation.gated)
-    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation, config=config, out=out)
+    return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=activation,
+                       config=config, out=out)
 
 
 def _describe(t) -> str:

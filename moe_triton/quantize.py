@@ -1,21 +1,8 @@
-"""FP8 activation quantization: rows of x -> e4m3 values and float32 scales, once per token.
+"""FP8 activation quantization, once per token: x [T, C] -> q [T, C] e4m3, scales [T, G].
 
-    x [T, C] -> q [T, C] float8_e4m3fn, scales [T, G]      G = ceil(C / group); group = C: one per row
-
-scale = max |x| over the group / 448 (dequantize: q * scale), or a given static scale. The layer's
-input is quantized here, once per token (T rows, not T*K: the first GEMM gathers the rows it
-needs); the second GEMM's input is quantized in the first GEMM's epilogue (expert_gemm.py) with
-the same `round_to_fp8`.
-
-Rounding is done on float32 values before the cast, ties to even: Triton's interpreter casts
-float32 -> e4m3 wrongly when rounding carries into the exponent (124.3 became 64, not 128) and
-flushes subnormals, while the cast of a value already on the e4m3 grid is exact everywhere.
-
-NaN stays where it was (the README's NaN contract): a group holding a NaN gets a NaN scale and
-its values e4m3fn's NaN (0x7f), as torch's quantization gives them. tl.max and tl.maximum drop
-NaN (compiled: maxnum; the interpreter: nanmax) and the interpreter casts NaN to 384, so the
-amax and the cast keep it explicitly (`nan_max`, `quantize_tile`).
-"""
+scale = max |x| over `group` columns / 448, or a static scale. `round_to_fp8` rounds in float32:
+the interpreter misrounds a cast that carries into the exponent and flushes subnormals, but casts
+e4m3 values exactly. NaN stays (README): tl.max drops it, the interpreter casts it to 384."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,11 +17,12 @@ from .weights import FP8_DTYPE, FP8_MAX
 
 @triton.jit
 def round_to_fp8(x):
-    """float32 x (already within +-448) rounded to the nearest e4m3 value, ties to even, still float32."""
+    """float32 x within +-448 rounded to the nearest e4m3 value, ties to even, still float32."""
     bits = x.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below 2^-6 e4m3 is subnormal: a fixed 2^-9 step
+    # below 2^-6 e4m3 is subnormal: a fixed 2^-9 step
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(e - 3)
-    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer, ties to even
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds to an integer, ties to even
     return ((x / step + magic) - magic) * step
 
 
@@ -48,14 +36,12 @@ def quantize_tile(x, scale):
 
 @triton.jit
 def nan_max(x, axis):
-    """tl.max along `axis`, NaN where the reduced values hold one."""
     has_nan = tl.max((x != x).to(tl.int32), axis=axis) > 0
     return tl.where(has_nan, float("nan"), tl.max(tl.where(x != x, float("-inf"), x), axis=axis))
 
 
 @triton.jit
 def fp8_scale(amax):
-    """The e4m3 scale of a group whose max |x| is `amax`; NaN stays NaN."""
     return tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) / 448.0
 
 
@@ -66,7 +52,7 @@ def _quantize_kernel(
     C, stride_x_t, stride_q_t, stride_s_t,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
 ):
-    # One program per (row, group): the amax over the group's columns, then its values scaled.
+    # one program per (row, group)
     row = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * GROUP
     x_row = x_ptr + row * stride_x_t
@@ -76,7 +62,8 @@ def _quantize_kernel(
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(first, first + GROUP, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=(cols < C) & (cols < first + GROUP), other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=(cols < C) & (cols < first + GROUP),
+                        other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
         scale = fp8_scale(nan_max(amax, 0))
         tl.store(scale_ptr + row * stride_s_t + tl.program_id(1), scale)
@@ -89,9 +76,6 @@ def _quantize_kernel(
 
 @dataclass(frozen=True)
 class QuantizePlan:
-    """`quantize_fp8` for one signature (x's shape, row stride and dtype, the group, static or
-    not): its launch bound once (launch.py); a call allocates and launches."""
-
     shape: tuple[int, int]  # [T, C]
     num_groups: int  # G
     launch: BoundLaunch | None  # None: no rows or no columns
@@ -108,16 +92,17 @@ class QuantizePlan:
         T, C = self.shape
         q = torch.empty(T, C, dtype=FP8_DTYPE, device=device)  # [T, C]
         if static_scale is not None:
-            scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one scale for every row
+            scales = static_scale.reshape(1, 1).expand(T, 1)  # [T, 1], stride 0: one for every row
         else:
             scales = torch.empty(T, self.num_groups, dtype=torch.float32, device=device)  # [T, G]
         return q, scales
 
 
 def plan_quantize(x: torch.Tensor, group: int | None = None, static: bool = False) -> QuantizePlan:
-    """The plan of `quantize_fp8(x, group, static_scale)` (`static`: a static scale is given)."""
-    if x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or x.stride(-1) != 1:
-        raise ValueError(f"x must be a 2-D float tensor (T, C) with unit last stride, got {tuple(x.shape)} {x.dtype}")
+    if (x.dim() != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+            or x.stride(-1) != 1):
+        raise ValueError(f"x must be a 2-D float tensor (T, C) with unit last stride, "
+                         f"got {tuple(x.shape)} {x.dtype}")
     T, C = x.shape
     group = C if group is None else group
     if group < 1:
@@ -125,21 +110,21 @@ def plan_quantize(x: torch.Tensor, group: int | None = None, static: bool = Fals
     num_groups = triton.cdiv(C, group) if C else 0
     if T == 0 or C == 0:
         return QuantizePlan((T, C), num_groups, None)
-    fixed = dict(C=C, stride_x_t=x.stride(0), stride_q_t=C, stride_s_t=0 if static else num_groups,
-                 GROUP=group, BLOCK=min(1024, triton.next_power_of_2(group)), STATIC=static)
+    fixed = dict(C=C, stride_x_t=x.stride(0), stride_q_t=C,
+                 stride_s_t=0 if static else num_groups, GROUP=group,
+                 BLOCK=min(1024, triton.next_power_of_2(group)), STATIC=static)
     return QuantizePlan((T, C), num_groups, BoundLaunch(_quantize_kernel, (T, num_groups), fixed))
 
 
-def quantize_fp8(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):
-    """x (T, C) -> (q (T, C) float8_e4m3fn, scales (T, ceil(C / group)) float32).
-
-    `group` columns share a scale (None: the whole row); `static_scale`, a one-element float32
-    tensor, replaces the computed scales (then returned as a (T, 1) stride-0 view of it)."""
+def quantize_fp8(x: torch.Tensor, group: int | None = None,
+                 static_scale: torch.Tensor | None = None):
+    """x (T, C) -> q (T, C) e4m3, scales (T, ceil(C / group)) float32, or static_scale as (T, 1)."""
     return plan_quantize(x, group, static_scale is not None)(x, static_scale)
 
 
-def quantize_fp8_torch(x: torch.Tensor, group: int | None = None, static_scale: torch.Tensor | None = None):
-    """Reference: the same quantization with torch ops (torch's cast rounds to nearest even)."""
+def quantize_fp8_torch(x: torch.Tensor, group: int | None = None,
+                       static_scale: torch.Tensor | None = None):
+    """Reference: torch ops (torch's cast rounds to nearest even)."""
     T, C = x.shape
     group = C if group is None else group
     x = x.float()
@@ -148,13 +133,14 @@ def quantize_fp8_torch(x: torch.Tensor, group: int | None = None, static_scale: 
         per_column = scales.expand(T, C)
     else:
         padded = torch.nn.functional.pad(x.abs(), (0, -C % group))  # [T, G * group]
-        scales = padded.view(T, -(-C // group), group).amax(dim=2).clamp(min=1e-12) / FP8_MAX  # [T, G]
+        scales = (padded.view(T, -(-C // group), group).amax(dim=2).clamp(min=1e-12)
+                  / FP8_MAX)  # [T, G]
         per_column = scales.repeat_interleave(group, dim=1)[:, :C]
     return (x / per_column).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
-def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor, group: int | None = None) -> torch.Tensor:
-    """q (T, C) e4m3 with scales (T, G) -> float32 (T, C)."""
+def dequantize_fp8_torch(q: torch.Tensor, scales: torch.Tensor,
+                         group: int | None = None) -> torch.Tensor:
     C = q.shape[1]
     group = C if group is None else group
     return q.float() * scales.float().repeat_interleave(group, dim=1)[:, :C]

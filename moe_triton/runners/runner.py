@@ -1,13 +1,5 @@
-"""Backend runners: how one backend runs a layer's experts, built once from the layer's `Resolution`.
-
-    runner = build_runner(resolution, layer, placement)  # resolver.py
-    weights = runner.prepare(weights)            # once, after loading: padding, a backend's own view
-    out = runner(weights, x, router_logits, bias)  # route (or let the kernel route), experts -> fresh [T, H]
-
-A runner owns everything that differs between backends: which routing computes the top-k, how
-the experts run, what their weights must look like. The layer holds one and calls it; adding a
-backend is one runner class and one catalog entry (`BackendSpec(runner=...)`).
-"""
+"""Backend runners: how a backend routes, runs a layer's experts and prepares their weights
+(`prepare` once after loading). A new backend is one runner class and one catalog entry."""
 from __future__ import annotations
 
 import torch
@@ -23,32 +15,31 @@ from ..weights import ExpertWeights
 from .padding import pad_expert_weights
 from .spec import BackendSpec, LayerTraits
 
-# The folder is moe_triton/runners/, not .../backends/: Dynamo skips every path holding
-# "triton/backends" (Triton's own), which would break the graph at each runner method.
+# Not .../backends/: Dynamo skips paths holding "triton/backends" (Triton's), breaking graphs.
 
 
 def _refuse(x: torch.Tensor, reason: str) -> torch.Tensor:
     raise RuntimeError(reason)
 
 
-# The fake raises too: while torch.compile / torch.export trace, an error, never a silent graph break.
+# The fake raises too: tracing it is an error, never a silent graph break.
 @register_op("not_compile_safe", _refuse)
 def _not_compile_safe(x: torch.Tensor, reason: str) -> torch.Tensor:
     raise RuntimeError(reason)
 
 
 def refuse_compile(x: torch.Tensor, what: str) -> torch.Tensor:
-    """Under torch.compile / torch.export: fail the compilation, saying what cannot be compiled and why."""
-    return torch.ops.moe_triton.not_compile_safe(x, f"moe_triton: {what} is not compile-safe; run it eagerly "
-                                                    "(decode through moe_triton.graphs' DecodeGraphRunner where it "
-                                                    "can be captured) or compile a model that does not use it")
+    return torch.ops.moe_triton.not_compile_safe(
+        x, f"moe_triton: {what} is not compile-safe; run it eagerly "
+           "(decode through moe_triton.graphs' DecodeGraphRunner where it "
+           "can be captured) or compile a model that does not use it")
 
 
 class ExpertsRunner:
     """Our routing kernel, then `experts`; a backend overrides what it does differently."""
 
     graph_capturable = True  # the whole forward can be captured in a CUDA graph
-    lockstep = False  # its forward holds collectives that peers with other tokens must join in the same call
+    lockstep = False  # its forward holds collectives peers with other tokens must join at once
 
     def __init__(self, spec: BackendSpec, layer: LayerTraits, context: ModelContext):
         self.spec, self.layer, self.context = spec, layer, context
@@ -62,7 +53,7 @@ class ExpertsRunner:
         return self.layer.routing
 
     def prepare(self, weights: ExpertWeights) -> ExpertWeights:
-        """The weights this backend runs on: I zero-padded to its multiple (the same object when aligned)."""
+        """I zero-padded to the backend's multiple (the same object when aligned)."""
         return pad_expert_weights(weights, self.spec.intermediate_multiple)
 
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
@@ -71,32 +62,32 @@ class ExpertsRunner:
 
     def experts(self, hidden_states: torch.Tensor, weights: ExpertWeights, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts on a given top-k: (T, H) -> a fresh (T, H) in hidden_states' dtype."""
+        """(T, H) -> a fresh (T, H) in hidden_states' dtype, on a given top-k."""
         raise NotImplementedError
 
-    def __call__(self, weights: ExpertWeights, hidden_states: torch.Tensor, router_logits: torch.Tensor,
+    def __call__(self, weights: ExpertWeights, hidden_states: torch.Tensor,
+                 router_logits: torch.Tensor,
                  correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(router_logits, correction_bias)  # [T, K] each
         return self.experts(hidden_states, weights, topk_ids, topk_weights)
 
 
 class TritonRunner(ExpertsRunner):
-    """Our pipeline, stage by stage (pipeline.run_experts; its registered op under torch.compile)."""
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
-        return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=self.activation)
+        return run_experts(hidden_states, weights, topk_ids, topk_weights,
+                           activation=self.activation)
 
 
 class TorchRunner(ExpertsRunner):
-    """The float32 reference, routing included, cast back to the input dtype; FP8 weights are
-    dequantized (activations are not quantized: this is what the FP8 weights stand for)."""
+    """The float32 reference, routing included; FP8 weights dequantized, activations not."""
 
     def route(self, router_logits, correction_bias):
         return route_torch(router_logits, self.routing, correction_bias)
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         w13, w2 = weights.dequantized()
-        if weights.format.fp8 is not None:  # as on triton: no gradient for e4m3 weights or their scales
+        if weights.format.fp8 is not None:  # as on triton: no gradient for e4m3 weights, scales
             w13, w2 = w13.detach(), w2.detach()
         out = fused_experts_torch(hidden_states, w13, w2, topk_ids, topk_weights,
                                   activation=self.activation)  # [T, H] float32
@@ -104,11 +95,8 @@ class TorchRunner(ExpertsRunner):
 
 
 class ParallelRunner(ExpertsRunner):
-    """A backend's runner on this rank's shard, inside moe_triton.parallel's dispatch and reductions.
-    Not compile-safe: the eager all-to-all dispatch reads split sizes on the host, and the
-    collectives have not been traced; torch.compile / torch.export of a sharded layer fails, saying so.
-    Graph-capturable: inside a capture the all-to-all dispatch takes its gathered, fixed-capacity
-    form (parallel/all_to_all.py); its EP ranks, each with its own tokens, must then step in lockstep."""
+    """A backend's runner on this rank's shard. Not compile-safe (the eager all-to-all reads split
+    sizes on the host); captured, the all-to-all is fixed-capacity and EP ranks step in lockstep."""
 
     def __init__(self, local: ExpertsRunner, groups: ParallelGroups):
         super().__init__(local.spec, local.layer, local.context)
@@ -124,5 +112,7 @@ class ParallelRunner(ExpertsRunner):
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         if torch.compiler.is_compiling():
-            return refuse_compile(hidden_states, "moe_triton.parallel (expert / tensor parallel experts)")
-        return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups, experts=self.local.experts)
+            return refuse_compile(hidden_states,
+                                  "moe_triton.parallel (expert / tensor parallel experts)")
+        return parallel_experts(hidden_states, weights, topk_ids, topk_weights, self.groups,
+                                experts=self.local.experts)
