@@ -3,7 +3,7 @@ medians of whole calls, transformers' own experts over our weights as the peer."
 from __future__ import annotations
 
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

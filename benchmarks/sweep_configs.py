@@ -144,7 +144,7 @@ def sweep_decode(shape, T, w13, w2):
         chosen = next(t for t, c in results if c == base)
         results.sort(key=lambda r: r[0])
         line = ", ".join(f"{t:.1f}us BN{c.block_n}/BC{c.block_c}/s{c.num_stages}/w{c.num_warps}"
-                         f"{'/S%d' % c.split_c if c.split_c > 1 else ''}" for t, c in results)
+                         f"{f'/S{c.split_c}' if c.split_c > 1 else ''}" for t, c in results)
         print(f"decode {shape.name} T={T} {config.layout.value} {name}: chosen {chosen:.1f}us; "
               f"{line}", flush=True)
 

@@ -3,8 +3,8 @@ dict of static tensors (batch first) to one output tensor (batch first); it owns
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -170,7 +170,7 @@ class DecodeGraphRunner:
             return
         extremes = torch.stack([torch.stack([inputs[name].min(), inputs[name].max()]).long()
                                 for name in bounded]).tolist()  # the one host sync
-        for (name, (low, high)), (least, most) in zip(bounded.items(), extremes):
+        for (name, (low, high)), (least, most) in zip(bounded.items(), extremes, strict=True):
             if least < low or most >= high:
                 raise ValueError(f"input {name!r} must lie in [{low}, {high}), "
                                  f"got values in [{least}, {most}]")

@@ -3,7 +3,8 @@ captured over many streams keeps each one's allocator pool, so layers share the 
 from __future__ import annotations
 
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

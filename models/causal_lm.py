@@ -218,7 +218,7 @@ class CausalLM(nn.Module):
         extremes = torch.stack([torch.stack([inputs[n].min(), inputs[n].max()]).long()
                                 for n in present]).tolist()
         fixes = {"positions": "max_seq", "slots": "max_batch"}
-        for name, (least, most) in zip(present, extremes):
+        for name, (least, most) in zip(present, extremes, strict=True):
             high, what = bounds[name]
             if least < 0 or most >= high:
                 fix = (f": call model.setup(max_batch, max_seq) with a larger {fixes[name]}"

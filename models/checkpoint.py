@@ -205,7 +205,7 @@ def fuse_qkv(tensors: dict[str, torch.Tensor], model: nn.Module) -> dict[str, to
                 continue
             parts = [f"{prefix}{projection}.{suffix}"
                      for projection in ("q_proj", "k_proj", "v_proj")]
-            for part, rows in zip(parts, module.sizes):
+            for part, rows in zip(parts, module.sizes, strict=True):
                 if part not in tensors:
                     raise ValueError(f"missing tensor in checkpoint: {part} (q, k and v "
                                      "projections load together)")

@@ -38,7 +38,7 @@ class Activation:
                     ACT_ALPHA=float(self.swiglu_alpha))
 
     @classmethod
-    def from_hidden_act(cls, hidden_act: str) -> "Activation":
+    def from_hidden_act(cls, hidden_act: str) -> Activation:
         """The spec for a transformers `hidden_act` string (gated for all but relu2)."""
         kinds = {
             "silu": ActivationKind.SILU_AND_MUL,

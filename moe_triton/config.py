@@ -212,7 +212,7 @@ def _fit_shared_memory(config: GemmConfig, element_size: int, limit: int, weight
 SHARED_MEMORY_USE = 0.85  # leave room for the epilogue's and the compiler's own buffers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_limits(device: torch.device) -> tuple[int, int]:
     properties = torch.cuda.get_device_properties(device)
     return properties.multi_processor_count, properties.shared_memory_per_block_optin

@@ -21,7 +21,7 @@ class ModelContext:
 
     @classmethod
     def from_config(cls, config: Mapping, model_dir: Path | None = None, *,
-                    all_to_all: str | None = None, lora: bool = False) -> "ModelContext":
+                    all_to_all: str | None = None, lora: bool = False) -> ModelContext:
         """Also reads model_dir/hf_quant_config.json (ModelOpt) if config.json has no quant."""
         architectures = config.get("architectures") or [None]
         if not isinstance(architectures, list) or not all(isinstance(a, (str, type(None)))

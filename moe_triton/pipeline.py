@@ -13,10 +13,23 @@ from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, plan_expan
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
 from .finalize import FinalizePlan, plan_finalize
 from .launch import PlanCache, register_op
-from .platform import INTERPRETER_DOT_DTYPES, interpreter_dot_reason, interpreter_hint, triton_can_run_on
+from .platform import (
+    INTERPRETER_DOT_DTYPES,
+    interpreter_dot_reason,
+    interpreter_hint,
+    triton_can_run_on,
+)
 from .quantize import QuantizePlan, plan_quantize
 from .reference import fused_experts_backward_torch
-from .weights import FLOAT_DTYPES, FP8_DTYPE, NATIVE, ExpertWeights, Fp8Scaling, WeightFormat, tensor_signature
+from .weights import (
+    FLOAT_DTYPES,
+    FP8_DTYPE,
+    NATIVE,
+    ExpertWeights,
+    Fp8Scaling,
+    WeightFormat,
+    tensor_signature,
+)
 
 
 def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids,
@@ -279,7 +292,8 @@ def _experts_backward(ctx, grad_out):
     wanted = [x_needed, w13_needed and not fp8, w2_needed and not fp8, weights_needed]
     grads = torch.ops.moe_triton.experts_backward(grad_out, hidden_states, w13, w2, w13_scale,
                                                   w2_scale, ids, weights, *ctx.fields, wanted)
-    dx, dw13, dw2, dweights = (grad if want else None for grad, want in zip(grads, wanted))
+    dx, dw13, dw2, dweights = (grad if want else None
+                               for grad, want in zip(grads, wanted, strict=True))
     return (dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights,
             None, None, None)
 
@@ -302,7 +316,7 @@ def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale
                            topk_weights, *args):
     wanted = args[-1]
     return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
-                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted))
+                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted, strict=True))
 
 
 @register_op("experts_backward", _experts_backward_fake)

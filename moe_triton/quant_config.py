@@ -278,7 +278,7 @@ def config_group_formats(quant_config) -> list[tuple[str, str]]:
                  _described(lambda: str(checkpoint_format(quant_config).experts)))]
     default = quant_config.get("format")
     return [(f"config_groups.{name}",
-             _described(lambda: f"targets {group.get('targets')}: "
+             _described(lambda name=name, group=group: f"targets {group.get('targets')}: "
                                 f"{_ct_group_format(name, group, default)}"))
             for name, group in groups.items()]
 

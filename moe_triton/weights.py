@@ -47,15 +47,15 @@ class WeightFormat:
                              "(fp8=Fp8Scaling.TENSOR) only")
 
     @classmethod
-    def fp8_block(cls, block_n: int = 128, block_c: int = 128) -> "WeightFormat":
+    def fp8_block(cls, block_n: int = 128, block_c: int = 128) -> WeightFormat:
         return cls(Fp8Scaling.BLOCK, (block_n, block_c))
 
     @classmethod
-    def fp8_channel(cls) -> "WeightFormat":
+    def fp8_channel(cls) -> WeightFormat:
         return cls(Fp8Scaling.CHANNEL)
 
     @classmethod
-    def fp8_tensor(cls, static_input: bool = False) -> "WeightFormat":
+    def fp8_tensor(cls, static_input: bool = False) -> WeightFormat:
         return cls(Fp8Scaling.TENSOR, static_input=static_input)
 
     def __str__(self) -> str:
@@ -259,7 +259,7 @@ class ExpertWeights:
 
     @classmethod
     def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool,
-              fmt: WeightFormat, dtype: torch.dtype, device=None) -> "ExpertWeights":
+              fmt: WeightFormat, dtype: torch.dtype, device=None) -> ExpertWeights:
         halves = 2 if gated else 1
         E, H, I = num_experts, hidden_size, intermediate_size
         storage = dict(dtype=fmt.storage_dtype(dtype), device=device)
@@ -276,7 +276,7 @@ class ExpertWeights:
         return (_dequantize(self.w13, self.w13_scale, self.format, self.halves),
                 _dequantize(self.w2, self.w2_scale, self.format, 1))
 
-    def to_format(self, fmt: WeightFormat) -> "ExpertWeights":
+    def to_format(self, fmt: WeightFormat) -> ExpertWeights:
         """Quantized to FP8 `fmt` by torch ops: scale = max |w| (block/row/tensor) / 448, RNE."""
         if self.format.fp8 is not None or fmt.fp8 is None:
             raise ValueError("to_format quantizes unquantized weights to an FP8 format; "
@@ -286,15 +286,16 @@ class ExpertWeights:
                              "quantize with WeightFormat.fp8_tensor() and pass input_scale to "
                              "ExpertWeights yourself")
         # an expert at a time: DeepSeek-V3's experts are 45 GB in float32
-        w13, s13 = zip(*(_quantize(w.float(), fmt, self.halves) for w in self.w13.split(1)))
-        w2, s2 = zip(*(_quantize(w.float(), fmt, 1) for w in self.w2.split(1)))
+        w13, s13 = zip(*(_quantize(w.float(), fmt, self.halves) for w in self.w13.split(1)),
+                       strict=True)
+        w2, s2 = zip(*(_quantize(w.float(), fmt, 1) for w in self.w2.split(1)), strict=True)
         return ExpertWeights(torch.cat(w13), torch.cat(w2), self.gated, fmt, torch.cat(s13),
                              torch.cat(s2))
 
-    def expert(self, index: int) -> "ExpertWeights":
+    def expert(self, index: int) -> ExpertWeights:
         return self.select_experts(slice(index, index + 1))
 
-    def select_experts(self, index: slice | torch.Tensor) -> "ExpertWeights":
+    def select_experts(self, index: slice | torch.Tensor) -> ExpertWeights:
         """The experts `index` picks, scales too: a slice gives views, an int tensor copies."""
         E = self.num_experts
         if isinstance(index, torch.Tensor):
@@ -310,7 +311,7 @@ class ExpertWeights:
         tensors = {n: getattr(self, n) for n in ("w13", "w2", "w13_scale", "w2_scale")}
         return replace(self, **{n: t[index] for n, t in tensors.items() if t is not None})
 
-    def narrow_intermediate(self, start: int, length: int, lead: int = 0) -> "ExpertWeights":
+    def narrow_intermediate(self, start: int, length: int, lead: int = 0) -> ExpertWeights:
         """Columns [start, start + length) of I, gate and up apart, after `lead` zeroed columns;
         start - lead on the block grid (`format.grid_lead`), so each block keeps its scale."""
         I, fmt = self.intermediate_size, self.format
@@ -338,7 +339,7 @@ class ExpertWeights:
                 if name not in fields and getattr(self, name) is not None}
         return replace(self, **fields, **rest)
 
-    def pad_intermediate(self, multiple: int) -> "ExpertWeights":
+    def pad_intermediate(self, multiple: int) -> ExpertWeights:
         """I zero-padded to a `multiple`, gate and up apart, new scales 1; self when aligned."""
         if multiple < 1:
             raise ValueError(f"multiple must be >= 1, got {multiple}")
@@ -366,7 +367,7 @@ class ExpertWeights:
     @classmethod
     def from_checkpoint(cls, w13: torch.Tensor | Sequence[torch.Tensor], w2: torch.Tensor,
                         fmt: WeightFormat, w13_scale=None, w2_scale=None, input_scale=None,
-                        gated: bool = True) -> "ExpertWeights":
+                        gated: bool = True) -> ExpertWeights:
         """Experts as stored: w13 whole or as (gate, up), scales as `checkpoint_scale` takes."""
         if isinstance(w13, (list, tuple)):
             if len({tuple(w.shape) if isinstance(w, torch.Tensor) else None for w in w13}) != 1:

@@ -369,7 +369,7 @@ class RankPool:
         if not self.open:
             return
         self.open = False
-        for p, tasks in zip(self.processes, self.tasks):
+        for p, tasks in zip(self.processes, self.tasks, strict=True):
             if kill:
                 p.terminate()
             elif p.is_alive():

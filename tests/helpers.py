@@ -352,7 +352,7 @@ def per_expert_fp8_layout(state: dict) -> dict:
         kind = "weight_scale_inv" if leaf.endswith("_scale_inv") else "weight"
         projs = ("gate_proj", "up_proj") if leaf.startswith("gate_up") else ("down_proj",)
         for e in range(t.shape[0]):
-            for proj, part in zip(projs, t[e].chunk(len(projs), dim=0)):
+            for proj, part in zip(projs, t[e].chunk(len(projs), dim=0), strict=True):
                 out[f"{base}.{e}.{proj}.{kind}"] = part.contiguous()
     return out
 

@@ -115,7 +115,7 @@ def test_layer_compiles_with_gradients(variant):
     for T in (3, 17):
         x, grad_out = torch.randn(T, H, generator=g).half(), torch.randn(T, H, generator=g).half()
         eager = grads_of(layer, x, grad_out, parameters)
-        for got, expected in zip(grads_of(compiled, x, grad_out, parameters), eager):
+        for got, expected in zip(grads_of(compiled, x, grad_out, parameters), eager, strict=True):
             assert expected is not None and got is not None
             assert_close(got, expected.float(), torch.float16)
 
@@ -165,7 +165,7 @@ def test_the_layer_compiles_with_gradients_under_inductor_on_the_gpu_in_bf16():
         x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
         grad_out = torch.randn(T, H, generator=g, device="cuda").bfloat16()
         eager = grads_of(layer, x, grad_out, parameters)
-        for got, expected in zip(grads_of(compiled, x, grad_out, parameters), eager):
+        for got, expected in zip(grads_of(compiled, x, grad_out, parameters), eager, strict=True):
             assert_close(got, expected.float(), torch.bfloat16, scale=2)
 
 

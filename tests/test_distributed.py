@@ -219,7 +219,7 @@ def test_fp8_shards_hold_exactly_their_slice_of_the_dequantized_weights(name, ac
                 and shard.input_scale is full.input_scale)
         assert lead == (first % 32 if fmt.block else 0)
         s13, s2 = shard.dequantized()
-        for local, glob in zip(s13.chunk(halves, 1), w13.chunk(halves, 1)):
+        for local, glob in zip(s13.chunk(halves, 1), w13.chunk(halves, 1), strict=True):
             assert not local[:, :lead].any() and torch.equal(local[:, lead:],
                                                              glob[experts, first:first + cols])
         assert not s2[:, :, :lead].any() and torch.equal(s2[:, :, lead:],

@@ -425,7 +425,8 @@ def test_decode_step_refuses_inputs_outside_the_cache_before_writing(tiny_model,
     keys = [k.clone() for k in tiny_model.cache.keys]
     with pytest.raises(ValueError, match=match):
         tiny_model.decode_step(inputs)
-    assert all(torch.equal(a, b) for a, b in zip(tiny_model.cache.keys, keys))  # nothing written
+    # nothing written
+    assert all(torch.equal(a, b) for a, b in zip(tiny_model.cache.keys, keys, strict=True))
 
 
 def test_decode_step_before_setup_says_to_call_setup(qwen3_checkpoint):

@@ -411,7 +411,8 @@ def test_fp8_graph_replay_equals_eager_and_outputs_are_fresh(T):
     inputs_before = [t.clone() for t in (inputs.hidden_states[0], weights.w13, weights.w13_scale)]
     run_experts(inputs.hidden_states[0], weights, inputs.topk_ids[0], inputs.topk_weights[0])
     for before, after in zip(inputs_before,
-                             (inputs.hidden_states[0], weights.w13, weights.w13_scale)):
+                             (inputs.hidden_states[0], weights.w13, weights.w13_scale),
+                             strict=True):
         assert torch.equal(
             before.view(torch.uint8) if before.dtype == torch.float8_e4m3fn else before,
             after.view(torch.uint8) if after.dtype == torch.float8_e4m3fn else after)

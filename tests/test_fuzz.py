@@ -18,9 +18,9 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -252,7 +252,7 @@ def assert_experts_grads(out, a: dict, dtype):
     expected = (torch.autograd.grad(ref, copies, grad_out.float(), allow_unused=True)
                 if ref.requires_grad
                 else [None] * len(copies))  # T = 0: nothing flows
-    for name, grad, ref_grad, copy in zip(GRAD_ARGS, grads, expected, copies):
+    for name, grad, ref_grad, copy in zip(GRAD_ARGS, grads, expected, copies, strict=True):
         assert_matches(grad, torch.zeros_like(copy) if ref_grad is None else ref_grad, dtype,
                        what=f"d {name}")
 
@@ -621,7 +621,7 @@ def assert_layer_grads(layer: FusedMoE, x: torch.Tensor, out: torch.Tensor):
                                      allow_unused=True)
                  if expected.requires_grad else [None] * len(leaves))  # T = 0: nothing flows
     names = ["x", *(name for name, _ in layer.named_parameters())]
-    for name, leaf, grad, ref in zip(names, leaves, grads, ref_grads):
+    for name, leaf, grad, ref in zip(names, leaves, grads, ref_grads, strict=True):
         zeros = torch.zeros_like(leaf)
         assert_matches(zeros if grad is None else grad, zeros if ref is None else ref, x.dtype,
                        scale=4, what=f"d {name}")
@@ -1052,7 +1052,8 @@ def nodes(tree, path=()):
 
 def schema_type(path):
     for pattern, types in READ_FIELDS.items():
-        if len(pattern) == len(path) and all(p == "*" or p == k for p, k in zip(pattern, path)):
+        if len(pattern) == len(path) and all(p == "*" or p == k
+                                             for p, k in zip(pattern, path, strict=True)):
             return types
     return None
 

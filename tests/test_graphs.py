@@ -25,7 +25,7 @@ from moe_triton.graphs import (
 def test_default_batch_sizes_follow_the_serving_engines():
     sizes = default_batch_sizes()
     assert (sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256
-            and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:])))
+            and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:], strict=True)))
     assert default_batch_sizes(12) == (1, 2, 4, 8)
 
 

@@ -127,7 +127,7 @@ def test_fused_and_sharded_layouts_load(checkpoint, tmp_path):
     fused = load_model(tmp_path, dtype=torch.float32)
     per_expert = load_model(path, dtype=torch.float32)
     for (name, a), (_, b) in zip(sorted(fused.state_dict().items()),
-                                 sorted(per_expert.state_dict().items())):
+                                 sorted(per_expert.state_dict().items()), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -408,7 +408,7 @@ def test_from_transformers_and_the_loader_build_the_same_layer(family):
         theirs = FAMILIES[family][0]()
         with torch.device("meta"):
             ours = MODELS[type(theirs).__name__](theirs.config, Placement("torch"))
-        pairs = [(t.mlp, o.mlp) for t, o in zip(theirs.model.layers, ours.model.layers)
+        pairs = [(t.mlp, o.mlp) for t, o in zip(theirs.model.layers, ours.model.layers, strict=True)
                  if isinstance(o.mlp, FusedMoE)]
     else:
         pairs = [BLOCKS[family]()]
@@ -521,7 +521,8 @@ def test_decode_past_the_cache_through_graphs_is_refused_and_writes_nothing(chec
         torch.cuda.synchronize()
         assert logits.isnan().all()  # attention read nothing
     # wrote nothing
-    assert all(torch.equal(a, b) for a, b in zip(model.cache.keys + model.cache.values, before))
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.cache.keys + model.cache.values, before, strict=True))
     expected = copy.deepcopy(reference).to("cuda").generate(ids, max_new_tokens=5, do_sample=False)
     assert torch.equal(model.generate(ids, 5), expected)
 

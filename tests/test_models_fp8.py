@@ -165,7 +165,7 @@ def test_every_layout_loads_the_same_fp8_experts(fp8_checkpoint):
                 and layer.gate_up_proj.dtype == FP8_DTYPE)
     for name, model in models.items():
         for (key, a), (_, b) in zip(sorted(model.state_dict().items()),
-                                    sorted(reference.state_dict().items())):
+                                    sorted(reference.state_dict().items()), strict=True):
             same = (a.view(torch.uint8).equal(b.view(torch.uint8)) if a.dtype == FP8_DTYPE
                     else torch.equal(a, b))
             assert same, f"{name}: {key}"
@@ -442,7 +442,7 @@ def modelopt_layout(block, x):
         names = ([name.replace("experts.", f"experts.{e}.") for e in range(len(weights))]
                  if per_expert else [name.removesuffix(".weight")])
         parts = []
-        for module, weight in zip(names, weights):
+        for module, weight in zip(names, weights, strict=True):
             q, scale = fp8_quantize(weight, "tensor")
             tensors |= {f"{module}.weight": q, f"{module}.weight_scale": scale.reshape(()),
                         f"{module}.input_scale": (x.abs().max() / 448

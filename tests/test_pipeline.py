@@ -122,7 +122,7 @@ def test_output_is_fresh_and_input_unchanged():
     inputs = [t.clone() for t in (x, w13, w2, ids, weights)]
     out = fused_experts(x, w13, w2, ids, weights)
     assert out.data_ptr() not in {t.data_ptr() for t in (x, w13, w2, ids, weights)}
-    for before, after in zip(inputs, (x, w13, w2, ids, weights)):
+    for before, after in zip(inputs, (x, w13, w2, ids, weights), strict=True):
         assert torch.equal(before, after)
 
 
@@ -266,7 +266,8 @@ def reference_grads(x, w13, w2, ids, weights, grad_out, activation=SILU_AND_MUL)
     out = fused_experts_torch(leaves[0], leaves[1], leaves[2], ids, leaves[3],
                               activation=activation)
     grads = torch.autograd.grad(out, leaves, grad_out.float(), allow_unused=True)
-    return [torch.zeros_like(t) if grad is None else grad for t, grad in zip(leaves, grads)]
+    return [torch.zeros_like(t) if grad is None else grad
+            for t, grad in zip(leaves, grads, strict=True)]
 
 
 def grad_layer(T, E, K, dtype, seed, activation=SILU_AND_MUL, filtered=0.0):
@@ -300,7 +301,7 @@ def test_fused_experts_gradients(case, dtype, activation):
     grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
     expected = reference_grads(x, w13, w2, ids, weights, grad_out, activation)
     for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected,
-                                     (x, w13, w2, weights)):
+                                     (x, w13, w2, weights), strict=True):
         assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
         assert_close(grad, ref, dtype, scale=2)
 
@@ -315,7 +316,8 @@ def test_run_experts_gradients(activation):
     out = run_experts(x, ExpertWeights(w13, w2, activation.gated), ids, weights,
                       activation=activation)
     grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
-    for grad, ref in zip(grads, reference_grads(x, w13, w2, ids, weights, grad_out, activation)):
+    for grad, ref in zip(grads, reference_grads(x, w13, w2, ids, weights, grad_out, activation),
+                         strict=True):
         assert_close(grad, ref, torch.float32)
 
 
@@ -325,7 +327,7 @@ def test_gradients_of_an_empty_batch():
     assert out.shape == (0, 40) and out.grad_fn is not None
     grads = torch.autograd.grad(out, (x, w13, w2, weights), grad_out)
     assert all(grad.shape == t.shape and not grad.any()
-               for grad, t in zip(grads, (x, w13, w2, weights)))
+               for grad, t in zip(grads, (x, w13, w2, weights), strict=True))
 
 
 def test_only_the_gradients_needed_are_computed(monkeypatch):
@@ -561,7 +563,8 @@ def test_layer_is_graph_capturable():
         out = fused_experts(static[0], w13, w2, static[1], static[2])
     for i in range(2):  # different routing each replay: no stale state
         for buf, new in zip(static,
-                            (inputs.hidden_states[i], inputs.topk_ids[i], inputs.topk_weights[i])):
+                            (inputs.hidden_states[i], inputs.topk_ids[i], inputs.topk_weights[i]),
+                            strict=True):
             buf.copy_(new)
         graph.replay()
         ref = fused_experts_torch(static[0], w13, w2, static[1], static[2])
@@ -591,7 +594,8 @@ def test_gradients_bf16_at_a_real_size():
     leaves = [t.requires_grad_() for t in (x, w13, w2, weights)]
     grads = torch.autograd.grad(fused_experts(x, w13, w2, ids, weights), leaves, grad_out)
     expected = reference_grads(x, w13, w2, ids, weights, grad_out)
-    for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected, leaves):
+    for name, grad, ref, leaf in zip(("x", "w13", "w2", "topk_weights"), grads, expected, leaves,
+                                     strict=True):
         assert grad.dtype == leaf.dtype and not grad.isnan().any(), name
         assert relative_error(grad, ref) < 1e-2, (name, relative_error(grad, ref))
 

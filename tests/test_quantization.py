@@ -113,9 +113,11 @@ def test_modules_to_not_convert_can_keep_the_experts_unquantized():
                        "input_activations": CT_SCHEMES["block"][1]}}),
      "block_structure=None: expected"),
     (compressed({"a": {"targets": ["re:.*experts.*"],
-                       **dict(zip(("weights", "input_activations"), CT_SCHEMES["channel"]))},
+                       **dict(zip(("weights", "input_activations"), CT_SCHEMES["channel"],
+                                  strict=True))},
                  "b": {"targets": ["re:.*down_proj"],
-                       **dict(zip(("weights", "input_activations"), CT_SCHEMES["block"]))}}),
+                       **dict(zip(("weights", "input_activations"), CT_SCHEMES["block"],
+                                  strict=True))}}),
      r"config_groups \['a', 'b'\] give the experts different formats"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_checkpoint_format_names_the_key_it_cannot_run(config, match):

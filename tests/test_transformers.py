@@ -127,7 +127,7 @@ def test_the_drop_in_s_cached_views_follow_grad_mode():
     grads = torch.autograd.grad(forward(experts, x, ids, weights), params, grad_out)
     w13, w2 = (p.transpose(1, 2) for p in params)
     reference = moe_triton.fused_experts_torch(x, w13, w2, ids, weights)
-    for grad, expected in zip(grads, torch.autograd.grad(reference, params, grad_out)):
+    for grad, expected in zip(grads, torch.autograd.grad(reference, params, grad_out), strict=True):
         assert_close(grad, expected, torch.float32)
 
 
@@ -176,7 +176,8 @@ def fp8_experts(block_size=(32, 32), activation_scheme="dynamic", E=8, H=64, I=3
                 halves = w.chunk(getattr(experts, f"{name}_scale_inv").shape[1], dim=1)
                 scale = torch.stack([h.abs().amax(dim=(1, 2)) / 448 for h in halves],
                                     dim=1)[..., None]  # [E, n, 1]
-                q = torch.cat([h / s[:, None] for h, s in zip(halves, scale.unbind(1))], dim=1)
+                q = torch.cat([h / s[:, None]
+                               for h, s in zip(halves, scale.unbind(1), strict=True)], dim=1)
                 getattr(experts, name).copy_(q.to(torch.float8_e4m3fn))
                 getattr(experts, f"{name}_scale_inv").copy_(scale)
         if activation_scheme == "static":
@@ -241,7 +242,8 @@ def test_fp8_experts_interface_gives_straight_through_gradients():
     leaves = (x.detach().float().requires_grad_(), weights.detach().requires_grad_())
     reference = moe_triton.fused_experts_torch(leaves[0], dequantized(experts, "gate_up_proj"),
                                                dequantized(experts, "down_proj"), ids, leaves[1])
-    for grad, expected in zip(grads, torch.autograd.grad(reference, leaves, grad_out.float())):
+    for grad, expected in zip(grads, torch.autograd.grad(reference, leaves, grad_out.float()),
+                              strict=True):
         assert_close(grad, expected, torch.float16)
 
 

@@ -283,7 +283,7 @@ def test_select_experts_refuses_what_is_not_an_index(bad, match):
 def stored_projection(w: torch.Tensor, fmt: WeightFormat, style: int):
     """A stack of per-expert linears [E, N, C] as a checkpoint stores them: e4m3 and each expert's
     scale in one of the shapes published checkpoints use (`style` picks among them)."""
-    q, scales = zip(*(quantize_weight(e, fmt) for e in w))
+    q, scales = zip(*(quantize_weight(e, fmt) for e in w), strict=True)
     scale = torch.stack(scales)  # [E, Nb, Cb] block, [E, N] per row, [E, 1] per tensor
     if fmt.fp8 is Fp8Scaling.CHANNEL and style:
         scale = scale[..., None]  # [E, N, 1], compressed-tensors' channel scale
@@ -310,7 +310,7 @@ def test_from_checkpoint_holds_what_the_checkpoint_s_tensors_stand_for(fmt, gate
     weights = native(gated)
     dynamic = WeightFormat.fp8_tensor() if fmt.static_input else fmt
     first = [stored_projection(p, dynamic, style) for p in projections(weights.w13, gated)]
-    (q13, s13), down = zip(*first), stored_projection(weights.w2, dynamic, style)
+    (q13, s13), down = zip(*first, strict=True), stored_projection(weights.w2, dynamic, style)
     g = torch.Generator().manual_seed(1)
     inputs = [torch.rand(E, generator=g) / 100 for _ in first]  # gate's and up's, per expert
     experts = ExpertWeights.from_checkpoint(q13, down[0], fmt, s13, down[1], inputs, gated=gated)

@@ -1,8 +1,8 @@
 """The experts of one MoE layer across ranks, around any local pipeline (docs/DISTRIBUTED.md)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 from torch import nn
@@ -52,7 +52,8 @@ def parallel_experts(
                           weights.w13, weights.w2)  # the collectives are not differentiated
     spec = groups.spec
     num_local = weights.num_experts
-    if spec.all_to_all and gathered_dispatch():  # fixed shapes, no host read: the decode graphs' way
+    # fixed shapes, no host read: the decode graphs' way
+    if spec.all_to_all and gathered_dispatch():
         sent = dispatch_gathered(hidden_states, topk_ids, topk_weights, groups.ep)
         ids = localize_ids(sent.topk_ids, groups.ep_rank * num_local, num_local)  # [W * T, K]
         ids, slot_weights = compact_slots(ids, sent.topk_weights,
@@ -96,7 +97,7 @@ class ParallelExperts(nn.Module):
     @classmethod
     def from_full(cls, w13: torch.Tensor, w2: torch.Tensor, groups: ParallelGroups, *,
                   activation: Activation = SILU_AND_MUL, experts: LocalExperts | None = None,
-                  device: torch.device | str | None = None) -> "ParallelExperts":
+                  device: torch.device | str | None = None) -> ParallelExperts:
         module = cls(w13.shape[0], w13.shape[2], w2.shape[2], groups, activation=activation,
                      experts=experts, dtype=w13.dtype, device=device or w13.device)
         local_w13, local_w2 = shard_experts(w13, w2, groups.spec, groups.rank,

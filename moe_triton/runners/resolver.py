@@ -108,13 +108,13 @@ def resolve(requested: str, platform: Platform, context: ModelContext = ModelCon
     return Resolution(decision.backend, AUTO, rule.name, decision.reason, platform)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_resolution(resolution: Resolution) -> None:
     # once per distinct resolution per process, not once per layer of a 60-layer model
     logger.info("moe_triton experts backend: %s", resolution)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_fallback(reason: str) -> None:
     # said where users look: a warning, once per process and reason
     warnings.warn("moe_triton: the experts run on the torch reference backend, "

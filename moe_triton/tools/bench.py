@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -164,7 +164,7 @@ def branch_stack_capture_bytes(num_layers: int, stream_per_layer: bool, tokens: 
     def stack(h):
         for layer in range(num_layers):
             role = f"layer{layer}" if stream_per_layer else "alt"
-            main, side = run_branches(lambda: mlp(h), lambda: mlp(h), role=role)
+            main, side = run_branches(lambda h=h: mlp(h), lambda h=h: mlp(h), role=role)
             h = h + main + side
         return h
 

@@ -60,8 +60,8 @@ def bench(args) -> int:
     rows = []
     for T in tqdm(tokens, desc="timing", unit="case"):
         inputs = random_inputs(shape, T, dtype, device, num_variants=4)
-        step = lambda i: fused_experts(inputs.hidden_states[i], w13, w2,  # noqa: E731
-                                       inputs.topk_ids[i], inputs.topk_weights[i])
+        step = lambda i, inputs=inputs: fused_experts(  # noqa: E731
+            inputs.hidden_states[i], w13, w2, inputs.topk_ids[i], inputs.topk_weights[i])
         if not on_gpu:
             rows.append((T, time_cpu(step), None, "wall"))
             continue

@@ -16,7 +16,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 class ProbeMismatch(AssertionError):
-    def __init__(self, report: "ProbeReport"):
+    def __init__(self, report: ProbeReport):
         super().__init__(str(report))
         self.report = report
 
