@@ -22,6 +22,12 @@ class GemmConfig:
     num_stages: int = 3
     tma_weights: bool = False  # weight tiles through a TMA descriptor where the layout allows
     split_c: int = 1  # programs along C (split-K); > 1 hands float32 partials to finalize
+    # > 0: that many programs walk the tiles of the rows in use (sorted layout), else one per tile
+    persistent_programs: int = 0
+    tma_activations: bool = False  # row-space activations (down's) through a TMA descriptor
+    # FP8 weight blocks at least a tile wide: one scale per step, so the promotion is an FMA per
+    # element; off, a scale per column, whose vector load the pipeliner overlaps (decode's)
+    scale_per_tile: bool = False
 
     def __post_init__(self):
         # tl.arange needs powers of two, tl.dot at least 16
@@ -37,6 +43,9 @@ class GemmConfig:
                                  f"got {getattr(self, name)!r}")
         if not isinstance(self.split_c, int) or self.split_c < 1:
             raise ValueError(f"split_c must be >= 1, got {self.split_c}")
+        if not isinstance(self.persistent_programs, int) or self.persistent_programs < 0:
+            raise ValueError("GemmConfig.persistent_programs must be an integer >= 0 (0: one "
+                             f"program per tile), got {self.persistent_programs!r}")
 
     def kernel_args(self) -> dict:
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_C=self.block_c,
@@ -73,7 +82,8 @@ class MoEConfig:
     def describe(self) -> str:
         def gemm(c: GemmConfig) -> str:
             return (f"{c.block_n}x{c.block_c}/s{c.num_stages}/w{c.num_warps}"
-                    f"{'/tma' if c.tma_weights else ''}"
+                    f"{'/tma' if c.tma_weights else ''}{'/tma_a' if c.tma_activations else ''}"
+                    f"{f'/P{c.persistent_programs}' if c.persistent_programs else ''}"
                     f"{f'/S{c.split_c}' if c.split_c > 1 else ''}")
         return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
 
@@ -173,7 +183,17 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
             down = replace(down, split_c=down_split)
     if streaming:
         down = _fit_shared_memory(down, element_size, limit=shared_memory, **fit)
+    else:
+        up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
     return MoEConfig(up, down, layout)
+
+
+def _prefill_down(down: GemmConfig, fp8: bool) -> GemmConfig:
+    # The second GEMM reads its rows in order: TMA feeds them as it does the weights. FP8: one
+    # warpgroup on a 128-wide tile, which lies in one 128-row weight block (a scale per step, not
+    # per column); both measured faster at every prefill case (docs/PERFORMANCE.md, issue 27).
+    down = replace(down, tma_activations=True)
+    return replace(down, block_n=FP8_GROUP, num_warps=4, scale_per_tile=True) if fp8 else down
 
 
 def _fp8_steps(up: GemmConfig, down: GemmConfig,

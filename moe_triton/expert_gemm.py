@@ -7,17 +7,23 @@ activation epilogue (gate columns n and up columns I + n side by side: the [R, 2
 never written), an FP8 output quantized per (row, BLOCK_N columns), and split-C (float32 partials
 (S, R, N) that finalize sums in slice order, bit-stable; never the first GEMM, whose activation
 needs the whole sum and which measured slower split: docs/PERFORMANCE.md). NaN in an FP8 operand
-or scale reaches the output as in the float32 reference. Padding rows are neither read nor written.
+or scale reaches the output as in the float32 reference. Padding rows are never written (read as
+garbage only through a TMA descriptor, and masked at the store). A grid has one program per tile
+of the worst case, those past the rows in use exiting at once; the persistent form has a fixed
+number walk the tiles of the rows in use, counted on the device (measured slower on SM90 with
+Triton 3.6, kept for the schedule it offers: docs/PERFORMANCE.md, issue 27).
 """
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .activation import Activation, _apply_activation
 from .config import GemmConfig
@@ -54,22 +60,25 @@ class Fp8Scales:
             return ScaleAlongC.PER_SUM
         return ScaleAlongC.IN_STEP if self.w_block[1] % block_c else ScaleAlongC.PER_STEP
 
-    def kernel_args(self, c: int, block_c: int) -> dict:
+    def kernel_args(self, c: int, block_n: int, block_c: int, per_tile: bool = False) -> dict:
+        """per_tile: one weight scale per tile and step where the blocks allow (W_SCALAR)."""
         a_strides = (self.a.stride(0), self.a.stride(-1) if self.a.dim() > 1 else 0)
         # per row: one "block" column
         w_strides = self.w.stride() if self.w.dim() == 3 else (*self.w.stride(), 0)
         w_block_n, w_block_c = self.w_block or (1, 1)
-        return dict(A_SCALE=self.a_along_c(c, block_c).value,
-                    W_SCALE=self.w_along_c(block_c).value,
+        w_along_c = self.w_along_c(block_c)
+        return dict(A_SCALE=self.a_along_c(c, block_c).value, W_SCALE=w_along_c.value,
+                    W_SCALAR=(per_tile and w_along_c is ScaleAlongC.PER_STEP
+                              and w_block_n % block_n == 0),
                     A_GROUP=self.a_group, W_BLOCK_N=w_block_n, W_BLOCK_C=w_block_c,
                     NAN_BITS=interpreter_enabled(), w_scale_up_offset=self.w_up_offset,
                     stride_as_m=a_strides[0], stride_as_g=a_strides[1],
                     stride_ws_e=w_strides[0], stride_ws_n=w_strides[1], stride_ws_c=w_strides[2])
 
 
-UNSCALED = dict(A_SCALE=0, W_SCALE=0, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1, NAN_BITS=False,
-                w_scale_up_offset=0, stride_as_m=0, stride_as_g=0, stride_ws_e=0, stride_ws_n=0,
-                stride_ws_c=0)
+UNSCALED = dict(A_SCALE=0, W_SCALE=0, W_SCALAR=False, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1,
+                NAN_BITS=False, w_scale_up_offset=0, stride_as_m=0, stride_as_g=0, stride_ws_e=0,
+                stride_ws_n=0, stride_ws_c=0)
 NO_EPILOGUE = dict(ACT_KIND=-1, ACT_LIMIT=0.0, ACT_ALPHA=0.0)
 
 
@@ -82,10 +91,12 @@ def _dot(a, w, acc, IEEE_FP32: tl.constexpr):
 
 @triton.jit
 def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,
-          IEEE_FP32: tl.constexpr):
+          W_SCALAR: tl.constexpr, IEEE_FP32: tl.constexpr):
     """acc + a @ w for one C step. FP8 products start a fresh tensor-core sum each step, added in
     float32: Hopper accumulates FP8 in fewer bits than float32 (Triton keeps that on SM90); this
-    per-step promotion (DeepSeek-V3's) bounds the drift (docs/PERFORMANCE.md, issue 26)."""
+    per-step promotion (DeepSeek-V3's) bounds the drift (docs/PERFORMANCE.md, issue 26).
+    W_SCALAR: w_scale is the tile's one weight-block scale, so the promotion is one FMA per element
+    (a per-row product), not a multiply by a per-element outer product and an add."""
     if A_SCALE + W_SCALE == 0:
         return _dot(a, w, acc, IEEE_FP32)
     if (A_SCALE == 3) | (W_SCALE == 3):  # groups inside the step: scale the tiles, then the dot
@@ -100,11 +111,14 @@ def _step(a, w, acc, a_scale, w_scale, A_SCALE: tl.constexpr, W_SCALE: tl.conste
         part = tl.dot(a, w)
     # a scale that changes with the step applies to this step's product
     if (A_SCALE == 1) & (W_SCALE == 1):
-        part = part * (a_scale[:, None] * w_scale[None, :])
+        if W_SCALAR:
+            part = part * (a_scale * w_scale)[:, None]
+        else:
+            part = part * (a_scale[:, None] * w_scale[None, :])
     elif A_SCALE == 1:
         part = part * a_scale[:, None]
     elif W_SCALE == 1:
-        part = part * w_scale[None, :]
+        part = part * (w_scale if W_SCALAR else w_scale[None, :])
     return acc + part
 
 
@@ -117,13 +131,15 @@ def _e4m3_nan(tile, axis: tl.constexpr):
 @interpreter_serialized
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, w_ptr, w_desc, out_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr,
     sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr, topk_ids_ptr,
     a_scale_ptr, w_scale_ptr, out_scale_ptr,
     N, C, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
     stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
+    A_DESC: tl.constexpr,  # row-space a through a TMA descriptor over (R, C)
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
+    PERSISTENT: tl.constexpr,  # one program per SM walks the tiles of the rows in use (SORTED)
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
@@ -133,30 +149,85 @@ def _expert_gemm_kernel(
     A_GROUP: tl.constexpr,  # columns of a per a-scale (PER_STEP: a multiple of BLOCK_C)
     NAN_BITS: tl.constexpr,  # FP8, interpreted: the product's NaN rows / columns from the e4m3 bits
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE per or in a step)
+    W_SCALAR: tl.constexpr,  # PER_STEP weight scales: every tile lies in one weight block
     OUT_FP8: tl.constexpr,  # quantize the output tile per row, one scale per (row, BLOCK_N columns)
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: GROUP_M row blocks share each column block while it is hot in L2.
-    pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n_blocks)
+    if PERSISTENT:
+        # The tiles are those of the rows in use, read on the device: no host sync, no program
+        # past them, and a program's next tile's loads overlap this one's epilogue (flatten).
+        m_blocks = tl.load(num_rows_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), m_blocks * num_n_blocks, tl.num_programs(0),
+                             flatten=True):
+            pid_m, pid_n = _tile_coordinates(tile, m_blocks, num_n_blocks, GROUP_M)
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+            rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            _gemm_tile(
+                pid_m, pid_n, rows, tl.load(sorted_pair_ids_ptr + rows), expert,
+                a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+                N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
+                stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
+                stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n,
+                stride_ws_c, stride_os_m,
+                A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
+                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
+                IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+    else:
+        pid_m, pid_n = _tile_coordinates(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PER_PAIR:
+            pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
+            expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
+        else:
+            # The grid covers the worst case; blocks past the rows in use exit at once.
+            if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+                return
+            pair = tl.load(sorted_pair_ids_ptr + rows)
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= E):  # a filtered pair (PER_PAIR) or an unused block
+            return
+        _gemm_tile(
+            pid_m, pid_n, rows, pair, expert,
+            a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+            N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
+            stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
+            stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c,
+            stride_os_m,
+            A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
+            A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
+            IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+
+
+@triton.jit
+def _tile_coordinates(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    # Grouped ordering: GROUP_M row blocks (one expert's, mostly) share each column block of
+    # weights while it is hot in L2.
+    group = tile // (GROUP_M * num_n_blocks)
     first_m = group * GROUP_M
     group_size = min(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n_blocks)) % group_size
-    pid_n = (pid % (GROUP_M * num_n_blocks)) // group_size
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if PER_PAIR:
-        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs)
-        expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
-    else:
-        # The grid covers the worst case; blocks past the rows in use exit at once.
-        if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
-            return
-        pair = tl.load(sorted_pair_ids_ptr + rows)
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    if (expert < 0) | (expert >= E):  # a filtered pair (PER_PAIR) or an unused block
-        return
+    pid_m = first_m + (tile % (GROUP_M * num_n_blocks)) % group_size
+    pid_n = (tile % (GROUP_M * num_n_blocks)) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm_tile(
+    pid_m, pid_n, rows, pair, expert,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+    N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
+    stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
+    stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
+    A_DESC: tl.constexpr, W_DESC: tl.constexpr, GATHER_TOP_K: tl.constexpr,
+    FUSED_GATE: tl.constexpr, ACT_KIND: tl.constexpr, SPLIT_C: tl.constexpr,
+    A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, A_GROUP: tl.constexpr, NAN_BITS: tl.constexpr,
+    W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr, W_SCALAR: tl.constexpr,
+    OUT_FP8: tl.constexpr,
+    ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One (BLOCK_M, BLOCK_N) output tile of one expert: rows `rows` hold pairs `pair`."""
     is_real = pair < num_pairs
     if GATHER_TOP_K > 0:
         a_rows = (pair // GATHER_TOP_K).to(tl.int64)
@@ -176,6 +247,7 @@ def _expert_gemm_kernel(
     a_scale_row = a_scale_ptr + a_rows * stride_as_m  # [BLOCK_M]
     w_scale_rows = (w_scale_ptr + expert * stride_ws_e
                     + (offs_n // W_BLOCK_N) * stride_ws_n)  # [BLOCK_N]
+    w_scale_tile = w_scale_ptr + expert * stride_ws_e + (pid_n * BLOCK_N // W_BLOCK_N) * stride_ws_n
     n_ok = offs_n < N
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -184,12 +256,17 @@ def _expert_gemm_kernel(
     nan_cols = tl.zeros([BLOCK_N], dtype=tl.int32)
     nan_cols_up = tl.zeros([BLOCK_N], dtype=tl.int32)
     # Descriptor tiles may run past this expert's N rows (next expert, up half): garbage columns,
-    # masked at the store. C tails are zero-filled.
+    # masked at the store; a's run over padding rows (unwritten): garbage rows, masked too.
+    # C tails are zero-filled.
     w_row = (expert * w_rows_per_expert + pid_n * BLOCK_N).to(tl.int32)
+    a_row = (pid_m * BLOCK_M).to(tl.int32)
     for step in range(first_step, last_step):
         c_first = step * BLOCK_C
         c_ok = offs_c < C - c_first
-        a = tl.load(a_tile, mask=is_real[:, None] & c_ok[None, :], other=0.0)
+        if A_DESC:
+            a = a_desc.load([a_row, c_first])
+        else:
+            a = tl.load(a_tile, mask=is_real[:, None] & c_ok[None, :], other=0.0)
         w_mask = c_ok[:, None] & n_ok[None, :]
         # FP8 scales: per row of a / column of w (PER_STEP), per element (IN_STEP), else unread
         a_scale = 0.0
@@ -203,11 +280,17 @@ def _expert_gemm_kernel(
             a_scale = tl.load(a_scales, mask=is_real[:, None] & c_ok[None, :],
                               other=0.0)  # [BM, BC]
         if W_SCALE == 1:
-            w_scales = w_scale_rows + (c_first // W_BLOCK_C) * stride_ws_c  # [BLOCK_N]
-            w_scale = tl.load(w_scales, mask=n_ok, other=0.0)
-            if FUSED_GATE:
-                w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok,
-                                     other=0.0)
+            if W_SCALAR:  # the tile lies in one weight block: one scale (its first column's)
+                w_scales = w_scale_tile + (c_first // W_BLOCK_C) * stride_ws_c
+                w_scale = tl.load(w_scales)
+                if FUSED_GATE:
+                    w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n)
+            else:
+                w_scales = w_scale_rows + (c_first // W_BLOCK_C) * stride_ws_c  # [BLOCK_N]
+                w_scale = tl.load(w_scales, mask=n_ok, other=0.0)
+                if FUSED_GATE:
+                    w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=n_ok,
+                                         other=0.0)
         elif W_SCALE == 3:
             groups = (c_first + offs_c) // W_BLOCK_C
             w_scales = w_scale_rows[None, :] + groups[:, None] * stride_ws_c  # [BLOCK_C, BLOCK_N]
@@ -219,7 +302,7 @@ def _expert_gemm_kernel(
             w = w_desc.load([w_row, c_first]).T
         else:
             w = tl.load(w_tile, mask=w_mask, other=0.0)
-        acc = _step(a, w, acc, a_scale, w_scale, A_SCALE, W_SCALE, IEEE_FP32)
+        acc = _step(a, w, acc, a_scale, w_scale, A_SCALE, W_SCALE, W_SCALAR, IEEE_FP32)
         if NAN_BITS:
             nan_rows = nan_rows | _e4m3_nan(a, 1)
             nan_cols = nan_cols | _e4m3_nan(w, 0)
@@ -228,7 +311,8 @@ def _expert_gemm_kernel(
                 w_up = w_desc.load([w_row + N, c_first]).T
             else:
                 w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
-            acc_up = _step(a, w_up, acc_up, a_scale, w_up_scale, A_SCALE, W_SCALE, IEEE_FP32)
+            acc_up = _step(a, w_up, acc_up, a_scale, w_up_scale, A_SCALE, W_SCALE, W_SCALAR,
+                           IEEE_FP32)
             if NAN_BITS:
                 nan_cols_up = nan_cols_up | _e4m3_nan(w_up, 0)
         a_tile += BLOCK_C * stride_a_c
@@ -271,8 +355,6 @@ def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
         _DESCRIPTORS[key] = entry
     descriptor = entry[2].get(block)
     if descriptor is None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         # Over a detached alias: a view of w itself would keep w (its _base) and this entry alive.
         descriptor = entry[2][block] = TensorDescriptor.from_tensor(w.detach().view(-1, w.shape[2]),
                                                                     list(block))
@@ -283,9 +365,9 @@ def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
 _DESCRIPTORS: dict[int, tuple] = {}
 
 
-def _takes_descriptor(w: torch.Tensor, config: GemmConfig) -> bool:
+def _takes_descriptor(t: torch.Tensor) -> bool:
     # TMA needs contiguous rows of a 16-byte multiple
-    return config.tma_weights and w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0
+    return t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
 def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor) -> None:
@@ -303,6 +385,7 @@ class ExpertGemmPlan:
     out_scales_shape: tuple[int, int] | None  # [R, N_out / BLOCK_N] with an FP8 output, else None
     config: GemmConfig
     descriptor: bool  # weights through a TMA descriptor
+    a_descriptor: bool  # row-space a through a TMA descriptor
     launch: BoundLaunch | None  # None: no row blocks or no output columns, nothing to compute
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout,
@@ -312,7 +395,11 @@ class ExpertGemmPlan:
         out, out_scales = self.outputs(a.device, out)
         if self.launch is not None:
             w_desc = _weight_descriptor(w, self.config) if self.descriptor else w
-            self.launch(**_gemm_tensors(a, w, w_desc, layout, a_scale, w_scale, out, out_scales))
+            # a is fresh each call: its descriptor is too (a host object, encoded at launch)
+            a_desc = (TensorDescriptor.from_tensor(a, [self.config.block_m, self.config.block_c])
+                      if self.a_descriptor else a)
+            self.launch(**_gemm_tensors(a, a_desc, w, w_desc, layout, a_scale, w_scale, out,
+                                        out_scales))
         return out, out_scales
 
     def outputs(self, device, out: torch.Tensor | None = None):
@@ -327,7 +414,8 @@ class ExpertGemmPlan:
         return out, out_scales
 
 
-def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out, out_scales) -> dict:
+def _gemm_tensors(a, a_desc, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out,
+                  out_scales) -> dict:
     # PER_PAIR reads only topk_ids, SORTED only the sorted buffers: unused pointers alias any tensor
     if layout.kind is LayoutKind.PER_PAIR:
         sorted_pair_ids = block_expert = num_rows = layout.topk_ids
@@ -336,9 +424,10 @@ def _gemm_tensors(a, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out, out
                                                    layout.num_rows)
     if a_scale is None:  # unread without FP8
         a_scale, w_scale = out, out
-    return dict(a_ptr=a, w_ptr=w, w_desc=w_desc, out_ptr=out, sorted_pair_ids_ptr=sorted_pair_ids,
-                block_expert_ptr=block_expert, num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids,
-                a_scale_ptr=a_scale, w_scale_ptr=w_scale,
+    return dict(a_ptr=a, a_desc=a_desc, w_ptr=w, w_desc=w_desc, out_ptr=out,
+                sorted_pair_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert,
+                num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids, a_scale_ptr=a_scale,
+                w_scale_ptr=w_scale,
                 out_scale_ptr=out_scales if out_scales is not None else out)
 
 
@@ -373,9 +462,14 @@ def plan_expert_gemm(
     if split_c > 1:
         out_dtype = torch.float32
     out_scales_shape = (R, triton.cdiv(n_out, config.block_n)) if out_dtype == FP8_DTYPE else None
-    descriptor = _takes_descriptor(w, config)
+    sorted_layout = layout.kind is LayoutKind.SORTED
+    descriptor = config.tma_weights and _takes_descriptor(w)
+    a_descriptor = config.tma_activations and not gather and sorted_layout and _takes_descriptor(a)
+    persistent = config.persistent_programs > 0 and sorted_layout
+    plan = functools.partial(ExpertGemmPlan, out_shape, out_dtype, out_scales_shape, config,
+                             descriptor, a_descriptor)
     if num_m_blocks == 0 or n_out == 0:
-        return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, None)
+        return plan(None)
     fixed = dict(
         N=n_out, C=C, E=E, num_pairs=layout.num_pairs, num_m_blocks=num_m_blocks,
         up_offset=n_out * w.stride(1), w_rows_per_expert=N,
@@ -383,16 +477,18 @@ def plan_expert_gemm(
         stride_w_e=w.stride(0), stride_w_n=w.stride(1), stride_w_c=w.stride(2),
         stride_out_m=out_strides[1], stride_out_split=out_strides[0],
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
-        W_DESC=descriptor, PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
+        A_DESC=a_descriptor, W_DESC=descriptor, PERSISTENT=persistent,
+        PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
         GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=w.dtype == torch.float32,
-        **(scales.kernel_args(C, config.block_c) if scales is not None else UNSCALED),
+        **(scales.kernel_args(C, config.block_n, config.block_c, config.scale_per_tile)
+           if scales is not None else UNSCALED),
         **(activation.kernel_args() if activation is not None else NO_EPILOGUE),
         **config.kernel_args(),
     )
-    grid = (num_m_blocks * triton.cdiv(n_out, config.block_n), split_c)
-    launch = BoundLaunch(_expert_gemm_kernel, grid, fixed, config.launch_options())
-    return ExpertGemmPlan(out_shape, out_dtype, out_scales_shape, config, descriptor, launch)
+    tiles = num_m_blocks * triton.cdiv(n_out, config.block_n)  # the worst case's
+    grid = (min(tiles, config.persistent_programs) if persistent else tiles, split_c)
+    return plan(BoundLaunch(_expert_gemm_kernel, grid, fixed, config.launch_options()))
 
 
 def expert_gemm(

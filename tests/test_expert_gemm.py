@@ -89,6 +89,78 @@ def test_expert_gemm_tma_weights(N, K_in, activation, poisoned_empty):
     assert_close(out[row_ids], expected, torch.float16)
 
 
+# The persistent form (programs walk the tiles of the rows in use) with 1, 3 or more programs than
+# tiles; experts left empty, filtered slots, partial row and column tiles, C ending mid-step.
+@pytest.mark.parametrize("programs", [1, 3, 64])
+@pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL)],
+                         ids=lambda a: a.kind.name if a else "plain")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_persistent_tiles_cover_the_rows_in_use(programs, activation, dtype, poisoned_empty):
+    torch.manual_seed(programs)
+    T, E, K, N, C = 29, 7, 2, 40, 72
+    x = torch.randn(T, C).to(dtype)
+    gated = activation is not None
+    w = (torch.randn(E, 2 * N if gated else N, C) / C**0.5).to(dtype)
+    ids = random_ids(T, K, E, seed=programs, filtered=0.2)
+    ids[ids == 5] = 6  # expert 5 gets no rows
+    layout = expand(ids.int(), E, 16)
+    config = GemmConfig(16, 32, 32, group_m=2, persistent_programs=programs,
+                        tma_weights=dtype == torch.float16)
+    out = expert_gemm(x, w, layout, config, gather=True, activation=activation)
+    row_ids, tokens, experts = rows_in_use(layout)
+    expected = expert_gemm_torch(x, w, tokens, experts)
+    if activation is not None:
+        expected = activation_torch(expected, activation)
+    assert_close(out[row_ids], expected, dtype)
+
+
+@pytest.mark.parametrize("persistent", [0, 2], ids=["grid", "persistent"])
+@pytest.mark.parametrize("T", [0, 1, 37])
+def test_row_space_activations_through_tma(T, persistent, poisoned_empty):
+    """The second GEMM's a (row space, contiguous) through a TMA descriptor: padding rows hold
+    garbage (never written by the first GEMM) that must not reach a row in use."""
+    torch.manual_seed(T)
+    E, K, N, C = 4, 2, 48, 40  # C * 2 bytes: a 16-byte multiple
+    layout = expand(random_ids(T, K, E, seed=T).int(), E, 16)
+    a = torch.randn(layout.max_rows, C).half()
+    a[layout.sorted_pair_ids[: layout.max_rows] >= layout.num_pairs] = float("nan")
+    w = (torch.randn(E, N, C) / C**0.5).half()
+    config = GemmConfig(16, 32, 16, tma_weights=True, tma_activations=True,
+                        persistent_programs=persistent)
+    plan = expert_gemm_module.plan_expert_gemm(a, w, layout, config, gather=False)
+    assert plan.a_descriptor and (plan.launch is None) == (T == 0)
+    out = expert_gemm(a, w, layout, config, gather=False)
+    row_ids, _, experts = rows_in_use(layout)
+    assert out.shape == (layout.max_rows, N)
+    assert_close(out[row_ids], expert_gemm_torch(a, w, row_ids, experts), torch.float16)
+
+
+@pytest.mark.parametrize("block_n,per_tile,scalar", [(32, True, True), (16, True, False),
+                                                     (32, False, False)],
+                         ids=["one-per-tile", "narrow-blocks", "per-column"])
+@pytest.mark.parametrize("persistent", [0, 3], ids=["grid", "persistent"])
+def test_fp8_weight_block_scale_once_per_tile(block_n, per_tile, scalar, persistent,
+                                              poisoned_empty):
+    """With scale_per_tile, weight blocks at least a tile wide load one scale per step (an FMA per
+    element in the promotion); narrower ones, or without it, a scale per column. Each against the
+    dequantized float32 math."""
+    T, E, K, N, C = 9, 3, 2, 50, 96
+    a, w, scales, a_ref, w_ref = fp8_operands(T, E, N, C, 32, WeightFormat.fp8_block(block_n, 32),
+                                              True, seed=block_n + persistent)
+    activation = Activation(ActivationKind.SILU_AND_MUL)
+    layout = expand(random_ids(T, K, E, seed=7).int(), E, 16)
+    config = GemmConfig(16, 32, 32, persistent_programs=persistent, scale_per_tile=per_tile)
+    plan = expert_gemm_module.plan_expert_gemm(a, w, layout, config, gather=True,
+                                               activation=activation, scales=scales,
+                                               out_dtype=torch.float32)
+    assert plan.launch.fixed["W_SCALAR"] is scalar
+    out = expert_gemm(a, w, layout, config, gather=True, activation=activation, scales=scales,
+                      out_dtype=torch.float32)
+    row_ids, tokens, experts = rows_in_use(layout)
+    expected = activation_torch(expert_gemm_torch(a_ref, w_ref, tokens, experts), activation)
+    assert_close(out[row_ids], expected, torch.float32)
+
+
 def test_weight_descriptors_live_as_long_as_their_weights():
     """A weight tensor keeps its TMA descriptors (one per tile) while it stays at one address, gets
     new ones when its storage moves, and leaves nothing behind when it dies: the cache holds views
@@ -138,7 +210,7 @@ def test_the_specs_emit_the_kernel_arguments():
                             out_dtype=torch.float8_e4m3fn)
     fixed = plan.launch.fixed
     for emitted in (activation.kernel_args(), config.kernel_args(),
-                    scales.kernel_args(64, config.block_c)):
+                    scales.kernel_args(64, config.block_n, config.block_c)):
         assert emitted.items() <= fixed.items()
     assert ((fixed["ACT_LIMIT"], fixed["A_SCALE"], fixed["W_BLOCK_N"])
             == (0.5, ScaleAlongC.IN_STEP.value, 16))

@@ -501,6 +501,30 @@ def test_stages_bf16(real_layer, T, poisoned_empty):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1024, 4096])
+def test_persistent_form_on_the_gpu(real_layer, T):
+    """The persistent expert GEMMs (one program per SM over the rows in use) compute each tile as
+    the one-program-per-tile grid does: the same bits, bf16 and FP8 block-128, and bf16 within
+    its tolerance of the float32 reference."""
+    from moe_triton.config import device_limits
+
+    shape, w13, w2 = real_layer
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
+    x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+    native = ExpertWeights(w13, w2)
+    programs = device_limits(x.device)[0]
+    for weights in (native, native.to_format(WeightFormat.fp8_block(128, 128))):
+        config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
+                               shape.intermediate_size, x.device, weights.dtype)
+        persistent = replace(config, up=replace(config.up, persistent_programs=programs),
+                             down=replace(config.down, persistent_programs=programs))
+        out = run_experts(x, weights, ids, topk_weights, config=persistent)
+        assert torch.equal(out, run_experts(x, weights, ids, topk_weights, config=config))
+        if weights is native:
+            assert relative_error(out, fused_experts_torch(x, w13, w2, ids, topk_weights)) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 4], ids=lambda s: f"down{s}")
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_split_c_bf16(real_layer, T, splits):
