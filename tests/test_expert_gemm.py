@@ -92,9 +92,9 @@ def test_expert_gemm_tma_weights(N, K_in, activation, poisoned_empty):
 # The persistent form (programs walk the tiles of the rows in use) with 1, 3 or more programs than
 # tiles; experts left empty, filtered slots, partial row and column tiles, C ending mid-step.
 @pytest.mark.parametrize("programs", [1, 3, 64])
-@pytest.mark.parametrize("activation", [None, Activation(ActivationKind.SILU_AND_MUL)],
-                         ids=lambda a: a.kind.name if a else "plain")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("activation,dtype", [(None, torch.float32),
+                                              (Activation(ActivationKind.SILU_AND_MUL),
+                                               torch.float16)], ids=["plain-fp32", "gated-fp16"])
 def test_persistent_tiles_cover_the_rows_in_use(programs, activation, dtype, poisoned_empty):
     torch.manual_seed(programs)
     T, E, K, N, C = 29, 7, 2, 40, 72

@@ -44,9 +44,10 @@ def config_for(layout: LayoutKind) -> MoEConfig:
 
 
 # fp16 intermediates are rounded once between the GEMMs; the reference keeps float32 throughout.
-# PER_PAIR makes one tile per pair: the interpreter runs it at decode-like sizes only.
+# PER_PAIR makes one tile per pair: the interpreter runs it at decode-like sizes only (T = 6: up
+# to 48 one-pair tiles; 17 took a minute a case on a busy 2-core machine).
 @pytest.mark.parametrize("T,layout", [(T, LayoutKind.SORTED) for T in (0, 1, 3, 17, 64)]
-                         + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3, 17)], ids=str)
+                         + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3, 6)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("E,K", [(1, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 8)])
