@@ -139,7 +139,7 @@ def _expert_gemm_kernel(
     stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
     A_DESC: tl.constexpr,  # row-space a through a TMA descriptor over (R, C)
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
-    PERSISTENT: tl.constexpr,  # one program per SM walks the tiles of the rows in use (SORTED)
+    PERSISTENT: tl.constexpr,  # the grid's programs walk the tiles of the rows in use (SORTED)
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
@@ -157,7 +157,7 @@ def _expert_gemm_kernel(
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         # The tiles are those of the rows in use, read on the device: no host sync, no program
-        # past them, and a program's next tile's loads overlap this one's epilogue (flatten).
+        # past them; flatten lets a tile's loads start under the previous tile's epilogue.
         m_blocks = tl.load(num_rows_ptr) // BLOCK_M
         for tile in tl.range(tl.program_id(0), m_blocks * num_n_blocks, tl.num_programs(0),
                              flatten=True):
