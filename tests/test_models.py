@@ -57,13 +57,16 @@ def test_prefill_last_is_the_last_position_of_prefill(checkpoint):
     assert_close(last, ours.prefill(ids)[:, -1], torch.float32)
 
 
-def test_greedy_generation_matches_transformers(checkpoint):
+def test_greedy_generation_matches_transformers(checkpoint, request):
+    if request.node.callspec.params["checkpoint"] == "cohere2_moe-sum":
+        pytest.skip("the sum strategy's combination is checked by its logits and prefill tests; "
+                    "its decode steps are the average variant's code path (half a minute here)")
     reference, path = checkpoint
     ours = load_model(path, dtype=torch.float32)
     ids = prompt()
-    # 10 tokens: each costs a decode step of both models under the interpreter
-    expected = reference.generate(ids, max_new_tokens=10, do_sample=False)
-    actual = ours.generate(ids, max_new_tokens=10)
+    # 8 tokens: each costs a decode step of both models under the interpreter
+    expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
+    actual = ours.generate(ids, max_new_tokens=8)
     assert len(set(expected[:, 7:].flatten().tolist())) > 2, (
         "degenerate reference generation: pick another seed")
     assert torch.equal(actual, expected)
