@@ -33,7 +33,7 @@ from moe_triton.activation import SILU_AND_MUL
 from moe_triton.config import choose_config, device_limits
 from moe_triton.expert_gemm import Fp8Scales, plan_expert_gemm
 from moe_triton.graphs import capture_graph
-from moe_triton.pipeline import _plan
+from moe_triton.pipeline import _plan, _plan_quantize
 from moe_triton.tools.bench import (
     GRID_SHAPES,
     floor_seconds,
@@ -161,7 +161,7 @@ def main() -> None:
                                 xq, xq_scales)
                             plan = plan_expert_gemm(
                                 a, weights.w13, layout, config, gather=not expert_ordered,
-                                activation=SILU_AND_MUL, scales=_up_scales(weights, a_scales),
+                                activation=SILU_AND_MUL, scales=_up_scales(x, weights, a_scales),
                                 out_dtype=base.out_dtype)
                             call = lambda plan=plan, a=a, s=a_scales: plan(  # noqa: E731
                                 a, weights.w13, layout, s, weights.w13_scale)
@@ -276,12 +276,11 @@ def layer_main(args) -> None:
 LAYER_VARIANTS = 4
 
 
-def _up_scales(weights, a_scales):
-    """pipeline.LayerPlan's FP8 scale formats of the up GEMM (block weights, per-group a)."""
+def _up_scales(x, weights, a_scales):
+    """The up GEMM's FP8 scales as pipeline plans them, over this variant's activation scales."""
     if a_scales is None:
         return None
-    return Fp8Scales(a_scales, weights.format.block[1], weights.w13_scale, weights.format.block,
-                     weights.w13_scale_up_offset)
+    return replace(_plan_quantize(x, weights)[2], a=a_scales)
 
 
 def _down_scales(weights, h_scales, up_config):
