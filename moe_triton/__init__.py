@@ -9,6 +9,7 @@
                                         (activation.py) in its epilogue: [R, I]
       -> expert GEMM  (expert_gemm.py)  @ w2 [E, H, I]
       -> finalize     (finalize.py)     weighted un-permute into a fresh [T, H]
+    (opt-in for a few tokens: decode.py runs both expert GEMMs in one kernel, sliced along I)
 
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, slot) pairs,
 R rows after expand; a GEMM computes N output columns over a contraction width C.
@@ -17,7 +18,7 @@ R rows after expand; a GEMM computes N output columns over a contraction width C
 `layer.py`'s `FusedMoE` calls a runner the resolver picks once per layer. Importing registers
 the "moe_triton" experts in transformers."""
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
-from .config import GemmConfig, MoEConfig, choose_config
+from .config import DecodeConfig, GemmConfig, MoEConfig, choose_config, decode_config
 from .expand import ExpertLayout, LayoutKind, expand_torch, per_pair_layout
 from .finalize import finalize_torch
 from .integrations.transformers import register_experts_implementation
@@ -48,7 +49,7 @@ register_experts_implementation()
 
 __all__ = [
     "SILU_AND_MUL", "Activation", "ActivationKind", "activate", "activation_torch",
-    "GemmConfig", "MoEConfig", "choose_config",
+    "GemmConfig", "MoEConfig", "DecodeConfig", "choose_config", "decode_config",
     "ExpertLayout", "LayoutKind", "expand_torch", "per_pair_layout", "finalize_torch",
     "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights",
     "WeightFormat", "Fp8Scaling", "quantize_fp8",

@@ -28,6 +28,9 @@ class GemmConfig:
     # FP8 weight blocks at least a tile wide: one scale per step, so the promotion is an FMA per
     # element; off, a scale per column, whose vector load the pipeliner overlaps (decode's)
     scale_per_tile: bool = False
+    # launched by PDL behind the first GEMM (decode's second; finalize too): its launch and
+    # prologue overlap that one's tail, then it waits for its activations
+    dependent: bool = False
 
     def __post_init__(self):
         # tl.arange needs powers of two, tl.dot at least 16
@@ -56,12 +59,45 @@ class GemmConfig:
 
 
 @dataclass(frozen=True)
+class DecodeConfig:
+    """The decode kernel's tiles (decode.py): a program is block_m rows x one slice of block_n
+    intermediate columns, stepping block_c along H in the first GEMM and block_h output columns
+    at a time in the second."""
+
+    block_m: int = 16
+    block_n: int = 64  # I / block_n slices: float32 partials per pair that finalize sums
+    block_c: int = 128
+    block_h: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    tma_weights: bool = True
+    quantize_input: bool = True  # FP8: each program quantizes its x tiles, else a pass before
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_c", "block_h"):
+            if not _power_of_two(getattr(self, name), at_least=16):
+                raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, "
+                                 f"got {getattr(self, name)!r}")
+        if not _power_of_two(self.num_warps, at_least=1):
+            raise ValueError(f"DecodeConfig.num_warps must be a power of two, "
+                             f"got {self.num_warps!r}")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"DecodeConfig.num_stages must be an integer >= 1, "
+                             f"got {self.num_stages!r}")
+
+    def launch_options(self) -> dict:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Tiles of the two expert GEMMs; they share block_m because they share one ExpertLayout."""
 
     up: GemmConfig  # hidden -> act(gate) * up, (R, H) x (E, 2I, H); never split along C
     down: GemmConfig  # (R, I) x (E, H, I)
     layout: LayoutKind = LayoutKind.SORTED
+    # set: both GEMMs in the decode kernel instead (opt-in: decode_config)
+    decode: DecodeConfig | None = None
 
     def __post_init__(self):
         if (not isinstance(self.up, GemmConfig) or not isinstance(self.down, GemmConfig)
@@ -71,6 +107,10 @@ class MoEConfig:
         if self.up.block_m != self.down.block_m:
             raise ValueError(f"up.block_m={self.up.block_m} and down.block_m={self.down.block_m} "
                              "must match")
+        if self.decode is not None and (not isinstance(self.decode, DecodeConfig)
+                                        or self.decode.block_m != self.up.block_m):
+            raise ValueError(f"decode must be a DecodeConfig with block_m={self.up.block_m} (the "
+                             f"shared layout's), got {self.decode!r}")
         if self.up.split_c > 1:
             raise ValueError(f"up.split_c={self.up.split_c}: the first GEMM's activation needs the "
                              "whole sum; split only the second GEMM (down.split_c)")
@@ -84,7 +124,11 @@ class MoEConfig:
             return (f"{c.block_n}x{c.block_c}/s{c.num_stages}/w{c.num_warps}"
                     f"{'/tma' if c.tma_weights else ''}{'/tma_a' if c.tma_activations else ''}"
                     f"{f'/P{c.persistent_programs}' if c.persistent_programs else ''}"
-                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}")
+                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.dependent else ''}")
+        if self.decode is not None:
+            d = self.decode
+            return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"
+                    f"{d.block_h}/s{d.num_stages}/w{d.num_warps}{'/tma' if d.tma_weights else ''}")
         return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
 
 
@@ -183,9 +227,45 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
             down = replace(down, split_c=down_split)
     if streaming:
         down = _fit_shared_memory(down, element_size, limit=shared_memory, **fit)
+        # PDL: measured 3-8% faster where up's tiles fill at most two waves; slower (FP8 up to
+        # 1.4x) past them (docs/PERFORMANCE.md, issue 28)
+        up_tiles = (_expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
+                    * -(-intermediate_size // up.block_n))
+        down = replace(down, dependent=up_tiles <= 2 * num_sms)
     else:
         up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
     return MoEConfig(up, down, layout)
+
+
+def decode_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
+                  intermediate_size: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
+    """choose_config's, with both GEMMs in the decode kernel (decode.py): opt-in, as it measured
+    no faster than the two GEMMs on the H200 (docs/PERFORMANCE.md, issue 28)."""
+    config = choose_config(num_tokens, top_k, num_experts, hidden_size, intermediate_size,
+                           device, dtype)
+    element_size = dtype.itemsize
+    block_m = config.block_m
+    width = min(FP8_GROUP, 2 * FP8_GROUP // element_size)  # FP8's block; half for float32
+    if device.type != "cuda":  # the interpreter: small tiles
+        return replace(config, decode=DecodeConfig(block_m, 32, 32, 32))
+    num_sms, shared_memory = device_limits(device)
+    # 128-byte rows of w2's slice (64 bf16 columns); 128 columns where that still gives most
+    # SMs a program (the H200's best widths in the sweep)
+    blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, config.layout)
+    block_n = 128 if blocks * -(-intermediate_size // 128) >= 0.7 * num_sms else 64
+    decode = DecodeConfig(block_m, block_n, block_c=width, block_h=width)
+    return replace(config, decode=_fit_decode(decode, element_size, shared_memory))
+
+
+def _fit_decode(config: DecodeConfig, element_size: int, shared_memory: int) -> DecodeConfig:
+    def stage_bytes(c: DecodeConfig) -> int:  # both loops' tiles, as if live at once
+        return ((c.block_m + 2 * c.block_n) * c.block_c + c.block_h * c.block_n) * element_size
+
+    while (config.num_stages > 2
+           and config.num_stages * stage_bytes(config) > shared_memory * SHARED_MEMORY_USE):
+        config = replace(config, num_stages=config.num_stages - 1)
+    return config
 
 
 def _prefill_down(down: GemmConfig, fp8: bool) -> GemmConfig:

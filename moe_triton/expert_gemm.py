@@ -11,7 +11,9 @@ or scale reaches the output as in the float32 reference. Padding rows are never 
 garbage only through a TMA descriptor, and masked at the store). A grid has one program per tile
 of the worst case, those past the rows in use exiting at once; the persistent form has a fixed
 number walk the tiles of the rows in use, counted on the device (measured slower on SM90 with
-Triton 3.6, kept for the schedule it offers: docs/PERFORMANCE.md, issue 27).
+Triton 3.6, kept for the schedule it offers: docs/PERFORMANCE.md, issue 27). At decode the second
+GEMM launches as a programmatic dependent (PDL) of the first: its launch overlaps the first's
+tail, and it waits (griddepcontrol) before reading the first's output.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from .activation import Activation, _apply_activation
 from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
 from .launch import BoundLaunch, interpreter_serialized
-from .platform import interpreter_enabled
+from .platform import gdc_launch_dependents, gdc_wait, interpreter_enabled
 from .quantize import fp8_scale, nan_max, quantize_tile
 from .weights import FP8_DTYPE
 
@@ -140,6 +142,8 @@ def _expert_gemm_kernel(
     A_DESC: tl.constexpr,  # row-space a through a TMA descriptor over (R, C)
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
     PERSISTENT: tl.constexpr,  # the grid's programs walk the tiles of the rows in use (SORTED)
+    TRIGGER: tl.constexpr,  # let the next kernel launch now (PDL; it waits for this grid's end)
+    DEPENDENT: tl.constexpr,  # launched by PDL behind the kernel that writes a: wait for it first
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
@@ -175,6 +179,8 @@ def _expert_gemm_kernel(
                 A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
                 IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
     else:
+        if TRIGGER:
+            gdc_launch_dependents()
         pid_m, pid_n = _tile_coordinates(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if PER_PAIR:
@@ -188,6 +194,8 @@ def _expert_gemm_kernel(
             expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         if (expert < 0) | (expert >= E):  # a filtered pair (PER_PAIR) or an unused block
             return
+        if DEPENDENT:  # the routing and layout are older than the kernel before: read already
+            gdc_wait()  # a (the kernel before's output) is complete and visible from here on
         _gemm_tile(
             pid_m, pid_n, rows, pair, expert,
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
@@ -344,10 +352,9 @@ def _gemm_tile(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
-    """A TMA descriptor over w as (E * N, C), cached per tile shape while w lives at one address
-    (weights do not move); the launcher still encodes it at every launch."""
-    block = (config.block_n, config.block_c)
+def weight_descriptor(w: torch.Tensor, block: tuple[int, int]):
+    """A TMA descriptor over w as (E * N, C) in `block` tiles, cached per tile shape while w lives
+    at one address (weights do not move); the launcher still encodes it at every launch."""
     key = id(w)
     entry = _DESCRIPTORS.get(key)
     if entry is None or entry[0]() is not w or entry[1] != w.data_ptr():
@@ -365,7 +372,7 @@ def _weight_descriptor(w: torch.Tensor, config: GemmConfig):
 _DESCRIPTORS: dict[int, tuple] = {}
 
 
-def _takes_descriptor(t: torch.Tensor) -> bool:
+def takes_descriptor(t: torch.Tensor) -> bool:
     # TMA needs contiguous rows of a 16-byte multiple
     return t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0
 
@@ -394,7 +401,8 @@ class ExpertGemmPlan:
         """(out, out_scales), out_scales None unless FP8 out; a_scale / w_scale as planned."""
         out, out_scales = self.outputs(a.device, out)
         if self.launch is not None:
-            w_desc = _weight_descriptor(w, self.config) if self.descriptor else w
+            w_desc = (weight_descriptor(w, (self.config.block_n, self.config.block_c))
+                      if self.descriptor else w)
             # a is fresh each call: its descriptor is too (a host object, encoded at launch)
             a_desc = (TensorDescriptor.from_tensor(a, [self.config.block_m, self.config.block_c])
                       if self.a_descriptor else a)
@@ -441,7 +449,11 @@ def plan_expert_gemm(
     activation: Activation | None = None,
     scales: Fp8Scales | None = None,
     out_dtype: torch.dtype | None = None,
+    trigger: bool = False,
+    dependent: bool = False,
 ) -> ExpertGemmPlan:
+    """trigger: the next kernel is a PDL dependent; dependent: this one is (platform.py's
+    dependent_launch must allow both)."""
     if config.block_m != layout.block_m:
         raise ValueError(f"config.block_m={config.block_m} must equal the layout's "
                          f"block_m={layout.block_m}")
@@ -463,8 +475,8 @@ def plan_expert_gemm(
         out_dtype = torch.float32
     out_scales_shape = (R, triton.cdiv(n_out, config.block_n)) if out_dtype == FP8_DTYPE else None
     sorted_layout = layout.kind is LayoutKind.SORTED
-    descriptor = config.tma_weights and _takes_descriptor(w)
-    a_descriptor = config.tma_activations and not gather and sorted_layout and _takes_descriptor(a)
+    descriptor = config.tma_weights and takes_descriptor(w)
+    a_descriptor = config.tma_activations and not gather and sorted_layout and takes_descriptor(a)
     persistent = config.persistent_programs > 0 and sorted_layout
     plan = functools.partial(ExpertGemmPlan, out_shape, out_dtype, out_scales_shape, config,
                              descriptor, a_descriptor)
@@ -478,6 +490,7 @@ def plan_expert_gemm(
         stride_out_m=out_strides[1], stride_out_split=out_strides[0],
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
         A_DESC=a_descriptor, W_DESC=descriptor, PERSISTENT=persistent,
+        TRIGGER=trigger and not persistent, DEPENDENT=dependent and not persistent,
         PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
         GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=w.dtype == torch.float32,
@@ -488,7 +501,8 @@ def plan_expert_gemm(
     )
     tiles = num_m_blocks * triton.cdiv(n_out, config.block_n)  # the worst case's
     grid = (min(tiles, config.persistent_programs) if persistent else tiles, split_c)
-    return plan(BoundLaunch(_expert_gemm_kernel, grid, fixed, config.launch_options()))
+    options = config.launch_options() | (dict(launch_pdl=True) if fixed["DEPENDENT"] else {})
+    return plan(BoundLaunch(_expert_gemm_kernel, grid, fixed, options))
 
 
 def expert_gemm(

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from .expand import ExpertLayout, LayoutKind
 from .launch import BoundLaunch, interpreter_serialized
+from .platform import gdc_wait
 
 
 @interpreter_serialized
@@ -23,8 +24,12 @@ def _finalize_kernel(
     # PER_PAIR_ROWS 0: rows from pair_to_row; m > 0: pair p at row p * m when its id is in [0, E)
     PER_PAIR_ROWS: tl.constexpr,
     Y_SPLITS: tl.constexpr,  # split-C partials per row of y (1: plain rows)
+    SPLIT_BLOCK: tl.constexpr,  # > 1: partials read SPLIT_BLOCK at a time (a loop's latency each)
+    PDL: tl.constexpr,  # launched as a dependent of y's kernel: wait for it before reading y
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_token = tokens < T
@@ -41,9 +46,19 @@ def _finalize_kernel(
                          other=0.0)
         y_tile = y_ptr + row[:, None].to(tl.int64) * stride_y_r + cols[None, :]
         y_mask = routed[:, None] & (cols[None, :] < H)
-        y = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
-        for s in tl.static_range(1, Y_SPLITS):
-            y += tl.load(y_tile + s * stride_y_split, mask=y_mask, other=0.0)
+        if SPLIT_BLOCK > 1:  # many partials: SPLIT_BLOCK of them a load, summed as a tree
+            splits = tl.arange(0, SPLIT_BLOCK)
+            y = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+            for first in range(0, Y_SPLITS, SPLIT_BLOCK):
+                s_ok = first + splits < Y_SPLITS
+                block = tl.load(y_tile[:, None, :] + (first + splits)[None, :, None]
+                                * stride_y_split, mask=y_mask[:, None, :] & s_ok[None, :, None],
+                                other=0.0)  # [BLOCK_T, SPLIT_BLOCK, BLOCK_H]
+                y += tl.sum(block, axis=1)
+        else:
+            y = tl.load(y_tile, mask=y_mask, other=0.0).to(tl.float32)
+            for s in tl.static_range(1, Y_SPLITS):
+                y += tl.load(y_tile + s * stride_y_split, mask=y_mask, other=0.0)
         acc += y * weight.to(tl.float32)[:, None]
     out = out_ptr + tokens[:, None].to(tl.int64) * stride_out_t + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=is_token[:, None] & (cols[None, :] < H))
@@ -70,27 +85,35 @@ class FinalizePlan:
 
 
 def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
-                  out_dtype: torch.dtype | None = None,
-                  out: torch.Tensor | None = None) -> FinalizePlan:
-    """The plan of `finalize` (see there); calls given an `out` must pass one of its row stride."""
+                  out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                  dependent: bool = False) -> FinalizePlan:
+    """The plan of `finalize` (see there); calls given an `out` must pass one of its row stride.
+    `dependent`: launched by PDL right behind y's kernel, which must let it (platform.py)."""
     T = layout.num_pairs // max(layout.top_k, 1)
     H = y.shape[-1]
     out_dtype = out_dtype or y.dtype
     if T == 0 or H == 0:
         return FinalizePlan((T, H), out_dtype, None)
+    splits = y.shape[0] if y.dim() == 3 else 1
     BLOCK_T = 16 if T >= 16 else triton.next_power_of_2(T)
     BLOCK_H = min(256, triton.next_power_of_2(H))
+    SPLIT_BLOCK = 1
+    if splits > 2:  # the decode kernel's slices: a program per token and 64 columns
+        BLOCK_T, BLOCK_H = 1, min(64, BLOCK_H)
+        SPLIT_BLOCK = min(32, triton.next_power_of_2(splits))
     per_pair = layout.kind is LayoutKind.PER_PAIR
     fixed = dict(
         T=T, H=H, E=layout.num_experts, stride_y_split=y.stride(0) if y.dim() == 3 else 0,
         stride_y_r=y.stride(-2),
         stride_w_t=topk_weights.stride(0), stride_w_k=topk_weights.stride(1),
         stride_out_t=out.stride(0) if out is not None else H,
-        PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=y.shape[0] if y.dim() == 3 else 1,
+        PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=splits, SPLIT_BLOCK=SPLIT_BLOCK,
+        PDL=dependent,
         TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed))
+    options = dict(launch_pdl=True) if dependent else None
+    return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed, options))
 
 
 def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *,

@@ -9,12 +9,14 @@ import torch
 from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, MoEConfig, choose_config
-from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, plan_expand
+from .decode import DecodePlan, plan_decode_experts
+from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, per_pair_layout, plan_expand
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
 from .finalize import FinalizePlan, plan_finalize
 from .launch import PlanCache, register_op
 from .platform import (
     INTERPRETER_DOT_DTYPES,
+    dependent_launch,
     interpreter_dot_reason,
     interpreter_hint,
     triton_can_run_on,
@@ -177,8 +179,9 @@ class LayerPlan:
     hidden_size: int  # H
     expand: ExpandPlan | PerPairPlan  # topk_ids -> ExpertLayout (decode: pair per tile, no launch)
     quantize: QuantizePlan | None  # FP8 only: hidden_states -> e4m3 [T, H] + scales
-    up: ExpertGemmPlan  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
-    down: ExpertGemmPlan  # w2 -> [R, H], or [S, R, H] float32 split-C partials
+    up: ExpertGemmPlan | None  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
+    down: ExpertGemmPlan | None  # w2 -> [R, H], or [S, R, H] float32 split-C partials
+    decode: DecodePlan | None  # instead of quantize, up and down: [S, P, H] partials by pair
     finalize: FinalizePlan  # weighted un-permute -> a fresh [T, H] (or `out`)
 
     def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
@@ -187,6 +190,9 @@ class LayerPlan:
             H, dtype, device = self.hidden_size, hidden_states.dtype, hidden_states.device
             return torch.empty(0, H, dtype=dtype, device=device) if out is None else out
         layout = self.expand(topk_ids)
+        if self.decode is not None:
+            return self._through_decode_kernel(hidden_states, weights, layout, topk_ids,
+                                               topk_weights, out)
         x, x_scales = hidden_states, None
         if self.quantize is not None:
             x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
@@ -194,6 +200,14 @@ class LayerPlan:
         h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)
         y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale)  # [R, H] or [S, R, H]
         return self.finalize(y, topk_weights, layout, out)  # [T, H]
+
+    def _through_decode_kernel(self, hidden_states, weights, layout, topk_ids, topk_weights, out):
+        x, x_scales = hidden_states, None
+        if self.quantize is not None:  # FP8, x quantized apart
+            x, x_scales = self.quantize(hidden_states)  # [T, H] e4m3, [T, H / 128]
+        y = self.decode(x, weights, layout, x_scales)  # [S, P, H]
+        by_pair = per_pair_layout(topk_ids, layout.num_experts, block_m=1)  # y's rows
+        return self.finalize(y, topk_weights, by_pair, out)  # [T, H]
 
     @classmethod
     def build(cls, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
@@ -205,21 +219,45 @@ class LayerPlan:
         layout = layout_like(config.layout, T, K, E, block_m)
         sorted_layout = config.layout is LayoutKind.SORTED
         expand = plan_expand(T, K, E, block_m) if sorted_layout else PerPairPlan(E, block_m)
+        if config.decode is not None:
+            quantize, decode, finalize = _plan_decode_kernel(hidden_states, weights, topk_weights,
+                                                             layout, activation, config, out)
+            return cls(T, H, expand, quantize, None, None, decode, finalize)
         x, quantize, up_scales = hidden_states, None, None
         if weights.format.fp8 is not None:
             quantize, x, up_scales = _plan_quantize(hidden_states, weights)
+        # decode: down and finalize launch as PDL dependents (config.down.dependent)
+        pdl = config.down.dependent and dependent_launch(hidden_states.device)
         up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
-                              scales=up_scales, out_dtype=FP8_DTYPE if quantize else dtype)
+                              scales=up_scales, out_dtype=FP8_DTYPE if quantize else dtype,
+                              trigger=pdl)
         h, h_scales = up.outputs("meta")
         down_scales = None
         if quantize is not None:  # the intermediate: one scale per row and up.block_n columns
             down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale,
                                     weights.format.block)
         down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False,
-                                scales=down_scales, out_dtype=dtype)
+                                scales=down_scales, out_dtype=dtype, trigger=pdl, dependent=pdl)
         y, _ = down.outputs("meta")
-        finalize = plan_finalize(y, topk_weights, layout, dtype, out)
-        return cls(T, H, expand, quantize, up, down, finalize)
+        finalize = plan_finalize(y, topk_weights, layout, dtype, out, dependent=pdl)
+        return cls(T, H, expand, quantize, up, down, None, finalize)
+
+
+def _plan_decode_kernel(hidden_states, weights: ExpertWeights, topk_weights, layout,
+                        activation: Activation, config: MoEConfig, out):
+    """(quantize or None, decode, finalize): the decode kernel's stages; finalize its PDL
+    dependent where the GPU allows."""
+    T, K = topk_weights.shape
+    pdl = dependent_launch(hidden_states.device)
+    x, quantize = hidden_states, None
+    if weights.format.fp8 is not None and not config.decode.quantize_input:
+        quantize = plan_quantize(hidden_states, weights.format.block[1])
+        x, _ = quantize.outputs("meta")  # [T, H] e4m3
+    decode = plan_decode_experts(x, weights, layout, config.decode, activation, pdl=pdl)
+    y = torch.empty(decode.out_shape, dtype=torch.float32, device="meta")  # [S, P, H]
+    by_pair = layout_like(LayoutKind.PER_PAIR, T, K, weights.num_experts, block_m=1)
+    finalize = plan_finalize(y, topk_weights, by_pair, hidden_states.dtype, out, dependent=pdl)
+    return quantize, decode, finalize
 
 
 def _plan_quantize(hidden_states,

@@ -11,6 +11,11 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
+try:  # grid dependency control: programmatic dependent launch (PDL)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without it: kernels never take their PDL branches
+    gdc_launch_dependents = gdc_wait = None
+
 # runners/flashinfer.py's API; older releases lack its prepare helpers and the routed top-k form
 FLASHINFER_MIN_VERSION = (0, 7, 2)
 FLASHINFER_READ_VERSION = "0.7.2.post1"
@@ -41,6 +46,12 @@ def triton_can_run_on(device: torch.device) -> bool:
 
 # tl.dot dtypes the interpreter gets right: bf16 is garbage (triton 3.9), so GEMMs refuse it there
 INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """A kernel may launch while the one before it drains (PDL: SM90 and later, compiled)."""
+    return (gdc_wait is not None and device.type == "cuda" and not interpreter_enabled()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:

@@ -12,7 +12,8 @@ TRITON_INTERPRET must be off.
 
 A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or "native"
 (bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
-fewer). Prints one line per case; exits non-zero at the first kernel that does not compile.
+fewer); "decode": true takes decode_config's tiles (the decode kernel). Prints one line per
+case; exits non-zero at the first kernel that does not compile.
 """
 import json
 import os
@@ -72,9 +73,13 @@ def compile_case(case: dict) -> str:
     E, K, H, I, T = (case[k] for k in "EKHIT")
     fmt = weight_format(case)
     block = fmt.block
-    config = configs.choose_config(T, K, case.get("E_real", E), H, I, torch.device("cuda"),
-                                   fmt.storage_dtype(torch.bfloat16),
-                                   fp8_group=block[1] if block else 128)
+    dtype = fmt.storage_dtype(torch.bfloat16)
+    if case.get("decode"):
+        config = configs.decode_config(T, K, case.get("E_real", E), H, I, torch.device("cuda"),
+                                       dtype)
+    else:
+        config = configs.choose_config(T, K, case.get("E_real", E), H, I, torch.device("cuda"),
+                                       dtype, fp8_group=block[1] if block else 128)
     weights = ExpertWeights.empty(E, H, I, True, fmt, torch.bfloat16)
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = (torch.arange(T * K) % E).reshape(T, K).int()

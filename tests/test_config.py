@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moe_triton.config as configs
-from moe_triton.config import GemmConfig, MoEConfig, choose_config
+from moe_triton.config import DecodeConfig, GemmConfig, MoEConfig, choose_config, decode_config
 from moe_triton.expand import LayoutKind
 from moe_triton.tools.bench import DEEPSEEK_V3, E64_K4, MIXTRAL_8X7B, QWEN3_30B_A3B, LayerShape
 
@@ -96,3 +96,41 @@ def test_fp8_configs_step_at_least_32_columns_on_a_gpu(monkeypatch, group, limit
                 for gemm in (c.up, c.down):
                     assert gemm.block_c >= 32, c.describe()
                     assert min(gemm.block_m, gemm.block_n) >= 16, c.describe()
+
+
+# ---- the decode kernel's configs ----------------------------------------------------------------
+
+def test_the_decode_kernel_is_opt_in(monkeypatch):
+    """choose_config never takes the decode kernel (measured no faster than the two GEMMs);
+    decode_config adds it to choose_config's tiles, slices of 128-byte w2 rows or wider."""
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
+    cuda = torch.device("cuda")
+    for T in (1, 4, 16, 64):
+        assert choose_config(T, 8, 128, 2048, 768, cuda).decode is None
+    one_token = decode_config(1, 8, 128, 2048, 768, cuda)
+    assert one_token.decode.block_m == one_token.block_m and one_token.decode.block_n == 64
+    assert one_token.up == choose_config(1, 8, 128, 2048, 768, cuda).up
+    assert decode_config(1, 8, 256, 7168, 2048, cuda).decode.block_n == 128  # 128 programs
+    with pytest.raises(ValueError, match="block_m=16"):
+        MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 32), decode=DecodeConfig(32))
+
+
+def test_the_second_gemm_is_a_dependent_launch_only_where_up_fills_two_waves(monkeypatch):
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
+    cuda = torch.device("cuda")
+    assert choose_config(1, 8, 128, 2048, 768, cuda).down.dependent  # up: 96 tiles
+    assert not choose_config(1, 2, 8, 4096, 14336, cuda).down.dependent  # 448: three waves
+    assert not choose_config(4096, 8, 128, 2048, 768, cuda).down.dependent
+    assert not choose_config(1, 8, 128, 2048, 768, torch.device("cpu")).down.dependent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_decode_kernel_configs_fit_shared_memory(monkeypatch, dtype):
+    limit = 232448
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, limit))
+    for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
+        for T in (1, 2, 4, 16):
+            d = decode_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
+                              shape.intermediate_size, torch.device("cuda"), dtype).decode
+            stage = ((d.block_m + 2 * d.block_n) * d.block_c + d.block_h * d.block_n)
+            assert d.num_stages * stage * dtype.itemsize <= limit, d

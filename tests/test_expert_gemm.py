@@ -166,14 +166,12 @@ def test_weight_descriptors_live_as_long_as_their_weights():
     new ones when its storage moves, and leaves nothing behind when it dies: the cache holds views
     of the storage, never the tensor."""
     descriptors = expert_gemm_module._DESCRIPTORS
-    config = GemmConfig(16, 64, 32, tma_weights=True)
     w = torch.randn(4, 64, 32)
-    first = expert_gemm_module._weight_descriptor(w, config)
-    assert expert_gemm_module._weight_descriptor(w, config) is first
-    assert (expert_gemm_module._weight_descriptor(w, GemmConfig(16, 32, 32, tma_weights=True))
-            is not first)
+    first = expert_gemm_module.weight_descriptor(w, (64, 32))
+    assert expert_gemm_module.weight_descriptor(w, (64, 32)) is first
+    assert expert_gemm_module.weight_descriptor(w, (32, 32)) is not first
     w.data = torch.randn(4, 64, 32)  # a parameter's storage replaced in place (e.g. module.half())
-    moved = expert_gemm_module._weight_descriptor(w, config)
+    moved = expert_gemm_module.weight_descriptor(w, (64, 32))
     assert moved is not first and moved.base.data_ptr() == w.data_ptr()
     alive, key = weakref.ref(w), id(w)
     del w, first, moved

@@ -196,8 +196,9 @@ def test_the_plan_is_built_from_the_signature_before_anything_launches(T, fmt, n
     experts = (ExpertWeights(w13, w2) if fmt is None
                else ExpertWeights(w13.float(), w2.float()).to_format(fmt))
     plan = plan_experts(x, experts, ids, weights, activation=SILU_AND_MUL, config=None, out=None)
-    assert [f.name for f in dataclasses.fields(plan)][-5:] == ["expand", "quantize", "up", "down",
-                                                               "finalize"]
+    assert [f.name for f in dataclasses.fields(plan)][-6:] == ["expand", "quantize", "up", "down",
+                                                               "decode", "finalize"]
+    assert plan.decode is None  # choose_config takes the decode kernel on GPUs only
     assert isinstance(plan.expand, PerPairPlan if T == 1 else ExpandPlan)
     assert (plan.quantize is not None) == (fmt is not None)
     assert all(stage.launch is not None for stage in (plan.up, plan.down, plan.finalize))
