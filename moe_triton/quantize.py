@@ -80,8 +80,10 @@ class QuantizePlan:
     num_groups: int  # G
     launch: BoundLaunch | None  # None: no rows or no columns
 
-    def __call__(self, x: torch.Tensor, static_scale: torch.Tensor | None = None):
-        q, scales = self.outputs(x.device, static_scale)
+    def __call__(self, x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """(q, scales), fresh or `out`'s buffers (contiguous, of outputs()' shapes)."""
+        q, scales = out if out is not None else self.outputs(x.device, static_scale)
         if self.launch is not None:
             self.launch(x_ptr=x, q_ptr=q, scale_ptr=scales,
                         static_scale_ptr=static_scale if static_scale is not None else scales)
