@@ -32,7 +32,7 @@ def rows_in_use(layout):
                           Activation(ActivationKind.RELU2)],
                          ids=lambda a: a.kind.name if a else "plain")
 @pytest.mark.parametrize("T,E,K,N,K_in",
-                         [(1, 1, 1, 16, 16), (3, 4, 2, 66, 40), (17, 8, 8, 50, 961),
+                         [(1, 1, 1, 16, 16), (3, 4, 2, 66, 40), (17, 8, 8, 50, 225),
                           (64, 8, 2, 161, 72)])
 def test_expert_gemm_gather(T, E, K, N, K_in, activation, dtype, poisoned_empty):
     torch.manual_seed(T + N)
