@@ -5,12 +5,13 @@
 Program (b, s) computes intermediate slice s (BLOCK_N columns, gate and up) of row block b over the
 whole H contraction, applies the activation in registers, and multiplies it by w2's matching
 columns for every output column: the sum over slices is the second GEMM's contraction, left to
-finalize as float32 partials by pair (summed in slice order: bit-stable, no atomics). The [R, I]
-intermediate never reaches memory, one launch replaces up + down (and FP8's quantize), and the
-slices spread one token's K experts over every SM. FP8 block-scaled weights: each program
-quantizes its x tiles per 128-column group and its intermediate slice per row, as the prefill
-path's stages do, and scales each e4m3 product once per step. finalize launches as a programmatic
-dependent (PDL) of this kernel on SM90+: its launch overlaps this kernel's tail.
+finalize as float32 partials by pair (summed in a fixed order: bit-stable, no atomics). The
+[R, I] intermediate never reaches memory, one launch replaces up + down (and FP8's quantize), and
+the slices spread one token's K experts over every SM. FP8 block-scaled weights: x quantized per
+128-column group (by each program, or by the quantize stage before it: DecodeConfig's
+quantize_input), the intermediate slice per row, each e4m3 product scaled once per step. finalize
+launches as a programmatic dependent (PDL) of this kernel on SM90+: its launch overlaps this
+kernel's tail.
 
 Opt-in (config.decode_config): on the H200 it measured no faster than the two GEMMs, whose
 intermediate is tiny at decode while these partials are not (docs/PERFORMANCE.md, issue 28).
