@@ -224,13 +224,15 @@ def plan_decode_experts(x: torch.Tensor, weights: ExpertWeights, layout: ExpertL
         raise ValueError(f"config.block_m={config.block_m} must equal the layout's "
                          f"block_m={layout.block_m}")
     if not decode_supports(weights.format):
-        raise ValueError(f"the decode kernel reads unquantized or FP8 block-{FP8_BLOCK} weights "
-                         f"with dynamic activations, not {weights.format}: use the two-GEMM path")
+        raise ValueError(f"config.decode: the decode kernel reads unquantized or FP8 "
+                         f"block-{FP8_BLOCK} weights with dynamic activations, not "
+                         f"{weights.format}; pass a config without decode (choose_config's)")
     fp8 = weights.format.fp8 is not None
     if fp8 and (config.block_c != FP8_BLOCK or FP8_BLOCK % config.block_n
                 or FP8_BLOCK % config.block_h):
-        raise ValueError(f"FP8 decode steps a whole {FP8_BLOCK}-wide block (block_c={FP8_BLOCK}) "
-                         f"with block_n and block_h dividing it, got {config}")
+        raise ValueError(f"config.decode: FP8 steps a whole {FP8_BLOCK}-wide block "
+                         f"(block_c={FP8_BLOCK}) with block_n and block_h dividing it, got "
+                         f"{config}; decode_config's tiles do")
     E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
     w13, w2 = weights.w13, weights.w2
     S, P = triton.cdiv(I, config.block_n), layout.num_pairs

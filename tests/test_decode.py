@@ -114,11 +114,18 @@ def test_fp8_blocks_through_the_decode_kernel(poisoned_empty):
         assert out.dtype == torch.float16 and not out.isnan().any() and rms <= FP8_RMS_TOL
 
 
-def test_formats_it_does_not_read_take_the_two_gemm_path():
+def test_formats_it_does_not_read_are_refused_before_any_launch(no_launch):
     assert decode_supports(WeightFormat.fp8_block(128, 128))
     for fmt in (WeightFormat.fp8_block(32, 32), WeightFormat.fp8_channel(),
                 WeightFormat.fp8_tensor(), WeightFormat.fp8_tensor(static_input=True)):
         assert not decode_supports(fmt)
+    x, native, ids = layer(2, 4, 2, torch.float32, seed=1)
+    channel = native.to_format(WeightFormat.fp8_channel())
+    with pytest.raises(ValueError, match="config.decode: the decode kernel reads"):
+        run_experts(x.half(), channel, ids, torch.rand(2, 2), config=cpu_config())
+    blocks = native.to_format(WeightFormat.fp8_block(128, 128))
+    with pytest.raises(ValueError, match="config.decode: FP8 steps a whole 128-wide block"):
+        run_experts(x.half(), blocks, ids, torch.rand(2, 2), config=cpu_config(block_c=32))
 
 
 def test_decode_kernels_compile_for_sm90():
