@@ -227,6 +227,10 @@ def plan_decode_experts(x: torch.Tensor, weights: ExpertWeights, layout: ExpertL
         raise ValueError(f"config.decode: the decode kernel reads unquantized or FP8 "
                          f"block-{FP8_BLOCK} weights with dynamic activations, not "
                          f"{weights.format}; pass a config without decode (choose_config's)")
+    if x.shape[0] > 0 and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"config.decode: the decode kernel reads hidden_states rows of unit "
+                         f"stride, got strides {tuple(x.stride())}; pass "
+                         "hidden_states.contiguous() or a config without decode")
     fp8 = weights.format.fp8 is not None
     if fp8 and (config.block_c != FP8_BLOCK or FP8_BLOCK % config.block_n
                 or FP8_BLOCK % config.block_h):

@@ -123,6 +123,8 @@ def test_formats_it_does_not_read_are_refused_before_any_launch(no_launch):
     channel = native.to_format(WeightFormat.fp8_channel())
     with pytest.raises(ValueError, match="config.decode: the decode kernel reads"):
         run_experts(x.half(), channel, ids, torch.rand(2, 2), config=cpu_config())
+    with pytest.raises(ValueError, match="config.decode: the decode kernel reads hidden_states"):
+        run_experts(x.T.contiguous().T, native, ids, torch.rand(2, 2), config=cpu_config())
     blocks = native.to_format(WeightFormat.fp8_block(128, 128))
     with pytest.raises(ValueError, match="config.decode: FP8 steps a whole 128-wide block"):
         run_experts(x.half(), blocks, ids, torch.rand(2, 2), config=cpu_config(block_c=32))
