@@ -33,17 +33,7 @@ class GemmConfig:
     dependent: bool = False
 
     def __post_init__(self):
-        # tl.arange needs powers of two, tl.dot at least 16
-        for name in ("block_m", "block_n", "block_c"):
-            if not _power_of_two(getattr(self, name), at_least=16):
-                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, "
-                                 f"got {getattr(self, name)!r}")
-        if not _power_of_two(self.num_warps, at_least=1):
-            raise ValueError(f"GemmConfig.num_warps must be a power of two, got {self.num_warps!r}")
-        for name in ("group_m", "num_stages"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"GemmConfig.{name} must be an integer >= 1, "
-                                 f"got {getattr(self, name)!r}")
+        _check_tile_fields(self, ("block_m", "block_n", "block_c"), ("group_m", "num_stages"))
         if not isinstance(self.split_c, int) or self.split_c < 1:
             raise ValueError(f"split_c must be >= 1, got {self.split_c}")
         if not isinstance(self.persistent_programs, int) or self.persistent_programs < 0:
@@ -74,16 +64,7 @@ class DecodeConfig:
     quantize_input: bool = True  # FP8: each program quantizes its x tiles, else a pass before
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_c", "block_h"):
-            if not _power_of_two(getattr(self, name), at_least=16):
-                raise ValueError(f"DecodeConfig.{name} must be a power of two >= 16, "
-                                 f"got {getattr(self, name)!r}")
-        if not _power_of_two(self.num_warps, at_least=1):
-            raise ValueError(f"DecodeConfig.num_warps must be a power of two, "
-                             f"got {self.num_warps!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"DecodeConfig.num_stages must be an integer >= 1, "
-                             f"got {self.num_stages!r}")
+        _check_tile_fields(self, ("block_m", "block_n", "block_c", "block_h"), ("num_stages",))
 
     def launch_options(self) -> dict:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -130,6 +111,22 @@ class MoEConfig:
             return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"
                     f"{d.block_h}/s{d.num_stages}/w{d.num_warps}{'/tma' if d.tma_weights else ''}")
         return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
+
+
+def _check_tile_fields(config, blocks: tuple[str, ...], counts: tuple[str, ...]) -> None:
+    """Tile sizes powers of two (tl.arange) of at least 16 (tl.dot), warps a power of two, and
+    counts (stages, groups) integers >= 1; errors name the config class and field."""
+    kind = type(config).__name__
+    for name in blocks:
+        if not _power_of_two(getattr(config, name), at_least=16):
+            raise ValueError(f"{kind}.{name} must be a power of two >= 16, "
+                             f"got {getattr(config, name)!r}")
+    if not _power_of_two(config.num_warps, at_least=1):
+        raise ValueError(f"{kind}.num_warps must be a power of two, got {config.num_warps!r}")
+    for name in counts:
+        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+            raise ValueError(f"{kind}.{name} must be an integer >= 1, "
+                             f"got {getattr(config, name)!r}")
 
 
 def _power_of_two(value, at_least: int) -> bool:
@@ -219,8 +216,8 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         fit = dict(min_block_c=FP8_MIN_STEP, dequantized=fp8_group < FP8_MIN_STEP)
     if fp8 or streaming:
         up = _fit_shared_memory(up, element_size, limit=shared_memory, weight_tiles=2, **fit)
+    blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
     if block_m <= 32:  # decode: few row blocks
-        blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
         if down_split is None:
             down = _down_split(down, blocks, hidden_size, intermediate_size, num_sms)
         else:
@@ -229,8 +226,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         down = _fit_shared_memory(down, element_size, limit=shared_memory, **fit)
         # PDL: measured 3-8% faster where up's tiles fill at most two waves; slower (FP8 up to
         # 1.4x) past them (docs/PERFORMANCE.md, issue 28)
-        up_tiles = (_expected_blocks(num_tokens, top_k, num_experts, block_m, layout)
-                    * -(-intermediate_size // up.block_n))
+        up_tiles = blocks * -(-intermediate_size // up.block_n)
         down = replace(down, dependent=up_tiles <= 2 * num_sms)
     else:
         up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
