@@ -176,7 +176,7 @@ def _decode_experts_kernel(
 
 def decode_supports(fmt: WeightFormat) -> bool:
     """Formats the kernel reads: unquantized, or FP8 in (128, 128) blocks with dynamic activations
-    (the others take the two-GEMM path at every size)."""
+    (plan_decode_experts refuses the others, naming config.decode)."""
     return fmt.fp8 is None or (fmt.block == (FP8_BLOCK, FP8_BLOCK) and not fmt.static_input)
 
 
@@ -201,11 +201,7 @@ class DecodePlan:
             descriptors = ((weight_descriptor(w13, (c.block_n, c.block_c)),
                             weight_descriptor(w2, (c.block_h, c.block_n)))
                            if self.descriptors else (w13, w2))
-            if layout.kind is LayoutKind.PER_PAIR:  # unread pointers alias topk_ids
-                sorted_pair_ids = block_expert = num_rows = layout.topk_ids
-            else:
-                sorted_pair_ids, block_expert, num_rows = (layout.sorted_pair_ids,
-                                                           layout.block_expert, layout.num_rows)
+            sorted_pair_ids, block_expert, num_rows = layout.block_tensors()
             scales = ((weights.w13_scale, weights.w2_scale) if weights.format.fp8 is not None
                       else (y, y))
             self.launch(x_ptr=x, w13_ptr=w13, w13_desc=descriptors[0], w2_ptr=w2,

@@ -50,6 +50,13 @@ class ExpertLayout:
             return self.num_pairs * self.block_m
         return self.sorted_pair_ids.numel()
 
+    def block_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sorted_pair_ids, block_expert, num_rows) as a GEMM kernel takes them; PER_PAIR kernels
+        read topk_ids only, so it stands in for the three (never read)."""
+        if self.kind is LayoutKind.PER_PAIR:
+            return self.topk_ids, self.topk_ids, self.topk_ids
+        return self.sorted_pair_ids, self.block_expert, self.num_rows
+
 
 def per_pair_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
     """The decode layout, no kernel: each pair its own GEMM tile (best when few share an expert)."""

@@ -424,12 +424,7 @@ class ExpertGemmPlan:
 
 def _gemm_tensors(a, a_desc, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out,
                   out_scales) -> dict:
-    # PER_PAIR reads only topk_ids, SORTED only the sorted buffers: unused pointers alias any tensor
-    if layout.kind is LayoutKind.PER_PAIR:
-        sorted_pair_ids = block_expert = num_rows = layout.topk_ids
-    else:
-        sorted_pair_ids, block_expert, num_rows = (layout.sorted_pair_ids, layout.block_expert,
-                                                   layout.num_rows)
+    sorted_pair_ids, block_expert, num_rows = layout.block_tensors()
     if a_scale is None:  # unread without FP8
         a_scale, w_scale = out, out
     return dict(a_ptr=a, a_desc=a_desc, w_ptr=w, w_desc=w_desc, out_ptr=out,
