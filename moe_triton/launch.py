@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -41,39 +43,82 @@ class BoundLaunch:
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.fixed = fixed
         self.options = options or {}
-        self._compiled: CompiledKernel | None = None
-        self._device = -1
-        self._values: list = []  # every argument in order; None where a call's tensor goes
-        # tensor name -> (position, dtype or None, must stay 16-byte aligned)
-        self._slots: dict[str, tuple[int, torch.dtype | None, bool]] = {}
+        self._direct: DirectLaunch | None = None
 
     def __call__(self, **tensors) -> None:
-        if self._compiled is not None:
-            values = self._direct_values(tensors)
-            if values is not None:
-                device = triton.runtime.driver.active.get_current_device()
-                if device == self._device:
-                    kernel = self._compiled
-                    stream = triton.runtime.driver.active.get_current_stream(device)
-                    kernel.run(*self.grid, stream, kernel.function, kernel.packed_metadata,
-                               None, None, None, *values)
-                    return
+        direct = self._direct
+        if direct is not None and direct(tensors):
+            return
         args = {**self.fixed, **tensors}
         missing = set(self.kernel.arg_names) - args.keys()
         if missing:
             raise ValueError(f"{self.kernel.fn.__name__} was launched without {sorted(missing)}: "
                              "fix them when binding or pass them to the call")
         compiled = self.kernel[self.grid](**args, **self.options)
-        if self._compiled is None and isinstance(compiled, CompiledKernel):
-            self._remember(compiled, args, tensors)
+        if direct is None and isinstance(compiled, CompiledKernel):
+            self._direct = DirectLaunch(compiled, self.grid, self.kernel.arg_names, args, tensors)
 
-    def _direct_values(self, tensors: dict) -> list | None:
-        """A direct launch's arguments, tensors as addresses; None where the JIT must see it."""
+
+class DirectLaunch:
+    """A compiled kernel launched without the JIT: every argument but the call's tensors laid out
+    once. Where Triton's launcher is the one this knows (Triton 3.6's: a C `launch` behind Python
+    that encodes every TMA descriptor at every launch), its C function is called directly and a
+    descriptor seen again (weights': expert_gemm.weight_descriptor caches them) is not encoded
+    again; elsewhere the compiled kernel's own launcher takes the arguments."""
+
+    def __init__(self, compiled: CompiledKernel, grid: tuple[int, int, int], names: list[str],
+                 args: dict, tensors: dict):
+        self.device = triton.runtime.driver.active.get_current_device()
+        self._stream = triton.runtime.driver.active.get_current_stream  # bound: no proxy per call
+        raw = _raw_launcher(compiled, len(names))
+        kinds = list(compiled.src.signature.values()) if raw is not None else None
+        if raw is None:  # CompiledKernel.run(grid, stream, function, metadata, hooks, *args)
+            self._launch = compiled.run
+            prefix = [*grid, None, compiled.function, compiled.packed_metadata, None, None, None]
+        else:  # the C launch(grid, stream, function, cooperative, pdl, scratch, metadata, hooks,
+            # *args with each descriptor expanded)
+            self._launch, run = raw, compiled.run
+            prefix = [*grid, None, compiled.function, run.launch_cooperative_grid,
+                      run.launch_pdl, None, None, compiled.packed_metadata, None, None, None]
+        metas = iter(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+        self._template = prefix
+        self._slots: dict[str, tuple] = {}  # name -> (position, dtype, aligned, descriptor meta)
+        self._encoded: dict[str, tuple] = {}  # name -> (weakref to a descriptor, its expansion)
+        for i, name in enumerate(names):
+            value = args[name]
+            descriptor = kinds is not None and str(kinds[i]).startswith("tensordesc")
+            meta = next(metas, None) if descriptor else None
+            expanded = (self._expansion(name, value, meta) if descriptor
+                        else [value.data_ptr() if isinstance(value, torch.Tensor) else value])
+            if name in tensors:
+                tensor = isinstance(value, torch.Tensor)
+                self._slots[name] = (len(self._template), value.dtype if tensor else None,
+                                     tensor and value.data_ptr() % _ALIGNMENT == 0,
+                                     (meta,) if descriptor else None)
+            self._template = self._template + expanded
+
+    def __call__(self, tensors: dict) -> bool:
+        """Launch with the call's tensors; False where the JIT must see the call (another dtype or
+        alignment, another device, a launch hook installed): nothing is launched then."""
         if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            return None
-        values = self._values.copy()
+            return False
+        values = self._values(tensors)
+        device = triton.runtime.driver.active.get_current_device()
+        if values is None or device != self.device:
+            return False
+        values[3] = self._stream(device)
+        self._launch(*values)
+        return True
+
+    def _values(self, tensors: dict) -> list | None:
+        """Every launch argument in order, tensors as addresses; None where the JIT must see it."""
+        values = self._template.copy()
         for name, value in tensors.items():
-            position, dtype, aligned = self._slots[name]
+            position, dtype, aligned, descriptor = self._slots[name]
+            if descriptor is not None:
+                expanded = self._expansion(name, value, descriptor[0])
+                values[position:position + len(expanded)] = expanded
+                continue
             if isinstance(value, torch.Tensor):
                 if value.dtype != dtype:
                     return None
@@ -83,15 +128,38 @@ class BoundLaunch:
             values[position] = value
         return values
 
-    def _remember(self, compiled: CompiledKernel, args: dict, tensors: dict) -> None:
-        names = self.kernel.arg_names
-        self._values = [None if name in tensors else args[name] for name in names]
-        self._slots = {
-            name: (names.index(name), value.dtype, value.data_ptr() % _ALIGNMENT == 0)
-            if isinstance(value, torch.Tensor) else (names.index(name), None, False)
-            for name, value in tensors.items()}
-        self._device = triton.runtime.driver.active.get_current_device()
-        self._compiled = compiled
+    def _expansion(self, name: str, descriptor, meta) -> list:
+        """A descriptor's launch arguments (its encoded tensor map, shape and strides), encoded
+        once while the same descriptor object comes back."""
+        held = self._encoded.get(name)
+        if held is not None and held[0]() is descriptor:
+            return held[1]
+        expanded = _make_tensordesc_arg(descriptor, meta)
+        self._encoded[name] = (weakref.ref(descriptor), expanded)
+        return expanded
+
+
+def _raw_launcher(compiled: CompiledKernel, num_args: int):
+    """The C launch function behind Triton 3.6's CudaLauncher, or None where the launcher is not
+    that one (another Triton, scratch memory to allocate per launch, another backend)."""
+    run = getattr(compiled, "run", None)
+    if (_make_tensordesc_arg is None or _BASE_ARGS_LEN != 13
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or len(getattr(getattr(compiled, "src", None), "signature", ())) != num_args):
+        return None
+    launch = getattr(run, "launch", None)
+    if getattr(launch, "__name__", None) == "inner":  # wrap_handle_tensordesc's wrapper
+        cells = dict(zip(launch.__code__.co_freevars,
+                         (cell.cell_contents for cell in launch.__closure__ or ()), strict=True))
+        launch = cells.get("launcher")
+    return launch if isinstance(launch, types.BuiltinFunctionType) else None
+
+
+try:  # Triton 3.6's NVIDIA launcher internals; elsewhere the compiled kernel's launcher runs
+    from triton.backends.nvidia.driver import _BASE_ARGS_FORMAT_LEN as _BASE_ARGS_LEN
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+except ImportError:
+    _BASE_ARGS_LEN, _make_tensordesc_arg = None, None
 
 
 def _hooked(hook) -> bool:

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from moe_triton.launch import BoundLaunch, register_op
+from moe_triton.launch import BoundLaunch, DirectLaunch, register_op
 
 
 @triton.jit
@@ -44,21 +44,47 @@ def test_an_argument_neither_fixed_nor_passed_is_named():
 
 
 def test_a_direct_launch_is_refused_where_the_specialization_does_not_fit(monkeypatch):
-    """The checks a direct launch makes before it skips the JIT, on a launch remembered as the
-    compiled path remembers it (the interpreter compiles nothing, so it is set up by hand here)."""
-    launch = scale_launch()
+    """The checks a direct launch makes before it skips the JIT, on a launch laid out as the
+    compiled path lays it out (the interpreter compiles nothing, so it is set up by hand here)."""
+    direct = object.__new__(DirectLaunch)
+    direct._template = ["grid", None, N, 3.0, 256]
+    direct._slots = {"x_ptr": (0, torch.float32, True, None),
+                     "out_ptr": (1, torch.float32, True, None)}
+    direct._encoded = {}
     x = torch.zeros(N + 4)
-    launch._values = [None, None, N, 3.0, 256]
-    launch._slots = {"x_ptr": (0, torch.float32, True), "out_ptr": (1, torch.float32, True)}
     aligned, out = x[:N], torch.zeros(N)
-    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) == [aligned.data_ptr(),
-                                                                       out.data_ptr(), N, 3.0, 256]
+    assert direct._values(dict(x_ptr=aligned, out_ptr=out)) == [aligned.data_ptr(),
+                                                                 out.data_ptr(), N, 3.0, 256]
     # 4 bytes off: not 16-aligned
-    assert launch._direct_values(dict(x_ptr=x[1:N + 1], out_ptr=out)) is None
-    assert launch._direct_values(dict(x_ptr=aligned.half(), out_ptr=out)) is None  # another dtype
+    assert direct._values(dict(x_ptr=x[1:N + 1], out_ptr=out)) is None
+    assert direct._values(dict(x_ptr=aligned.half(), out_ptr=out)) is None  # another dtype
+    direct.device = -1
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: None)
-    # a profiler's hook must see it
-    assert launch._direct_values(dict(x_ptr=aligned, out_ptr=out)) is None
+    # a profiler's hook must see it: the call is refused before anything else is looked at
+    assert direct(dict(x_ptr=aligned, out_ptr=out)) is False
+
+
+def test_a_descriptor_is_encoded_once_while_the_same_one_comes_back(monkeypatch):
+    """Weights' descriptors are cached objects: their tensor maps are encoded on first sight only;
+    a new descriptor object (a moved weight, an activation's per-call one) is encoded anew."""
+    import moe_triton.launch as launch
+
+    encoded = []
+    monkeypatch.setattr(launch, "_make_tensordesc_arg",
+                        lambda descriptor, meta: encoded.append(descriptor) or [id(descriptor)])
+    direct = object.__new__(DirectLaunch)
+    direct._template, direct._encoded = [None, None], {}
+    direct._slots = {"w_desc": (0, None, False, (None,)), "out_ptr": (1, torch.float32, True, None)}
+    out = torch.zeros(4)
+    first, second = object.__new__(Held), object.__new__(Held)
+    for descriptor in (first, first, second, second, first):
+        assert direct._values(dict(w_desc=descriptor, out_ptr=out)) == [id(descriptor),
+                                                                       out.data_ptr()]
+    assert encoded == [first, second, first]
+
+
+class Held:
+    """A stand-in descriptor: any object a weak reference can hold."""
 
 
 # ---- on the GPU: the direct launch ---------------------------------------------------------------
@@ -105,6 +131,37 @@ def test_launch_hooks_see_every_launch(jit_calls, monkeypatch):
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda metadata: seen.append(metadata))
     launch_and_check(launch, torch.randn(N, device="cuda"))
     assert len(seen) == 1 and len(jit_calls) == 2
+
+
+@triton.jit
+def _copy_rows_kernel(in_desc, out_ptr, BLOCK: tl.constexpr, WIDTH: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tile = in_desc.load([tl.program_id(0) * BLOCK, 0])
+    tl.store(out_ptr + rows[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :], tile)
+
+
+@pytest.mark.gpu
+def test_descriptor_launches_call_the_c_launcher_and_encode_each_descriptor_once(monkeypatch):
+    """On the GPU's Triton the direct path calls the launcher's C function itself; a descriptor
+    that comes back (as cached weight descriptors do) is not encoded again, a new one is."""
+    import types
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    import moe_triton.launch as launch_module
+
+    encoded, encode = [], launch_module._make_tensordesc_arg
+    monkeypatch.setattr(launch_module, "_make_tensordesc_arg",
+                        lambda descriptor, meta: encoded.append(1) or encode(descriptor, meta))
+    a, b = (torch.randn(64, 16, device="cuda") for _ in range(2))
+    descriptors = {id(t): TensorDescriptor.from_tensor(t, [16, 16]) for t in (a, b)}
+    launch = BoundLaunch(_copy_rows_kernel, (4,), dict(BLOCK=16, WIDTH=16))
+    for source in (a, a, a, b, b, a):
+        out = torch.full_like(source, float("nan"))
+        launch(in_desc=descriptors[id(source)], out_ptr=out)
+        assert torch.equal(out, source)
+    assert isinstance(launch._direct._launch, types.BuiltinFunctionType)
+    assert len(encoded) == 3  # a when the direct launch was laid out, then b, then a again
 
 
 @pytest.mark.gpu
