@@ -62,7 +62,8 @@ def experts_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
     """ExpertsInterface entry: (T, H), (T, K), (T, K) -> (T, H), on our Triton pipeline."""
     activation, weights = _built(experts, _native_experts)
-    x = hidden_states.to(weights.dtype)
+    dtype = weights.dtype
+    x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)  # .to: ~3 µs
     return run_experts(x, weights, top_k_index, top_k_weights, activation=activation)
 
 
