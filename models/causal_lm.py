@@ -130,7 +130,7 @@ class CausalLM(nn.Module):
         return self.logits(self._prefill(input_ids, slots)[:, -1])
 
     def _prefill(self, input_ids: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor:
-        self._check_input_ids(input_ids)
+        input_ids = self._checked_input_ids(input_ids)
         B, L = input_ids.shape
         if self.cache is None or B > self.cache.max_batch or L > self.cache.max_seq:
             have = ("no KV cache" if self.cache is None
@@ -160,7 +160,9 @@ class CausalLM(nn.Module):
         hidden = self.model(inputs["token_ids"][:, None], batch, self.cache)  # [B, 1, H]
         return self.logits(hidden[:, 0])
 
-    def _check_input_ids(self, input_ids) -> None:
+    def _checked_input_ids(self, input_ids) -> torch.Tensor:
+        """input_ids on the model's device, range-checked: where they come from the host (as a
+        tokenizer returns them) there, with no device sync; on the device with one sync."""
         if isinstance(input_ids, torch.Tensor) and (input_ids.is_nested
                                                     or input_ids.layout != torch.strided):
             kind = "nested (ragged)" if input_ids.is_nested else str(input_ids.layout)
@@ -175,11 +177,16 @@ class CausalLM(nn.Module):
                              f"(batch >= 1, length >= 1), got {got}")
         device, vocab = (self.model.embed_tokens.weight.device,
                          self.model.embed_tokens.num_embeddings)
-        if input_ids.device != device:
-            raise ValueError(f"input_ids is on {input_ids.device} but the model on {device}")
-        if input_ids.min() < 0 or input_ids.max() >= vocab:  # one host sync a prompt, not in decode
+        if input_ids.device != device and input_ids.device.type != "cpu":
+            raise ValueError(f"input_ids is on {input_ids.device} but the model on {device}: "
+                             "move it there, or pass it on the CPU")
+        if input_ids.min() < 0 or input_ids.max() >= vocab:  # on the device: one host sync
             raise ValueError(f"input_ids must lie in [0, vocab_size={vocab}), got values in "
                              f"[{input_ids.min().item()}, {input_ids.max().item()}]")
+        if input_ids.device == device:
+            return input_ids
+        host = input_ids.pin_memory() if device.type == "cuda" else input_ids
+        return host.to(device, non_blocking=True)
 
     def _check_slots(self, slots, batch: int) -> None:
         device = self.model.embed_tokens.weight.device
@@ -284,7 +291,7 @@ class CausalLM(nn.Module):
                  pad_token_id=FROM_CONFIG) -> torch.Tensor:
         """Greedy decoding, as transformers': (B, L) -> (B, L + n), n <= max_new_tokens. The eos /
         pad ids default to the checkpoint's (eos None: never stop; pad None: the first eos id)."""
-        self._check_input_ids(input_ids)
+        input_ids = self._checked_input_ids(input_ids)
         max_new_tokens = _count("max_new_tokens", max_new_tokens, 0)
         stop = self._stop_tokens(eos_token_id, pad_token_id)
         B, L = input_ids.shape

@@ -54,6 +54,24 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).max)
 
 
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside, a CUDA call that makes the host wait for the GPU raises (torch's sync debug mode);
+    a known sync is seen to raise first, so the guard cannot pass for want of checking."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        try:
+            torch.ones(1, device="cuda").item()
+        except RuntimeError as error:
+            assert "synchroniz" in str(error)
+        else:
+            raise AssertionError("sync debug mode let a host sync (.item()) through")
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 

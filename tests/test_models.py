@@ -482,6 +482,26 @@ def test_bf16_logits_match_transformers(checkpoint):
 
 
 @pytest.mark.gpu
+def test_prefill_of_a_host_prompt_never_syncs_the_host(checkpoint):
+    """A prompt handed over on the CPU, as a tokenizer returns it, is range-checked there: the
+    whole prefill then queues its kernels without a host sync (torch's sync debug mode); the same
+    prompt on the device (checked with one sync) gives the same logits."""
+    from helpers import no_host_sync
+
+    _, path = checkpoint
+    ours = load_model(path, dtype=torch.bfloat16, device="cuda")
+    ours.setup(2, 32)
+    ids = prompt()
+    expected = ours.prefill(ids.cuda())
+    ours.prefill_last(ids)
+    with no_host_sync():
+        logits = ours.prefill(ids)
+        last = ours.prefill_last(ids)
+    assert torch.equal(logits, expected)
+    assert relative_error(last, expected[:, -1]) < 1e-2  # the head over one row, not seven
+
+
+@pytest.mark.gpu
 def test_float32_generation_through_graphs_matches_transformers(checkpoint):
     reference, path = checkpoint
     reference = copy.deepcopy(reference).to("cuda")

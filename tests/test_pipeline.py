@@ -639,3 +639,22 @@ def test_fp8_straight_through_gradients_bf16_at_a_real_size(fmt):
     expected = reference_grads(x, *fp8.dequantized(), ids, weights, grad_out)
     assert relative_error(grads[0], expected[0]) < 1e-2
     assert relative_error(grads[1], expected[3]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 1024])
+@pytest.mark.parametrize("fmt", [None, WeightFormat.fp8_block(128, 128)], ids=["bf16", "fp8"])
+def test_eager_layer_calls_never_sync_the_host(real_layer, fmt, T):
+    """An eager call queues its kernels and returns: no host sync (torch's sync debug mode), from
+    the second call of a signature on (the first plans, and Triton compiles)."""
+    from helpers import no_host_sync
+
+    shape, w13, w2 = real_layer
+    experts = ExpertWeights(w13, w2) if fmt is None else ExpertWeights(w13, w2).to_format(fmt)
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
+    x, ids, weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+    expected = run_experts(x, experts, ids, weights)
+    with no_host_sync():
+        out = run_experts(x, experts, ids, weights)
+        empty = run_experts(x[:0], experts, ids[:0], weights[:0])
+    assert torch.equal(out, expected) and empty.shape == (0, shape.hidden_size)

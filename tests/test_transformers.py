@@ -303,3 +303,34 @@ def test_fp8_drop_in_on_the_gpu_keeps_transformers_fp8_experts_and_runs_ours(tmp
     with torch.no_grad():
         assert relative_error(model(ids).logits, reference(ids).logits) < 0.08
     assert len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_drop_in_calls_never_sync_the_host():
+    """transformers' experts modules on moe_triton at Qwen3-30B-A3B's size, bf16 and FP8
+    (FP8Experts, block-128), eager: no host sync from the second call of a size on (torch's sync
+    debug mode)."""
+    from helpers import no_host_sync
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    E, K, H, I = 128, 8, 2048, 768
+    config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                            num_experts_per_tok=K)
+    config._experts_implementation = "moe_triton"
+    with torch.device("cuda"):
+        bf16 = Qwen3MoeExperts(config).to(torch.bfloat16).requires_grad_(False)
+    for p in bf16.parameters():
+        p.normal_(0, H ** -0.5)
+    fp8 = fp8_experts((128, 128), E=E, H=H, I=I).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in (1, 8, 256):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(T, E, device="cuda", generator=g).topk(K).indices  # int64, as the router
+        weights = torch.rand(T, K, device="cuda", generator=g, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for experts in (bf16, fp8):
+                expected = experts(x, ids, weights)
+                with no_host_sync():
+                    out = experts(x, ids, weights)
+                assert torch.equal(out, expected)
