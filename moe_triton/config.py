@@ -31,6 +31,9 @@ class GemmConfig:
     # launched by PDL behind the first GEMM (decode's second; finalize too): its launch and
     # prologue overlap that one's tail, then it waits for its activations
     dependent: bool = False
+    # FP8, activations in (token, block_c) groups at run time (block-scaled weights): the first
+    # GEMM quantizes its a tiles itself, one launch and one [T, H] e4m3 copy fewer (decode's)
+    quantize_a: bool = False
 
     def __post_init__(self):
         _check_tile_fields(self, ("block_m", "block_n", "block_c"), ("group_m", "num_stages"))
@@ -105,7 +108,8 @@ class MoEConfig:
             return (f"{c.block_n}x{c.block_c}/s{c.num_stages}/w{c.num_warps}"
                     f"{'/tma' if c.tma_weights else ''}{'/tma_a' if c.tma_activations else ''}"
                     f"{f'/P{c.persistent_programs}' if c.persistent_programs else ''}"
-                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.dependent else ''}")
+                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.dependent else ''}"
+                    f"{'/qa' if c.quantize_a else ''}")
         if self.decode is not None:
             d = self.decode
             return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"
@@ -187,9 +191,11 @@ def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
                   intermediate_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                  down_split: int | None = None, fp8_group: int = 128) -> MoEConfig:
-    """Tiles for weights in `dtype` (FP8: C steps within `fp8_group`, the blocks' width);
-    `down_split` fixes the decode down GEMM's C slices (sweeps)."""
+                  down_split: int | None = None, fp8_group: int = 128,
+                  fp8_input_groups: bool = False) -> MoEConfig:
+    """Tiles for weights in `dtype` (FP8: C steps within `fp8_group`, the blocks' width;
+    `fp8_input_groups`: activations quantized per (token, fp8_group) at run time); `down_split`
+    fixes the decode down GEMM's C slices (sweeps)."""
     num_pairs = num_tokens * top_k
     # Skip the sort when pairs rarely share an expert: one token's K experts are distinct, and
     # P^2 <= E keeps the expected number of shared experts under one half.
@@ -228,6 +234,8 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         # 1.4x) past them (docs/PERFORMANCE.md, issue 28)
         up_tiles = blocks * -(-intermediate_size // up.block_n)
         down = replace(down, dependent=up_tiles <= 2 * num_sms)
+        # a step a whole group: up quantizes the few rows it gathers, no pass before it
+        up = replace(up, quantize_a=fp8 and fp8_input_groups and up.block_c == fp8_group)
     else:
         up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
     return MoEConfig(up, down, layout)

@@ -30,7 +30,7 @@ from .expand import ExpertLayout, LayoutKind
 from .expert_gemm import _dot, _e4m3_nan, _step, takes_descriptor, weight_descriptor
 from .launch import BoundLaunch, interpreter_serialized
 from .platform import gdc_launch_dependents, interpreter_enabled
-from .quantize import fp8_scale, nan_max, quantize_tile
+from .quantize import quantize_rows
 from .weights import ExpertWeights, WeightFormat
 
 FP8_BLOCK = 128  # the one FP8 weight block the kernel reads: (128, 128), DeepSeek-V3's
@@ -103,9 +103,7 @@ def _decode_experts_kernel(
                 x_scale = tl.load(x_scale_ptr + tokens * stride_xs_t + step, mask=is_real,
                                   other=0.0)  # [BLOCK_M]
             else:  # x's 128-column group, quantized here as quantize.py does it
-                x32 = x.to(tl.float32)
-                x_scale = fp8_scale(nan_max(tl.abs(x32), 1))  # [BLOCK_M]
-                x = quantize_tile(x32, x_scale[:, None])
+                x, x_scale = quantize_rows(x.to(tl.float32))  # [BLOCK_M, BLOCK_C], [BLOCK_M]
         if W_DESC:
             w = w13_desc.load([w13_row, c_first]).T
         else:
@@ -143,8 +141,7 @@ def _decode_experts_kernel(
     # ---- the second GEMM: the slice's share of every output column ----
     h_scale = 0.0
     if FP8:  # one scale per row of the slice: the groups the prefill up GEMM's epilogue makes
-        h_scale = fp8_scale(nan_max(tl.abs(h), 1))  # [BLOCK_M]
-        a = quantize_tile(h, h_scale[:, None])
+        a, h_scale = quantize_rows(h)  # [BLOCK_M, BLOCK_N], [BLOCK_M]
         if NAN_BITS:
             nan_rows = _e4m3_nan(a, 1)
     else:

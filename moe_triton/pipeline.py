@@ -8,7 +8,7 @@ import torch
 
 from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
-from .config import FP8_MIN_STEP, MoEConfig, choose_config
+from .config import FP8_MIN_STEP, GemmConfig, MoEConfig, choose_config
 from .decode import DecodePlan, plan_decode_experts
 from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, per_pair_layout, plan_expand
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
@@ -161,14 +161,23 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
                          f"activation {activation.kind.name} is "
                          f"{'gated' if activation.gated else 'not'}")
     T, K = check_experts_args(hidden_states, weights, topk_ids, topk_weights)
-    E, H, I = weights.num_experts, weights.hidden_size, weights.intermediate_size
+    H = weights.hidden_size
     check_out(out, T, H, hidden_states)
-    block = weights.format.block
-    config = config or choose_config(max(T, 1), K, E, H, I, hidden_states.device, weights.dtype,
-                                     fp8_group=block[1] if block is not None else 128)
+    config = config or default_config(T, K, weights, hidden_states.device)
     if weights.format.fp8 is not None:
         _check_fp8_config(config, hidden_states.device)
     return LayerPlan.build(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
+
+
+def default_config(num_tokens: int, top_k: int, weights: ExpertWeights,
+                   device: torch.device) -> MoEConfig:
+    """choose_config's tiles for a call on `weights` (FP8: their block, and whether activations
+    are quantized in groups at run time)."""
+    block = weights.format.block
+    return choose_config(max(num_tokens, 1), top_k, weights.num_experts, weights.hidden_size,
+                         weights.intermediate_size, device, weights.dtype,
+                         fp8_group=block[1] if block is not None else 128,
+                         fp8_input_groups=block is not None and not weights.format.static_input)
 
 
 @dataclass(frozen=True)
@@ -223,17 +232,18 @@ class LayerPlan:
             quantize, decode, finalize = _plan_decode_kernel(hidden_states, weights, topk_weights,
                                                              layout, activation, config, out)
             return cls(T, H, expand, quantize, None, None, decode, finalize)
+        fp8 = weights.format.fp8 is not None
         x, quantize, up_scales = hidden_states, None, None
-        if weights.format.fp8 is not None:
-            quantize, x, up_scales = _plan_quantize(hidden_states, weights)
+        if fp8:  # quantized apart, or (config.up.quantize_a) by the up GEMM: quantize None
+            quantize, x, up_scales = _plan_quantize(hidden_states, weights, config.up)
         # decode: down and finalize launch as PDL dependents (config.down.dependent)
         pdl = config.down.dependent and dependent_launch(hidden_states.device)
         up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
-                              scales=up_scales, out_dtype=FP8_DTYPE if quantize else dtype,
+                              scales=up_scales, out_dtype=FP8_DTYPE if fp8 else dtype,
                               trigger=pdl)
         h, h_scales = up.outputs("meta")
         down_scales = None
-        if quantize is not None:  # the intermediate: one scale per row and up.block_n columns
+        if fp8:  # the intermediate: one scale per row and up.block_n columns
             down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale,
                                     weights.format.block)
         down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False,
@@ -260,10 +270,21 @@ def _plan_decode_kernel(hidden_states, weights: ExpertWeights, topk_weights, lay
     return quantize, decode, finalize
 
 
-def _plan_quantize(hidden_states,
-                   weights: ExpertWeights) -> tuple[QuantizePlan, torch.Tensor, Fp8Scales]:
+def _plan_quantize(hidden_states, weights: ExpertWeights,
+                   up: GemmConfig) -> tuple[QuantizePlan | None, torch.Tensor, Fp8Scales]:
+    """(quantize, x as up reads it, up's scales); up.quantize_a: no pass, x stays as given."""
     block = weights.format.block
     group = block[1] if block is not None else None
+    if up.quantize_a:
+        if group is None or weights.format.static_input:
+            raise ValueError("config.up.quantize_a quantizes activations in (token, block) "
+                             "groups at run time: it needs block-scaled FP8 weights with "
+                             f"dynamic activations, not {weights.format}; set it False")
+        if group != up.block_c:
+            raise ValueError(f"config.up.quantize_a quantizes a {group}-column group per step: "
+                             f"it needs config.up.block_c={group}, got {up.block_c}")
+        return None, hidden_states, Fp8Scales(None, group, weights.w13_scale, block,
+                                              weights.w13_scale_up_offset)
     quantize = plan_quantize(hidden_states, group, weights.input_scale is not None)
     x, x_scales = quantize.outputs("meta", weights.input_scale)  # [T, H] e4m3, [T, G]
     scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block,

@@ -32,7 +32,7 @@ import moe_triton.config as configs  # noqa: E402
 from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
 from moe_triton.activation import SILU_AND_MUL  # noqa: E402
 from moe_triton.launch import BoundLaunch  # noqa: E402
-from moe_triton.pipeline import LayerPlan  # noqa: E402
+from moe_triton.pipeline import LayerPlan, default_config  # noqa: E402
 from moe_triton.weights import NATIVE  # noqa: E402
 
 H200 = (132, 232448)  # SM count, shared memory per block (opt-in)
@@ -72,14 +72,13 @@ def weight_format(case: dict) -> WeightFormat:
 def compile_case(case: dict) -> str:
     E, K, H, I, T = (case[k] for k in "EKHIT")
     fmt = weight_format(case)
-    block = fmt.block
     dtype = fmt.storage_dtype(torch.bfloat16)
     if case.get("decode"):
         config = configs.decode_config(T, K, case.get("E_real", E), H, I, torch.device("cuda"),
                                        dtype)
-    else:
-        config = configs.choose_config(T, K, case.get("E_real", E), H, I, torch.device("cuda"),
-                                       dtype, fp8_group=block[1] if block else 128)
+    else:  # the pipeline's tiles for E_real experts: meta stand-ins say what it looks at
+        seen = ExpertWeights.empty(case.get("E_real", E), H, I, True, fmt, torch.bfloat16, "meta")
+        config = default_config(T, K, seen, torch.device("cuda"))
     weights = ExpertWeights.empty(E, H, I, True, fmt, torch.bfloat16)
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = (torch.arange(T * K) % E).reshape(T, K).int()
