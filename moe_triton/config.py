@@ -32,7 +32,8 @@ class GemmConfig:
     # prologue overlap that one's tail, then it waits for its activations
     dependent: bool = False
     # FP8, activations in (token, block_c) groups at run time (block-scaled weights): the first
-    # GEMM quantizes its a tiles itself, one launch and one [T, H] e4m3 copy fewer (decode's)
+    # GEMM quantizes its a tiles itself, one launch and one [T, H] e4m3 copy fewer. Opt-in: not
+    # yet run on the H200 (docs/PERFORMANCE.md, issue 29)
     quantize_a: bool = False
 
     def __post_init__(self):
@@ -191,11 +192,9 @@ def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
 
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
                   intermediate_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                  down_split: int | None = None, fp8_group: int = 128,
-                  fp8_input_groups: bool = False) -> MoEConfig:
-    """Tiles for weights in `dtype` (FP8: C steps within `fp8_group`, the blocks' width;
-    `fp8_input_groups`: activations quantized per (token, fp8_group) at run time); `down_split`
-    fixes the decode down GEMM's C slices (sweeps)."""
+                  down_split: int | None = None, fp8_group: int = 128) -> MoEConfig:
+    """Tiles for weights in `dtype` (FP8: C steps within `fp8_group`, the blocks' width);
+    `down_split` fixes the decode down GEMM's C slices (sweeps)."""
     num_pairs = num_tokens * top_k
     # Skip the sort when pairs rarely share an expert: one token's K experts are distinct, and
     # P^2 <= E keeps the expected number of shared experts under one half.
@@ -234,8 +233,6 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         # 1.4x) past them (docs/PERFORMANCE.md, issue 28)
         up_tiles = blocks * -(-intermediate_size // up.block_n)
         down = replace(down, dependent=up_tiles <= 2 * num_sms)
-        # a step a whole group: up quantizes the few rows it gathers, no pass before it
-        up = replace(up, quantize_a=fp8 and fp8_input_groups and up.block_c == fp8_group)
     else:
         up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
     return MoEConfig(up, down, layout)

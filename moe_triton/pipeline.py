@@ -171,13 +171,11 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
 
 def default_config(num_tokens: int, top_k: int, weights: ExpertWeights,
                    device: torch.device) -> MoEConfig:
-    """choose_config's tiles for a call on `weights` (FP8: their block, and whether activations
-    are quantized in groups at run time)."""
+    """choose_config's tiles for a call on `weights` (FP8: steps within their block)."""
     block = weights.format.block
     return choose_config(max(num_tokens, 1), top_k, weights.num_experts, weights.hidden_size,
                          weights.intermediate_size, device, weights.dtype,
-                         fp8_group=block[1] if block is not None else 128,
-                         fp8_input_groups=block is not None and not weights.format.static_input)
+                         fp8_group=block[1] if block is not None else 128)
 
 
 @dataclass(frozen=True)

@@ -124,21 +124,6 @@ def test_the_second_gemm_is_a_dependent_launch_only_where_up_fills_two_waves(mon
     assert not choose_config(1, 8, 128, 2048, 768, torch.device("cpu")).down.dependent
 
 
-def test_the_up_gemm_quantizes_its_activations_where_a_step_is_their_group(monkeypatch):
-    """FP8 with run-time (token, group) activation scales at decode sizes: up quantizes x itself;
-    not at prefill (the tiles step 32-64 columns), not for other FP8 scalings, never bf16."""
-    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
-    cuda, fp8 = torch.device("cuda"), torch.float8_e4m3fn
-    for T in (1, 16, 256):
-        assert choose_config(T, 8, 128, 2048, 768, cuda, fp8, fp8_input_groups=True).up.quantize_a
-    assert not choose_config(4096, 8, 128, 2048, 768, cuda, fp8,
-                             fp8_input_groups=True).up.quantize_a
-    assert not choose_config(1, 8, 128, 2048, 768, cuda, fp8).up.quantize_a  # per-token scales
-    assert not choose_config(1, 8, 128, 2048, 768, cuda, fp8, fp8_group=16,
-                             fp8_input_groups=True).up.quantize_a  # a group narrower than a step
-    assert not choose_config(1, 8, 128, 2048, 768, cuda, fp8_input_groups=True).up.quantize_a
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
 def test_decode_kernel_configs_fit_shared_memory(monkeypatch, dtype):
     limit = 232448

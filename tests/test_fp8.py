@@ -274,7 +274,9 @@ SM90_CASES = {
     "qwen3": ([dict(QWEN3_SHAPE, T=T, format="block", block=block)
                for block in ([16, 16], [128, 128]) for T in (1, 64, 4096)]
               + [dict(QWEN3_SHAPE, T=T, format=name)
-                 for name in ("channel", "tensor") for T in (1, 4096)]),
+                 for name in ("channel", "tensor") for T in (1, 4096)]
+              + [dict(QWEN3_SHAPE, T=T, format="block", block=[128, 128], quantize_a=True)
+                 for T in (1, 64)]),
 }
 
 
@@ -416,7 +418,7 @@ def test_fp8_experts_on_the_gpu(shape_name, name, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 16, 256])
 def test_fp8_up_gemm_quantizing_its_own_activations_on_the_gpu(T):
-    """At decode sizes the pipeline's tiles have the up GEMM quantize x itself (one launch fewer):
+    """config.up.quantize_a at decode sizes (the up GEMM quantizes x itself, one launch fewer):
     the same bits as the quantization pass it replaces, compiled for the H200."""
     from moe_triton.pipeline import default_config
     from moe_triton.tools.bench import GRID_SHAPES, random_inputs
@@ -425,9 +427,9 @@ def test_fp8_up_gemm_quantizing_its_own_activations_on_the_gpu(T):
     weights = gpu_weights("Qwen3-30B-A3B", FORMATS["block128"])
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
     x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
-    config = default_config(T, shape.top_k, weights, x.device)
-    assert config.up.quantize_a, config.describe()
-    apart = dataclasses.replace(config, up=dataclasses.replace(config.up, quantize_a=False))
+    apart = default_config(T, shape.top_k, weights, x.device)
+    config = dataclasses.replace(apart, up=dataclasses.replace(apart.up, quantize_a=True))
+    assert config.up.block_c == 128, config.describe()  # one scale group per step
     out = run_experts(x, weights, ids, topk_weights, config=config)
     assert torch.equal(out, run_experts(x, weights, ids, topk_weights, config=apart))
 
