@@ -142,6 +142,11 @@ class CausalLM(nn.Module):
             slots = torch.arange(B, device=input_ids.device)
         else:
             self._check_slots(slots, B)
+        return self._prefill_checked(input_ids, slots)
+
+    def _prefill_checked(self, input_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The prefill forward on checked ids and slots (generate's, which checked them)."""
+        B, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device).expand(B, L)
         return self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
 
@@ -306,7 +311,7 @@ class CausalLM(nn.Module):
         slots = torch.arange(B, device=input_ids.device)
         # generate's positions and slots lie in the cache by construction: the unchecked step
         step = self.graphs.run if self.graphs is not None else self._decode_step
-        token = self.prefill_last(input_ids, slots).argmax(-1)  # [B]
+        token = self.logits(self._prefill_checked(input_ids, slots)[:, -1]).argmax(-1)  # [B]
         # EP ranks decode in lockstep: none may return early alone
         lockstep = any(layer.runner.lockstep for layer in self.modules()
                        if isinstance(layer, FusedMoE))
