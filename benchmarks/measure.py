@@ -65,6 +65,31 @@ def transformers_experts(shape: LayerShape, w13: torch.Tensor, w2: torch.Tensor,
 
 
 
+def transformers_fp8_experts(experts: torch.nn.Module, config, block=(128, 128)):
+    """transformers' FP8Experts (as its loader decorates it) holding `experts`' weights quantized
+    by transformers' own Fp8Quantize to `block` scales."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import (
+        ALL_FP8_EXPERTS_FUNCTIONS,
+        FP8Experts,
+        Fp8Quantize,
+    )
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    fp8_class = use_experts_implementation(experts_class=type("FP8Experts", (FP8Experts,), {}),
+                                           experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    with torch.device("meta"):
+        fp8 = fp8_class(config, block_size=list(block), activation_scheme="dynamic")
+    quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(
+        FineGrainedFP8Config(weight_block_size=list(block))))
+    for name in ("gate_up_proj", "down_proj"):
+        quantized = quantize._quantize_one(name, getattr(experts, name).detach())
+        for key, tensor in quantized.items():
+            setattr(fp8, key, torch.nn.Parameter(tensor, requires_grad=False))
+    return fp8
+
+
 def event_median_seconds(fn: Callable[[], object], iterations: int = 30) -> float:
     """Median seconds of `fn` between CUDA events (host launch gaps included), after a warm-up."""
     for _ in range(3):
