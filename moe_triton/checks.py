@@ -55,6 +55,22 @@ def layer_input(hidden_states, weight: torch.Tensor) -> None:
                          f"{device}; move one of them (layer.to(...))")
 
 
+def expert_ids(name: str, ids, leading: tuple[int, ...], top_k: int, num_experts: int,
+               device: torch.device) -> None:
+    """Given experts (replay): integer (..., top_k) ids in [0, num_experts) on `device`; the
+    range is read on the host (one sync where the ids live on a GPU)."""
+    shape = (*leading, top_k)
+    if (not isinstance(ids, torch.Tensor) or tuple(ids.shape) != shape
+            or ids.dtype not in (torch.int32, torch.int64) or ids.device != device):
+        got = (f"{ids.dtype} {tuple(ids.shape)} on {ids.device}" if isinstance(ids, torch.Tensor)
+               else type(ids).__name__)
+        raise ValueError(f"{name} must be an int32/int64 tensor of shape {shape} on {device}, "
+                         f"got {got}")
+    if ids.numel() and (ids.min() < 0 or ids.max() >= num_experts):
+        raise ValueError(f"{name} must hold expert ids in [0, {num_experts}), got values in "
+                         f"[{ids.min().item()}, {ids.max().item()}]")
+
+
 def grad_needed(*tensors) -> bool:
     if torch.is_grad_enabled():  # a loop, not any(...): this runs on every eager call
         for t in tensors:

@@ -3,6 +3,7 @@ shared) and calling its runner, where backends, formats and placements differ (r
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +15,14 @@ from .activation import SILU_AND_MUL, Activation
 from .context import ModelContext
 from .graphs import run_branches
 from .placement import Placement
-from .routing import RoutingSpec, router_logits
+from .routing import RoutingSpec, router_logits, topk_weights_torch
 from .runners.resolver import build_runner, resolve
+from .runners.runner import ExpertsRunner
 from .runners.spec import LayerTraits
 from .weights import NATIVE, ExpertWeights, WeightFormat
+
+RoutingHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                       tuple[torch.Tensor, torch.Tensor]]
 
 _EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
                    "down_proj_scale": "w2_scale", "input_scale": "input_scale"}
@@ -110,6 +115,9 @@ class FusedMoE(nn.Module):
                                   traits)
         self.runner = build_runner(self.resolution, traits, placement)
         self._prepared: ExpertWeights | None = None
+        # (topk_ids, topk_weights, logits) -> the ids and weights the experts run on: a model's
+        # routing tape records and replays each token's experts through it (models/layers.py)
+        self.routing_hook: RoutingHook | None = None
         self._register_load_state_dict_pre_hook(self.take_shard)
 
     @classmethod
@@ -149,21 +157,48 @@ class FusedMoE(nn.Module):
         self.placement.cut_shard(state_dict, names, self.expert_weights(),
                                  (len(self.gate_weight), self.intermediate_size))
 
-    def routed_experts(self, x: torch.Tensor) -> torch.Tensor:
-        """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H)."""
+    def routed_experts(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H);
+        `topk_ids` (T, K): run these experts instead of the router's top-k."""
         h = self.expert_input_proj(x) if self.expert_input_proj is not None else x
         logits = router_logits(x, self.gate_weight, self.routing)  # [T, E]
-        h = self.runner(self.expert_weights(), h, logits, self.e_score_correction_bias)
+        bias = self.e_score_correction_bias
+        if topk_ids is None and self.routing_hook is None:
+            h = self.runner(self.expert_weights(), h, logits, bias)
+        else:
+            if type(self.runner).__call__ is not ExpertsRunner.__call__:
+                raise ValueError(f"the {self.backend} backend routes inside its kernel: given or "
+                                 "recorded routing needs one that routes apart (triton, torch)")
+            if topk_ids is None:
+                topk_ids, topk_weights = self.runner.route(logits, bias)  # [T, K] each
+            else:
+                topk_weights = self.weights_at(logits, topk_ids)
+            if self.routing_hook is not None:
+                topk_ids, topk_weights = self.routing_hook(topk_ids, topk_weights, logits)
+            h = self.runner.experts(h, self.expert_weights(), topk_ids, topk_weights)
         return self.expert_output_proj(h) if self.expert_output_proj is not None else h
 
-    def forward(self, hidden_states: torch.Tensor, overlap: bool = False) -> torch.Tensor:
+    def weights_at(self, logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """(T, K) float32 routing weights of the experts `topk_ids` by this router's own rule
+        (softmax or sigmoid of their scores, renormalized, scaled), from (T, E) logits; the
+        correction bias only ever steers the choice, so it plays no part."""
+        return topk_weights_torch(logits, topk_ids.clamp(0, logits.shape[-1] - 1), self.routing)
+
+    def forward(self, hidden_states: torch.Tensor, overlap: bool = False,
+                topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(..., H) -> (..., H). `overlap` runs the routed experts on the "alt" stream beside the
-        shared ones; both only read x and return fresh tensors."""
+        shared ones; both only read x and return fresh tensors. `topk_ids` (..., K), ids in
+        [0, E): these experts instead of the router's (replay), weighted by `weights_at`; their
+        range is checked on the host (one sync on a GPU)."""
         checks.layer_input(hidden_states, self.gate_weight)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
+        if topk_ids is not None:
+            checks.expert_ids("topk_ids", topk_ids, tuple(hidden_states.shape[:-1]),
+                              self.routing.top_k, len(self.gate_weight), x.device)
+            topk_ids = topk_ids.reshape(-1, self.routing.top_k)  # [T, K]
         if self.shared_experts is None:
-            return self.routed_experts(x).view_as(hidden_states)
-        branches = (lambda: self.shared_experts(x), lambda: self.routed_experts(x))
+            return self.routed_experts(x, topk_ids).view_as(hidden_states)
+        branches = (lambda: self.shared_experts(x), lambda: self.routed_experts(x, topk_ids))
         shared, routed = run_branches(*branches) if overlap else (branches[0](), branches[1]())
         if not isinstance(shared, torch.Tensor) or shared.shape != x.shape:
             got = tuple(shared.shape) if isinstance(shared, torch.Tensor) else type(shared).__name__

@@ -25,6 +25,7 @@ from moe_triton import (
     route_torch,
 )
 from moe_triton.platform import Platform
+from moe_triton.routing import topk_weights_torch
 from moe_triton.runners import SPECS, ExpertBackend, ExpertsRunner, register_backend
 from moe_triton.weights import FP8_DTYPE, NATIVE
 
@@ -69,6 +70,41 @@ def test_layer_matches_its_parts(backend, combination):
         assert out.shape == x.shape
         assert_close(out.reshape(-1, H), reference(layer, x.reshape(-1, H)), torch.float32, scale=2)
         assert torch.equal(layer(x, overlap=True), out)  # serial without CUDA: the same sum
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("routing", [RoutingSpec(K, renormalize=True),
+                                     RoutingSpec(K, Scoring.SIGMOID, renormalize=True,
+                                                 routed_scaling_factor=2.5, correction_bias=True),
+                                     RoutingSpec(K, select_on=SelectOn.LOGITS)],
+                         ids=["softmax", "biased-sigmoid", "topk-softmax"])
+def test_given_experts_run_weighted_by_the_routers_rule(backend, routing):
+    """FusedMoE(x, topk_ids=...): the given experts instead of the router's top-k, weighted as the
+    router weighs them (the bias only steers the choice); the router's own choice gives the free
+    call's output."""
+    layer = make_layer(backend, routing=routing)
+    x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    given = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(10)]).view(2, 5, K)
+    with torch.no_grad():
+        out = layer(x, topk_ids=given)
+        logits = x.reshape(-1, H).float() @ layer.gate_weight.float().T  # [T, E]
+        weights = topk_weights_torch(logits, given.reshape(-1, K), routing)
+        expected = fused_experts_torch(x.reshape(-1, H), layer.gate_up_proj, layer.down_proj,
+                                       given.reshape(-1, K), weights)
+        assert_close(out.reshape(-1, H), expected, torch.float32, scale=2)
+        free_ids, _ = route_torch(logits, routing, layer.e_score_correction_bias)
+        assert_close(layer(x, topk_ids=free_ids.view(2, 5, K)), layer(x), torch.float32)
+
+
+def test_bad_given_experts_are_named_before_anything_launches(no_launch):
+    layer = make_layer()
+    x = torch.randn(3, H)
+    ids = torch.zeros(3, K, dtype=torch.int64)
+    for bad, match in ((ids[:2], "shape"), (ids.float(), "int32/int64"), (ids + E, r"\[0, 8\)"),
+                       (ids - 1, r"\[0, 8\)"), ("0", "shape")):
+        with pytest.raises(ValueError, match=f"topk_ids.*{match}"):
+            layer(x, topk_ids=bad)
 
 
 def test_routed_scaling_is_applied_once_by_the_routing():
