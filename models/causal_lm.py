@@ -19,7 +19,7 @@ from moe_triton.graphs import (
 )
 from moe_triton.layer import FusedMoE
 
-from .layers import Batch, StaticKVCache
+from .layers import Batch, RoutingTape, StaticKVCache
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")
 FINISHED_CHECK_EVERY = 8
@@ -88,6 +88,7 @@ class CausalLM(nn.Module):
 
         self.config = config
         self.cache: StaticKVCache | None = None
+        self.routing_tape: RoutingTape | None = None  # setup(routing_tape=True)
         self.graphs: DecodeGraphRunner | None = None
         self.use_graphs = True
         self.use_overlap = True  # overlap branches on alternate streams in captured decode
@@ -111,7 +112,10 @@ class CausalLM(nn.Module):
     def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
         # evaluated while capturing, baked into the graph
         overlap = self.use_overlap and overlap_enabled(mode)
-        return Batch(mode, positions, slots, overlap)
+        batch = Batch(mode, positions, slots, overlap)
+        if self.routing_tape is not None:  # this forward's layers record (and replay) here
+            self.routing_tape.bind(batch)
+        return batch
 
     def forward(self, *args, **kwargs):
         raise ValueError(f"{type(self).__name__} is not called directly: use "
@@ -238,16 +242,22 @@ class CausalLM(nn.Module):
                 raise ValueError(f"{name} must lie in [0, {what}={high}), got values in "
                                  f"[{least}, {most}]{fix}")
 
-    def setup(self, max_batch: int, max_seq: int,
-              batch_sizes: tuple[int, ...] | None = None) -> None:
-        """The KV cache and, on CUDA, the decode graphs; all-to-all EP ranks pass one max_batch."""
+    def setup(self, max_batch: int, max_seq: int, batch_sizes: tuple[int, ...] | None = None,
+              routing_tape: bool = False) -> None:
+        """The KV cache and, on CUDA, the decode graphs; all-to-all EP ranks pass one max_batch.
+        `routing_tape`: also a RoutingTape, which every forward records each token's experts in
+        and replays them from (generate's return_routing / routing)."""
         max_batch = _count("setup's max_batch", max_batch, 1)
         max_seq = _count("setup's max_seq", max_seq, 1)
         if batch_sizes is not None:
             batch_sizes = _bucket_sizes(batch_sizes, max_batch)
         self._check_cache_fits(max_batch, max_seq,
                                "ask for fewer sequences (max_batch) or a shorter max_seq")
-        self.cache = self.graphs = None  # freed before the new one is allocated
+        sparse = self.sparse_layers()
+        if self.routing_tape is not None:
+            self.routing_tape.detach(sparse)
+        self.cache = self.graphs = self.routing_tape = None  # freed before the new ones
+        self._batch_sizes = batch_sizes
         parameter = next(self.parameters())
         config = self.config
         head_dim = (getattr(config, "head_dim", None)
@@ -255,7 +265,14 @@ class CausalLM(nn.Module):
         self.cache = StaticKVCache(config.num_hidden_layers, max_batch, max_seq,
                                    config.num_key_value_heads, head_dim, parameter.dtype,
                                    parameter.device)
-        runners = [layer.runner for layer in self.modules() if isinstance(layer, FusedMoE)]
+        if routing_tape:  # before the graphs: their steps record and replay too
+            top_ks = {layer.routing.top_k for layer in sparse}
+            if len(top_ks) != 1:
+                raise ValueError(f"setup(routing_tape=True) needs sparse MoE layers of one top_k, "
+                                 f"this model has {sorted(top_ks) or 'none'}")
+            self.routing_tape = RoutingTape(sparse, max_batch, max_seq, top_ks.pop(),
+                                            parameter.device)
+        runners = [layer.runner for layer in sparse]
         capturable = all(runner.graph_capturable for runner in runners)
         # EP ranks' graphs hold a dispatch to each other: one bucket (max_batch), run by every rank
         lockstep = any(runner.lockstep for runner in runners)
@@ -269,6 +286,10 @@ class CausalLM(nn.Module):
             config = GraphConfig(batch_sizes=sizes, lockstep=lockstep)
             self.graphs = DecodeGraphRunner(self._decode_step, inputs, config)
             self.graphs.capture()
+
+    def sparse_layers(self) -> list[FusedMoE]:
+        """The sparse MoE layers, in layer order (a routing tape's layer axis)."""
+        return [layer for layer in self.modules() if isinstance(layer, FusedMoE)]
 
     def cache_bytes(self, max_batch: int, max_seq: int) -> int:
         """setup's allocation: K and V per layer, each [max_batch + 1, Hkv, S, D]."""
@@ -293,13 +314,28 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *, eos_token_id=FROM_CONFIG,
-                 pad_token_id=FROM_CONFIG) -> torch.Tensor:
+                 pad_token_id=FROM_CONFIG, return_routing: bool = False,
+                 routing: torch.Tensor | None = None):
         """Greedy decoding, as transformers': (B, L) -> (B, L + n), n <= max_new_tokens. The eos /
-        pad ids default to the checkpoint's (eos None: never stop; pad None: the first eos id)."""
+        pad ids default to the checkpoint's (eos None: never stop; pad None: the first eos id).
+
+        Routing (max_new_tokens >= 1), over the P = L + max_new_tokens - 1 positions that go
+        through the model (the prompt, then each generated token but the last): `return_routing`
+        returns (tokens, routing), routing int32 [sparse layers, B, P, K] on the CPU, each
+        position's experts in the router's order, -1 from a sequence's last token on (eos);
+        `routing` of that shape replays: each layer runs the given experts, weighted by its
+        router's rule at them (FusedMoE.weights_at); a position whose K ids are all -1 routes
+        freely."""
         input_ids = self._checked_input_ids(input_ids)
         max_new_tokens = _count("max_new_tokens", max_new_tokens, 0)
         stop = self._stop_tokens(eos_token_id, pad_token_id)
         B, L = input_ids.shape
+        routed = return_routing or routing is not None
+        if routed and max_new_tokens == 0:
+            raise ValueError("return_routing / routing cover the positions generate runs through "
+                             "the model: ask for max_new_tokens >= 1")
+        if routing is not None:
+            routing = self._checked_routing(routing, B, L + max_new_tokens - 1)
         if max_new_tokens == 0:
             return input_ids.clone()
         if (self.cache is None or self.cache.max_batch < B
@@ -307,14 +343,19 @@ class CausalLM(nn.Module):
             self._check_cache_fits(B, L + max_new_tokens, "ask for fewer new tokens",
                                    f"generate({B} x {L} prompt tokens, "
                                    f"max_new_tokens={max_new_tokens})")
-            self.setup(B, L + max_new_tokens)
+            self.setup(B, L + max_new_tokens, routing_tape=routed or self.routing_tape is not None)
+        elif routed and self.routing_tape is None:
+            self.setup(self.cache.max_batch, self.cache.max_seq, self._batch_sizes,
+                       routing_tape=True)
+        tape = self.routing_tape
+        if tape is not None:
+            tape.start(B, routing)
         slots = torch.arange(B, device=input_ids.device)
         # generate's positions and slots lie in the cache by construction: the unchecked step
         step = self.graphs.run if self.graphs is not None else self._decode_step
         token = self.logits(self._prefill_checked(input_ids, slots)[:, -1]).argmax(-1)  # [B]
         # EP ranks decode in lockstep: none may return early alone
-        lockstep = any(layer.runner.lockstep for layer in self.modules()
-                       if isinstance(layer, FusedMoE))
+        lockstep = any(layer.runner.lockstep for layer in self.sparse_layers())
         generated = _Generated(stop, B, max_new_tokens, input_ids.device, early=not lockstep)
         tokens = [input_ids]
         for i in range(max_new_tokens):
@@ -323,7 +364,38 @@ class CausalLM(nn.Module):
                 break
             positions = torch.full((B,), L + i, dtype=torch.int64, device=input_ids.device)
             token = step({"token_ids": token, "positions": positions, "slots": slots}).argmax(-1)
-        return torch.cat(tokens, dim=1)[:, : L + generated.length()]
+        tokens = torch.cat(tokens, dim=1)[:, : L + generated.length()]
+        if tape is None:
+            return tokens
+        tape.replay[:B] = False
+        if not return_routing:
+            return tokens
+        # a sequence's last generated token (its eos, or the last asked for) is never routed
+        return tokens, tape.recorded(B, L + max_new_tokens - 1, L + generated.lengths - 1)
+
+    def _checked_routing(self, routing, batch: int, positions: int) -> torch.Tensor:
+        """routing [sparse layers, batch, positions, K]: each position's ids all in [0, E) or all
+        -1; checked where it lives (on the CPU, no sync)."""
+        layers = self.sparse_layers()
+        top_k = layers[0].routing.top_k if layers else 0
+        shape = (len(layers), batch, positions, top_k)
+        if (not isinstance(routing, torch.Tensor) or tuple(routing.shape) != shape
+                or routing.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"routing must be an int32/int64 tensor of shape {shape} (sparse "
+                             "layers, batch, prompt + new tokens - 1, top_k), as "
+                             f"generate(..., return_routing=True) returns it; got "
+                             f"{_described(routing)}")
+        experts = torch.tensor([len(layer.gate_weight) for layer in layers],
+                               device=routing.device).view(-1, 1, 1, 1)
+        given = ((routing >= 0) & (routing < experts)).all(dim=-1)
+        free = (routing == -1).all(dim=-1)
+        if not (given | free).all():
+            layer, b, position = (given | free).logical_not().nonzero()[0].tolist()
+            ids = routing[layer, b, position].tolist()
+            raise ValueError(f"routing[{layer}, {b}, {position}] = {ids}: each position's ids "
+                             f"must all lie in [0, {len(layers[layer].gate_weight)}) or all be -1 "
+                             "(route freely)")
+        return routing
 
     def _stop_tokens(self, eos_token_id, pad_token_id) -> StopTokens:
         default = self.stop_tokens

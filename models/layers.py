@@ -3,6 +3,7 @@ layer and model. Decode shapes are fixed, so a decode step can be captured in a 
 Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,6 +102,57 @@ class StaticKVCache:
     @property
     def dummy_slot(self) -> int:
         return self.max_batch
+
+
+class RoutingTape:
+    """Each sparse layer's experts per (slot, position): ids [layers, slots + 1, S, K] int32, -1
+    where none were recorded. A forward bound to a batch (`bind`) writes the experts each token
+    ran on (record), and where its slot replays (`replay`, per slot, on the device) and the tape
+    holds ids for its position, runs those instead, weighted by the layer's own rule. All on the
+    device, so a captured decode step does both; padding rows write into the dummy slot."""
+
+    def __init__(self, layers: list, max_batch: int, max_seq: int, top_k: int, device):
+        self.ids = torch.full((len(layers), max_batch + 1, max_seq, top_k), -1, dtype=torch.int32,
+                              device=device)
+        self.replay = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)  # [slots + 1]
+        self.slots = self.positions = None  # the bound batch's: [B], [B, L]
+        for index, layer in enumerate(layers):
+            layer.routing_hook = functools.partial(self._exchange, layer, index)
+
+    def bind(self, batch: Batch) -> None:
+        self.slots, self.positions = batch.slots, batch.positions
+
+    def start(self, batch: int, routing: torch.Tensor | None) -> None:
+        """Slots [0, batch) cleared; with `routing` [layers, batch, P, K], they replay it."""
+        self.ids[:, :batch].fill_(-1)
+        self.replay.fill_(False)
+        if routing is not None:
+            self.ids[:, :batch, :routing.shape[2]] = routing.to(self.ids.device, torch.int32)
+            self.replay[:batch] = True
+
+    def recorded(self, batch: int, positions: int, ends: torch.Tensor) -> torch.Tensor:
+        """Slots [0, batch)'s ids at positions < `positions`, -1 from each one's `ends` [batch]
+        on; on the CPU."""
+        ids = self.ids[:, :batch, :positions].clone()  # [layers, B, P, K]
+        past = torch.arange(positions, device=ids.device)[None, :] >= ends[:, None]  # [B, P]
+        ids[:, past] = -1
+        return ids.cpu()
+
+    def detach(self, layers: list) -> None:
+        for layer in layers:
+            layer.routing_hook = None
+
+    def _exchange(self, layer, index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routed (T, K) ids and weights -> those the experts run on, recorded at the bound
+        batch's (slot, position) of each token (T = B * L, row-major)."""
+        slots = self.slots[:, None].expand_as(self.positions)  # [B, L]
+        given = self.ids[index][slots, self.positions].view(topk_ids.shape)  # [T, K]
+        replay = (self.replay[slots].view(-1, 1) & (given[:, :1] >= 0))  # [T, 1]
+        ids = torch.where(replay, given, topk_ids.to(torch.int32))
+        weights = torch.where(replay, layer.weights_at(logits, ids), topk_weights)
+        self.ids[index][slots, self.positions] = ids.view(*slots.shape, -1)
+        return ids, weights
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int,

@@ -502,6 +502,23 @@ def test_prefill_of_a_host_prompt_never_syncs_the_host(checkpoint):
 
 
 @pytest.mark.gpu
+def test_decode_graphs_record_and_replay_routing_as_eager_decode_does(checkpoint):
+    """The routing tape inside captured decode steps: the same ids as eager steps record, and a
+    replay through the graphs gives the same tokens."""
+    _, path = checkpoint
+    graphs = load_model(path, dtype=torch.float32, device="cuda")
+    eager = load_model(path, dtype=torch.float32, device="cuda")
+    eager.use_graphs = False
+    ids, free = prompt().cuda(), dict(eos_token_id=None, return_routing=True)
+    tokens, routing = graphs.generate(ids, 6, **free)
+    assert graphs.graphs is not None and graphs.graphs.stats.num_graphs > 0
+    expected_tokens, expected = eager.generate(ids, 6, **free)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(routing, expected)
+    replayed, again = graphs.generate(ids, 6, routing=routing, **free)
+    assert torch.equal(replayed, tokens) and torch.equal(again, routing)
+
+
+@pytest.mark.gpu
 def test_float32_generation_through_graphs_matches_transformers(checkpoint):
     reference, path = checkpoint
     reference = copy.deepcopy(reference).to("cuda")
@@ -630,3 +647,94 @@ def test_race_inplace_output_corrupts_the_other_branch(inplace):
             "the in-place write did not race: the test cannot fail")
     else:
         assert torch.equal(side, expected_side)
+
+
+# ---- routing capture and replay: generate's return_routing / routing --------------------------
+
+@pytest.fixture
+def tape_checkpoint(checkpoint, request):
+    """`checkpoint` for the routing tape's tests, but for cohere2_moe-sum: its routing and decode
+    steps are the average variant's code path (a minute here)."""
+    if request.node.callspec.params["checkpoint"] == "cohere2_moe-sum":
+        pytest.skip("the same routing and decode code path as cohere2_moe")
+    return checkpoint
+
+
+def transformers_routing(reference, tokens: torch.Tensor) -> torch.Tensor:
+    """The experts transformers' own routers pick for `tokens` (B, P), teacher-forced: int32
+    [sparse layers, B, P, K] (each router returns logits, weights and the (T, K) ids)."""
+    seen = []
+    hooks = [module.register_forward_hook(lambda module, args, out: seen.append(out[2]))
+             for module in reference.modules() if type(module).__name__.endswith("Router")]
+    try:
+        with torch.no_grad():
+            reference(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    B, P = tokens.shape
+    return torch.stack([ids.view(B, P, -1) for ids in seen]).int()
+
+
+def test_generate_records_the_experts_transformers_routes_to(tape_checkpoint):
+    """return_routing: every position through the model (the prompt, each new token but the
+    last), each sparse layer's experts in the router's order: those transformers' routers pick
+    for the same sequence."""
+    reference, path = tape_checkpoint
+    ours = load_model(path, dtype=torch.float32)
+    ids, N = prompt(), 4
+    tokens, routing = ours.generate(ids, N, eos_token_id=None, return_routing=True)
+    top_k = reference.config.num_experts_per_tok
+    assert routing.dtype == torch.int32 and routing.device.type == "cpu"
+    assert routing.shape == (len(ours.sparse_layers()), 2, ids.shape[1] + N - 1, top_k)
+    assert torch.equal(routing, transformers_routing(reference, tokens[:, :-1]))
+
+
+def test_replayed_routing_gives_the_same_tokens_even_after_the_router_changes(tape_checkpoint):
+    _, path = tape_checkpoint
+    # the tape does not depend on the experts' backend (the recording test runs ours)
+    ours = load_model(path, dtype=torch.float32, backend="torch")
+    ids, free = prompt(), dict(eos_token_id=None, return_routing=True)
+    tokens, routing = ours.generate(ids, 5, **free)
+    replayed, again = ours.generate(ids, 5, routing=routing, **free)
+    assert torch.equal(replayed, tokens) and torch.equal(again, routing)  # captured while replayed
+    with torch.no_grad():  # another router: free routing changes
+        for layer in ours.sparse_layers():
+            layer.gate_weight.copy_(torch.randn(layer.gate_weight.shape,
+                                                generator=torch.Generator().manual_seed(7)))
+    assert not torch.equal(ours.generate(ids, 5, **free)[1], routing)
+    assert torch.equal(ours.generate(ids, 5, routing=routing, **free)[1], routing)
+
+
+def test_recorded_routing_ends_at_each_sequence_s_last_token_and_replays_with_eos(tape_checkpoint):
+    """With eos stopping, a row's positions from its last generated token on hold -1; replayed
+    (those positions route freely), the same tokens come out."""
+    _, path = tape_checkpoint
+    ours = load_model(path, dtype=torch.float32, backend="torch")
+    ids, N = prompt(length=5), 6  # (7 tokens: both rows of the Qwen3 model continue alike)
+    L = ids.shape[1]
+    eos, stops = eos_for_early_stops(ours.generate(ids, N, eos_token_id=None), L)
+    tokens, routing = ours.generate(ids, N, eos_token_id=eos, return_routing=True)
+    assert routing.shape[2] == L + N - 1
+    for row, stop in enumerate(stops):
+        end = L + (N - 1 if stop is None else stop)  # the positions its tokens went through
+        assert (routing[:, row, :end] >= 0).all() and (routing[:, row, end:] == -1).all()
+    assert torch.equal(ours.generate(ids, N, eos_token_id=eos, routing=routing), tokens)
+
+
+def test_bad_routing_is_refused_naming_it_before_anything_runs(tape_checkpoint, no_launch):
+    _, path = tape_checkpoint
+    ours = load_model(path, dtype=torch.float32)
+    ids = prompt()
+    layers, top_k = len(ours.sparse_layers()), ours.sparse_layers()[0].routing.top_k
+    good = torch.zeros(layers, 2, ids.shape[1] + 2, top_k, dtype=torch.int32)
+    num_experts = len(ours.sparse_layers()[0].gate_weight)
+    half_free = good.clone()
+    half_free[0, 1, 3, 0] = -1
+    for bad, match in ((good[:, :1], "shape"), (good.float(), "int32/int64"),
+                       (good + num_experts, r"\[0, \d+\)"), (half_free, "all be -1"),
+                       ([[0]], "shape")):
+        with pytest.raises(ValueError, match=match):
+            ours.generate(ids, 3, routing=bad)
+    with pytest.raises(ValueError, match="max_new_tokens >= 1"):
+        ours.generate(ids, 0, return_routing=True)

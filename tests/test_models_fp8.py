@@ -208,6 +208,17 @@ def test_fp8_kernels_match_transformers_logits_and_greedy_tokens(fp8_checkpoint)
     assert torch.equal(ours.generate(ids, max_new_tokens=4), generated)
 
 
+def test_fp8_experts_record_and_replay_their_routing(qwen3_fp8):
+    """The routing tape is the experts' format's business not at all: on FP8 experts a replayed
+    routing gives the same tokens and is recorded again as given."""
+    ours = load_model(qwen3_fp8["published"], dtype=torch.float16, backend="triton")
+    ids, free = prompt(), dict(eos_token_id=None, return_routing=True)
+    tokens, routing = ours.generate(ids, 3, **free)
+    assert (routing >= 0).all()
+    replayed, again = ours.generate(ids, 3, routing=routing, **free)
+    assert torch.equal(replayed, tokens) and torch.equal(again, routing)
+
+
 # ---- bad FP8 checkpoints: one error naming the tensor and what was expected ----------------------
 
 def edited(layouts, tmp_path, edit, layout="published"):
