@@ -134,7 +134,10 @@ class DirectLaunch:
         held = self._encoded.get(name)
         if held is not None and held[0]() is descriptor:
             return held[1]
-        expanded = _make_tensordesc_arg(descriptor, meta)
+        # a descriptor not lowered to TMA expands to its base tensor: held as an address, so a
+        # plan never keeps replaced weights alive
+        expanded = [value.data_ptr() if isinstance(value, torch.Tensor) else value
+                    for value in _make_tensordesc_arg(descriptor, meta)]
         self._encoded[name] = (weakref.ref(descriptor), expanded)
         return expanded
 
