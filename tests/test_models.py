@@ -681,7 +681,8 @@ def test_generate_records_the_experts_transformers_routes_to(tape_checkpoint):
     last), each sparse layer's experts in the router's order: those transformers' routers pick
     for the same sequence."""
     reference, path = tape_checkpoint
-    ours = load_model(path, dtype=torch.float32)
+    # the torch backend: the tape does not depend on the experts' (FP8's test runs ours)
+    ours = load_model(path, dtype=torch.float32, backend="torch")
     ids, N = prompt(), 4
     tokens, routing = ours.generate(ids, N, eos_token_id=None, return_routing=True)
     top_k = reference.config.num_experts_per_tok
@@ -692,23 +693,26 @@ def test_generate_records_the_experts_transformers_routes_to(tape_checkpoint):
 
 def test_replayed_routing_gives_the_same_tokens_even_after_the_router_changes(tape_checkpoint):
     _, path = tape_checkpoint
-    # the tape does not depend on the experts' backend (the recording test runs ours)
     ours = load_model(path, dtype=torch.float32, backend="torch")
     ids, free = prompt(), dict(eos_token_id=None, return_routing=True)
-    tokens, routing = ours.generate(ids, 5, **free)
-    replayed, again = ours.generate(ids, 5, routing=routing, **free)
+    tokens, routing = ours.generate(ids, 3, **free)
+    replayed, again = ours.generate(ids, 3, routing=routing, **free)
     assert torch.equal(replayed, tokens) and torch.equal(again, routing)  # captured while replayed
     with torch.no_grad():  # another router: free routing changes
         for layer in ours.sparse_layers():
             layer.gate_weight.copy_(torch.randn(layer.gate_weight.shape,
                                                 generator=torch.Generator().manual_seed(7)))
-    assert not torch.equal(ours.generate(ids, 5, **free)[1], routing)
-    assert torch.equal(ours.generate(ids, 5, routing=routing, **free)[1], routing)
+    assert not torch.equal(ours.generate(ids, 3, **free)[1], routing)
+    assert torch.equal(ours.generate(ids, 3, routing=routing, **free)[1], routing)
 
 
-def test_recorded_routing_ends_at_each_sequence_s_last_token_and_replays_with_eos(tape_checkpoint):
+def test_recorded_routing_ends_at_each_sequence_s_last_token_and_replays_with_eos(tape_checkpoint,
+                                                                                 request):
     """With eos stopping, a row's positions from its last generated token on hold -1; replayed
-    (those positions route freely), the same tokens come out."""
+    (those positions route freely), the same tokens come out. One family: where a sequence ends
+    is generate's, not the family's."""
+    if request.node.callspec.params["checkpoint"] != "qwen3_moe":
+        pytest.skip("one family: the stop bookkeeping is the same for every one")
     _, path = tape_checkpoint
     ours = load_model(path, dtype=torch.float32, backend="torch")
     ids, N = prompt(length=5), 6  # (7 tokens: both rows of the Qwen3 model continue alike)
