@@ -89,6 +89,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.cache: StaticKVCache | None = None
         self.routing_tape: RoutingTape | None = None  # setup(routing_tape=True)
+        self._batch_sizes: tuple[int, ...] | None = None  # setup's, kept when generate redoes it
         self.graphs: DecodeGraphRunner | None = None
         self.use_graphs = True
         self.use_overlap = True  # overlap branches on alternate streams in captured decode

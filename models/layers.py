@@ -115,12 +115,16 @@ class RoutingTape:
         self.ids = torch.full((len(layers), max_batch + 1, max_seq, top_k), -1, dtype=torch.int32,
                               device=device)
         self.replay = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)  # [slots + 1]
-        self.slots = self.positions = None  # the bound batch's: [B], [B, L]
+        # the bound batch's: each token's slot and position [B, L], whether its slot replays [T, 1]
+        self.slots = self.positions = self.replaying = None
         for index, layer in enumerate(layers):
             layer.routing_hook = functools.partial(self._exchange, layer, index)
 
     def bind(self, batch: Batch) -> None:
-        self.slots, self.positions = batch.slots, batch.positions
+        """Once per forward, what every layer's exchange indexes by (inside a captured step)."""
+        self.slots = batch.slots[:, None].expand_as(batch.positions)  # [B, L]
+        self.positions = batch.positions
+        self.replaying = self.replay[self.slots].view(-1, 1)  # [T, 1]
 
     def start(self, batch: int, routing: torch.Tensor | None) -> None:
         """Slots [0, batch) cleared; with `routing` [layers, batch, P, K], they replay it."""
@@ -146,12 +150,12 @@ class RoutingTape:
                   logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routed (T, K) ids and weights -> those the experts run on, recorded at the bound
         batch's (slot, position) of each token (T = B * L, row-major)."""
-        slots = self.slots[:, None].expand_as(self.positions)  # [B, L]
-        given = self.ids[index][slots, self.positions].view(topk_ids.shape)  # [T, K]
-        replay = (self.replay[slots].view(-1, 1) & (given[:, :1] >= 0))  # [T, 1]
+        rows = (self.slots, self.positions)  # [B, L] each
+        given = self.ids[index][rows].view(topk_ids.shape)  # [T, K]
+        replay = self.replaying & (given[:, :1] >= 0)  # [T, 1]
         ids = torch.where(replay, given, topk_ids.to(torch.int32))
         weights = torch.where(replay, layer.weights_at(logits, ids), topk_weights)
-        self.ids[index][slots, self.positions] = ids.view(*slots.shape, -1)
+        self.ids[index][rows] = ids.view(*self.slots.shape, -1)
         return ids, weights
 
 

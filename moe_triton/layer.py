@@ -182,7 +182,7 @@ class FusedMoE(nn.Module):
         """(T, K) float32 routing weights of the experts `topk_ids` by this router's own rule
         (softmax or sigmoid of their scores, renormalized, scaled), from (T, E) logits; the
         correction bias only ever steers the choice, so it plays no part."""
-        return topk_weights_torch(logits, topk_ids.clamp(0, logits.shape[-1] - 1), self.routing)
+        return topk_weights_torch(logits, topk_ids, self.routing)
 
     def forward(self, hidden_states: torch.Tensor, overlap: bool = False,
                 topk_ids: torch.Tensor | None = None) -> torch.Tensor:
