@@ -31,10 +31,6 @@ class GemmConfig:
     # launched by PDL behind the first GEMM (decode's second; finalize too): its launch and
     # prologue overlap that one's tail, then it waits for its activations
     dependent: bool = False
-    # FP8, activations in (token, block_c) groups at run time (block-scaled weights): the first
-    # GEMM quantizes its a tiles itself, one launch and one [T, H] e4m3 copy fewer. Opt-in: not
-    # yet run on the H200 (docs/PERFORMANCE.md, issue 29)
-    quantize_a: bool = False
 
     def __post_init__(self):
         _check_tile_fields(self, ("block_m", "block_n", "block_c"), ("group_m", "num_stages"))
@@ -109,8 +105,7 @@ class MoEConfig:
             return (f"{c.block_n}x{c.block_c}/s{c.num_stages}/w{c.num_warps}"
                     f"{'/tma' if c.tma_weights else ''}{'/tma_a' if c.tma_activations else ''}"
                     f"{f'/P{c.persistent_programs}' if c.persistent_programs else ''}"
-                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.dependent else ''}"
-                    f"{'/qa' if c.quantize_a else ''}")
+                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.dependent else ''}")
         if self.decode is not None:
             d = self.decode
             return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"

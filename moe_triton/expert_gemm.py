@@ -32,7 +32,7 @@ from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
 from .launch import BoundLaunch, interpreter_serialized
 from .platform import gdc_launch_dependents, gdc_wait, interpreter_enabled
-from .quantize import fp8_scale, nan_max, quantize_rows, quantize_tile
+from .quantize import fp8_scale, nan_max, quantize_tile
 from .weights import FP8_DTYPE
 
 
@@ -46,17 +46,13 @@ class ScaleAlongC(enum.Enum):  # where a scale applies, by whether it changes al
 @dataclass(frozen=True, eq=False)
 class Fp8Scales:
     """The float32 multipliers that dequantize one GEMM's FP8 operands."""
-    # [rows of a, G]: row r's scale for columns [g * a_group, (g + 1) * a_group); None: a is
-    # bf16/fp16, quantized in the kernel one (row, step) group at a time (a_group: the step)
-    a: torch.Tensor | None
+    a: torch.Tensor  # [rows of a, G]: row r's scale for columns [g * a_group, (g + 1) * a_group)
     a_group: int  # columns of a per scale (>= C: one scale per row)
     w: torch.Tensor  # [E, N_w / block_n, C / block_c] per block, or [E, N_w] per output row
     w_block: tuple[int, int] | None  # (block_n, block_c), or None for per-row weight scales
     w_up_offset: int = 0  # w's scale rows before the up half's (gated: the gate's rows)
 
     def a_along_c(self, c: int, block_c: int) -> ScaleAlongC:
-        if self.a is None:  # quantized in the kernel: a scale per step
-            return ScaleAlongC.PER_STEP
         if self.a_group >= c:
             return ScaleAlongC.PER_SUM
         return ScaleAlongC.IN_STEP if self.a_group % block_c else ScaleAlongC.PER_STEP
@@ -68,14 +64,12 @@ class Fp8Scales:
 
     def kernel_args(self, c: int, block_n: int, block_c: int, per_tile: bool = False) -> dict:
         """per_tile: one weight scale per tile and step where the blocks allow (W_SCALAR)."""
-        a_strides = ((0, 0) if self.a is None
-                     else (self.a.stride(0), self.a.stride(-1) if self.a.dim() > 1 else 0))
+        a_strides = (self.a.stride(0), self.a.stride(-1) if self.a.dim() > 1 else 0)
         # per row: one "block" column
         w_strides = self.w.stride() if self.w.dim() == 3 else (*self.w.stride(), 0)
         w_block_n, w_block_c = self.w_block or (1, 1)
         w_along_c = self.w_along_c(block_c)
-        return dict(A_SCALE=self.a_along_c(c, block_c).value, QUANTIZE_A=self.a is None,
-                    W_SCALE=w_along_c.value,
+        return dict(A_SCALE=self.a_along_c(c, block_c).value, W_SCALE=w_along_c.value,
                     W_SCALAR=(per_tile and w_along_c is ScaleAlongC.PER_STEP
                               and w_block_n % block_n == 0),
                     A_GROUP=self.a_group, W_BLOCK_N=w_block_n, W_BLOCK_C=w_block_c,
@@ -84,9 +78,9 @@ class Fp8Scales:
                     stride_ws_e=w_strides[0], stride_ws_n=w_strides[1], stride_ws_c=w_strides[2])
 
 
-UNSCALED = dict(A_SCALE=0, QUANTIZE_A=False, W_SCALE=0, W_SCALAR=False, A_GROUP=1, W_BLOCK_N=1,
-                W_BLOCK_C=1, NAN_BITS=False, w_scale_up_offset=0, stride_as_m=0, stride_as_g=0,
-                stride_ws_e=0, stride_ws_n=0, stride_ws_c=0)
+UNSCALED = dict(A_SCALE=0, W_SCALE=0, W_SCALAR=False, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1,
+                NAN_BITS=False, w_scale_up_offset=0, stride_as_m=0, stride_as_g=0, stride_ws_e=0,
+                stride_ws_n=0, stride_ws_c=0)
 NO_EPILOGUE = dict(ACT_KIND=-1, ACT_LIMIT=0.0, ACT_ALPHA=0.0)
 
 
@@ -156,7 +150,6 @@ def _expert_gemm_kernel(
     ACT_KIND: tl.constexpr,  # -1: no epilogue; else the activation applied before the store
     SPLIT_C: tl.constexpr,  # programs along C (grid axis 1); > 1 stores float32 partials per slice
     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr,  # ScaleAlongC of a's and w's FP8 scales
-    QUANTIZE_A: tl.constexpr,  # a is bf16/fp16: each step's (row, BLOCK_C) group quantized here
     A_GROUP: tl.constexpr,  # columns of a per a-scale (PER_STEP: a multiple of BLOCK_C)
     NAN_BITS: tl.constexpr,  # FP8, interpreted: the product's NaN rows / columns from the e4m3 bits
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE per or in a step)
@@ -183,8 +176,8 @@ def _expert_gemm_kernel(
                 stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n,
                 stride_ws_c, stride_os_m,
                 A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
-                QUANTIZE_A, A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT,
-                ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
+                IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
     else:
         if TRIGGER:
             gdc_launch_dependents()
@@ -211,8 +204,8 @@ def _expert_gemm_kernel(
             stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c,
             stride_os_m,
             A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
-            QUANTIZE_A, A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT,
-            ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+            A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
+            IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
 
 
 @triton.jit
@@ -236,8 +229,7 @@ def _gemm_tile(
     stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
     A_DESC: tl.constexpr, W_DESC: tl.constexpr, GATHER_TOP_K: tl.constexpr,
     FUSED_GATE: tl.constexpr, ACT_KIND: tl.constexpr, SPLIT_C: tl.constexpr,
-    A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, QUANTIZE_A: tl.constexpr,
-    A_GROUP: tl.constexpr, NAN_BITS: tl.constexpr,
+    A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, A_GROUP: tl.constexpr, NAN_BITS: tl.constexpr,
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr, W_SCALAR: tl.constexpr,
     OUT_FP8: tl.constexpr,
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
@@ -288,9 +280,7 @@ def _gemm_tile(
         a_scale = 0.0
         w_scale = 0.0
         w_up_scale = 0.0
-        if QUANTIZE_A:  # the step is a's scale group: quantize.py's rule, in registers
-            a, a_scale = quantize_rows(a.to(tl.float32))  # [BLOCK_M, BLOCK_C] e4m3, [BLOCK_M]
-        elif A_SCALE == 1:
+        if A_SCALE == 1:
             a_scales = a_scale_row + (c_first // A_GROUP) * stride_as_g  # [BLOCK_M]
             a_scale = tl.load(a_scales, mask=is_real, other=0.0)
         elif A_SCALE == 3:
@@ -387,15 +377,8 @@ def takes_descriptor(t: torch.Tensor) -> bool:
     return t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
-def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor, block_c: int) -> None:
-    if scales.a is None:  # quantized in the kernel, a step per group
-        if a.dtype not in (torch.float16, torch.bfloat16) or w.dtype != FP8_DTYPE:
-            raise ValueError(f"a quantized in the kernel must be bfloat16/float16 and w "
-                             f"{FP8_DTYPE}, got {a.dtype} and {w.dtype}")
-        if scales.a_group != block_c:
-            raise ValueError(f"a quantized in the kernel needs config.block_c = its group, "
-                             f"{scales.a_group}; got block_c={block_c}")
-    elif a.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
+def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor) -> None:
+    if a.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
         raise ValueError(f"FP8 scales were given but a is {a.dtype} and w is {w.dtype}; "
                          f"both must be {FP8_DTYPE}")
 
@@ -442,9 +425,8 @@ class ExpertGemmPlan:
 def _gemm_tensors(a, a_desc, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out,
                   out_scales) -> dict:
     sorted_pair_ids, block_expert, num_rows = layout.block_tensors()
-    # unread without FP8, or a quantized in the kernel: any valid address
-    a_scale = out if a_scale is None else a_scale
-    w_scale = out if w_scale is None else w_scale
+    if a_scale is None:  # unread without FP8
+        a_scale, w_scale = out, out
     return dict(a_ptr=a, a_desc=a_desc, w_ptr=w, w_desc=w_desc, out_ptr=out,
                 sorted_pair_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert,
                 num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids, a_scale_ptr=a_scale,
@@ -474,7 +456,7 @@ def plan_expert_gemm(
         raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation "
                          "or an FP8 output needs the whole sum: split only the second GEMM")
     if scales is not None:
-        _check_scales(scales, a, w, config.block_c)
+        _check_scales(scales, a, w)
     E, N, C = w.shape
     split_c = config.split_c
     gated = activation is not None and activation.gated

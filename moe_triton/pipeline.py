@@ -8,7 +8,7 @@ import torch
 
 from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
-from .config import FP8_MIN_STEP, GemmConfig, MoEConfig, choose_config
+from .config import FP8_MIN_STEP, MoEConfig, choose_config
 from .decode import DecodePlan, plan_decode_experts
 from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, per_pair_layout, plan_expand
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
@@ -232,8 +232,8 @@ class LayerPlan:
             return cls(T, H, expand, quantize, None, None, decode, finalize)
         fp8 = weights.format.fp8 is not None
         x, quantize, up_scales = hidden_states, None, None
-        if fp8:  # quantized apart, or (config.up.quantize_a) by the up GEMM: quantize None
-            quantize, x, up_scales = _plan_quantize(hidden_states, weights, config.up)
+        if fp8:
+            quantize, x, up_scales = _plan_quantize(hidden_states, weights)
         # decode: down and finalize launch as PDL dependents (config.down.dependent)
         pdl = config.down.dependent and dependent_launch(hidden_states.device)
         up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
@@ -268,21 +268,11 @@ def _plan_decode_kernel(hidden_states, weights: ExpertWeights, topk_weights, lay
     return quantize, decode, finalize
 
 
-def _plan_quantize(hidden_states, weights: ExpertWeights,
-                   up: GemmConfig) -> tuple[QuantizePlan | None, torch.Tensor, Fp8Scales]:
-    """(quantize, x as up reads it, up's scales); up.quantize_a: no pass, x stays as given."""
+def _plan_quantize(hidden_states,
+                   weights: ExpertWeights) -> tuple[QuantizePlan, torch.Tensor, Fp8Scales]:
+    """(quantize, x as up reads it, up's scales)."""
     block = weights.format.block
     group = block[1] if block is not None else None
-    if up.quantize_a:
-        if group is None or weights.format.static_input:
-            raise ValueError("config.up.quantize_a quantizes activations in (token, block) "
-                             "groups at run time: it needs block-scaled FP8 weights with "
-                             f"dynamic activations, not {weights.format}; set it False")
-        if group != up.block_c:
-            raise ValueError(f"config.up.quantize_a quantizes a {group}-column group per step: "
-                             f"it needs config.up.block_c={group}, got {up.block_c}")
-        return None, hidden_states, Fp8Scales(None, group, weights.w13_scale, block,
-                                              weights.w13_scale_up_offset)
     quantize = plan_quantize(hidden_states, group, weights.input_scale is not None)
     x, x_scales = quantize.outputs("meta", weights.input_scale)  # [T, H] e4m3, [T, G]
     scales = Fp8Scales(x_scales, group or weights.hidden_size, weights.w13_scale, block,

@@ -12,14 +12,12 @@ TRITON_INTERPRET must be off.
 
 A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or "native"
 (bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
-fewer); "decode": true takes decode_config's tiles (the decode kernel); "quantize_a": true
-sets config.up.quantize_a. Prints one line per
+fewer); "decode": true takes decode_config's tiles (the decode kernel). Prints one line per
 case; exits non-zero at the first kernel that does not compile.
 """
 import json
 import os
 import sys
-from dataclasses import replace
 
 import torch
 
@@ -81,8 +79,6 @@ def compile_case(case: dict) -> str:
     else:  # the pipeline's tiles for E_real experts: meta stand-ins say what it looks at
         seen = ExpertWeights.empty(case.get("E_real", E), H, I, True, fmt, torch.bfloat16, "meta")
         config = default_config(T, K, seen, torch.device("cuda"))
-        if case.get("quantize_a"):  # opt-in: the up GEMM quantizes its activations
-            config = replace(config, up=replace(config.up, quantize_a=True))
     weights = ExpertWeights.empty(E, H, I, True, fmt, torch.bfloat16)
     x = torch.zeros(T, H, dtype=torch.bfloat16)
     ids = (torch.arange(T * K) % E).reshape(T, K).int()

@@ -11,7 +11,6 @@ is exact and whose casts we do not use), against two independent float32 computa
   0.036); four independent roundings give a relative RMS error near 2 * 0.036 = 0.072, bounded by
   FP8_RMS_TOL.
 """
-import dataclasses
 import functools
 import json
 import os
@@ -123,34 +122,6 @@ def test_fp8_experts(name, T, layout, poisoned_empty):
     x, weights, ids, topk_weights = fp8_layer(FORMATS[name], T, filtered=True, seed=T)
     out = run_experts(x, weights, ids, topk_weights, config=CPU_CONFIG[layout])
     check(out, x, weights, ids, topk_weights, block_n=32)
-
-
-@pytest.mark.parametrize("T,layout", [(1, LayoutKind.PER_PAIR), (17, LayoutKind.SORTED)],
-                         ids=str)
-def test_fp8_up_gemm_quantizing_its_own_activations_gives_the_same_bits(T, layout,
-                                                                       poisoned_empty):
-    """config.up.quantize_a: the up GEMM quantizes each (token, step) group of x itself, by
-    quantize.py's rule, instead of a pass before it; the same e4m3 values and scales reach the
-    same dots, so the same output bits (a NaN token's row too)."""
-    x, weights, ids, topk_weights = fp8_layer(WeightFormat.fp8_block(32, 32), T, seed=T)
-    x[0, 3] = float("nan")
-    config = CPU_CONFIG[layout]
-    in_kernel = dataclasses.replace(config, up=dataclasses.replace(config.up, quantize_a=True))
-    out = run_experts(x, weights, ids, topk_weights, config=in_kernel)
-    expected = run_experts(x, weights, ids, topk_weights, config=config)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
-    assert out[0].isnan().all()
-    check(out[1:], x[1:], weights, ids[1:], topk_weights[1:], block_n=32)
-
-
-@pytest.mark.parametrize("fmt", [WeightFormat.fp8_tensor(), WeightFormat.fp8_channel(),
-                                 WeightFormat.fp8_block(16, 16)], ids=str)
-def test_fp8_up_gemm_quantizing_its_own_activations_needs_one_group_per_step(fmt, no_launch):
-    x, weights, ids, topk_weights = fp8_layer(fmt, 3)
-    config = CPU_CONFIG[LayoutKind.SORTED]  # block_c 32
-    in_kernel = dataclasses.replace(config, up=dataclasses.replace(config.up, quantize_a=True))
-    with pytest.raises(ValueError, match="quantize_a|block_c"):
-        run_experts(x, weights, ids, topk_weights, config=in_kernel)
 
 
 @pytest.mark.parametrize("activation", [Activation(ActivationKind.RELU2),
@@ -274,8 +245,7 @@ SM90_CASES = {
     "qwen3": ([dict(QWEN3_SHAPE, T=T, format="block", block=block)
                for block in ([16, 16], [128, 128]) for T in (1, 64, 4096)]
               + [dict(QWEN3_SHAPE, T=T, format=name)
-                 for name in ("channel", "tensor") for T in (1, 4096)]
-              + [dict(QWEN3_SHAPE, T=1, format="block", block=[128, 128], quantize_a=True)]),
+                 for name in ("channel", "tensor") for T in (1, 4096)]),
 }
 
 
@@ -412,25 +382,6 @@ def test_fp8_experts_on_the_gpu(shape_name, name, T):
     print(f"\n{shape_name} {name} T={T}: max error {worst:.2e} of max|emulation|, relative RMS "
           f"{rms:.2e}")
     assert worst <= GPU_EMULATION_MAX_TOL and rms <= GPU_EMULATION_RMS_TOL, config.describe()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 256])
-def test_fp8_up_gemm_quantizing_its_own_activations_on_the_gpu(T):
-    """config.up.quantize_a at decode sizes (the up GEMM quantizes x itself, one launch fewer):
-    the same bits as the quantization pass it replaces, compiled for the H200."""
-    from moe_triton.pipeline import default_config
-    from moe_triton.tools.bench import GRID_SHAPES, random_inputs
-
-    shape = GRID_SHAPES["Qwen3-30B-A3B"]
-    weights = gpu_weights("Qwen3-30B-A3B", FORMATS["block128"])
-    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
-    x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
-    apart = default_config(T, shape.top_k, weights, x.device)
-    config = dataclasses.replace(apart, up=dataclasses.replace(apart.up, quantize_a=True))
-    assert config.up.block_c == 128, config.describe()  # one scale group per step
-    out = run_experts(x, weights, ids, topk_weights, config=config)
-    assert torch.equal(out, run_experts(x, weights, ids, topk_weights, config=apart))
 
 
 @pytest.mark.gpu
