@@ -113,10 +113,18 @@ class CausalLM(nn.Module):
     def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
         # evaluated while capturing, baked into the graph
         overlap = self.use_overlap and overlap_enabled(mode)
-        batch = Batch(mode, positions, slots, overlap)
-        if self.routing_tape is not None:  # this forward's layers record (and replay) here
-            self.routing_tape.bind(batch)
-        return batch
+        return Batch(mode, positions, slots, overlap)
+
+    def _forward(self, token_ids: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The decoder stack on (B, L) ids -> hidden (B, L, H); a routing tape bound for it."""
+        tape = self.routing_tape
+        if tape is None:
+            return self.model(token_ids, batch, self.cache)
+        tape.bind(batch)
+        try:
+            return self.model(token_ids, batch, self.cache)
+        finally:
+            tape.unbind()
 
     def forward(self, *args, **kwargs):
         raise ValueError(f"{type(self).__name__} is not called directly: use "
@@ -153,7 +161,7 @@ class CausalLM(nn.Module):
         """The prefill forward on checked ids and slots (generate's, which checked them)."""
         B, L = input_ids.shape
         positions = torch.arange(L, device=input_ids.device).expand(B, L)
-        return self.model(input_ids, self.batch(ForwardMode.PREFILL, positions, slots), self.cache)
+        return self._forward(input_ids, self.batch(ForwardMode.PREFILL, positions, slots))
 
     @torch.no_grad()
     def decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -167,7 +175,7 @@ class CausalLM(nn.Module):
     def _decode_step(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """decode_step unchecked: what the graphs capture and generate runs."""
         batch = self.batch(ForwardMode.DECODE, inputs["positions"][:, None], inputs["slots"])
-        hidden = self.model(inputs["token_ids"][:, None], batch, self.cache)  # [B, 1, H]
+        hidden = self._forward(inputs["token_ids"][:, None], batch)  # [B, 1, H]
         return self.logits(hidden[:, 0])
 
     def _checked_input_ids(self, input_ids) -> torch.Tensor:
@@ -255,8 +263,6 @@ class CausalLM(nn.Module):
         self._check_cache_fits(max_batch, max_seq,
                                "ask for fewer sequences (max_batch) or a shorter max_seq")
         sparse = self.sparse_layers()
-        if self.routing_tape is not None:
-            self.routing_tape.detach(sparse)
         self.cache = self.graphs = self.routing_tape = None  # freed before the new ones
         self._batch_sizes = batch_sizes
         parameter = next(self.parameters())

@@ -3,7 +3,6 @@ layer and model. Decode shapes are fixed, so a decode step can be captured in a 
 Legend: B sequences, L tokens per sequence (prefill), S cache length, Hq/Hkv heads, D head dim."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.graphs import ForwardMode
+from moe_triton.routing import RouteTape
 
 from .decode_attention import decode_attention
 from .rms_norm import add_rms_norm, rms_norm
@@ -106,25 +106,32 @@ class StaticKVCache:
 
 class RoutingTape:
     """Each sparse layer's experts per (slot, position): ids [layers, slots + 1, S, K] int32, -1
-    where none were recorded. A forward bound to a batch (`bind`) writes the experts each token
-    ran on (record), and where its slot replays (`replay`, per slot, on the device) and the tape
-    holds ids for its position, runs those instead, weighted by the layer's own rule. All on the
-    device, so a captured decode step does both; padding rows write into the dummy slot."""
+    where none were recorded. A forward bound to a batch (`bind` ... `unbind`) has each layer's
+    routing kernel record the experts each token ran on and, where the token's slot replays
+    (`replay`, per slot, on the device) and the tape holds ids for its position, run those
+    instead, weighted by the layer's own rule (routing.RouteTape). All on the device, so a captured
+    decode step does both; padding rows write into the dummy slot."""
 
     def __init__(self, layers: list, max_batch: int, max_seq: int, top_k: int, device):
+        self.layers = layers
         self.ids = torch.full((len(layers), max_batch + 1, max_seq, top_k), -1, dtype=torch.int32,
                               device=device)
         self.replay = torch.zeros(max_batch + 1, dtype=torch.bool, device=device)  # [slots + 1]
-        # the bound batch's: each token's slot and position [B, L], whether its slot replays [T, 1]
-        self.slots = self.positions = self.replaying = None
-        for index, layer in enumerate(layers):
-            layer.routing_hook = functools.partial(self._exchange, layer, index)
+        self.rows_of_layer = [ids.view(-1, top_k) for ids in self.ids]  # [(slots + 1) * S, K]
 
     def bind(self, batch: Batch) -> None:
-        """Once per forward, what every layer's exchange indexes by (inside a captured step)."""
-        self.slots = batch.slots[:, None].expand_as(batch.positions)  # [B, L]
-        self.positions = batch.positions
-        self.replaying = self.replay[self.slots].view(-1, 1)  # [T, 1]
+        """Before a forward: each layer records into (and replays from) this batch's rows, found
+        once here for every layer (inside a captured step, so replays find them anew)."""
+        slots = batch.slots[:, None].expand_as(batch.positions)  # [B, L]
+        rows = (slots * self.ids.shape[2] + batch.positions).reshape(-1)  # [T] int64
+        replay = self.replay[slots].reshape(-1)  # [T]
+        for layer, ids in zip(self.layers, self.rows_of_layer, strict=True):
+            layer.route_tape = RouteTape(ids, rows, replay)
+
+    def unbind(self) -> None:
+        """After a forward: the layers route as if no tape existed."""
+        for layer in self.layers:
+            layer.route_tape = None
 
     def start(self, batch: int, routing: torch.Tensor | None) -> None:
         """Slots [0, batch) cleared; with `routing` [layers, batch, P, K], they replay it."""
@@ -141,22 +148,6 @@ class RoutingTape:
         past = torch.arange(positions, device=ids.device)[None, :] >= ends[:, None]  # [B, P]
         ids[:, past] = -1
         return ids.cpu()
-
-    def detach(self, layers: list) -> None:
-        for layer in layers:
-            layer.routing_hook = None
-
-    def _exchange(self, layer, index: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The routed (T, K) ids and weights -> those the experts run on, recorded at the bound
-        batch's (slot, position) of each token (T = B * L, row-major)."""
-        rows = (self.slots, self.positions)  # [B, L] each
-        given = self.ids[index][rows].view(topk_ids.shape)  # [T, K]
-        replay = self.replaying & (given[:, :1] >= 0)  # [T, 1]
-        ids = torch.where(replay, given, topk_ids.to(torch.int32))
-        weights = torch.where(replay, layer.weights_at(logits, ids), topk_weights)
-        self.ids[index][rows] = ids.view(*self.slots.shape, -1)
-        return ids, weights
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int,

@@ -3,7 +3,6 @@ shared) and calling its runner, where backends, formats and placements differ (r
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,14 +14,11 @@ from .activation import SILU_AND_MUL, Activation
 from .context import ModelContext
 from .graphs import run_branches
 from .placement import Placement
-from .routing import RoutingSpec, router_logits, topk_weights_torch
+from .routing import RouteTape, RoutingSpec, router_logits, topk_weights_torch
 from .runners.resolver import build_runner, resolve
 from .runners.runner import ExpertsRunner
 from .runners.spec import LayerTraits
 from .weights import NATIVE, ExpertWeights, WeightFormat
-
-RoutingHook = Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
-                       tuple[torch.Tensor, torch.Tensor]]
 
 _EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
                    "down_proj_scale": "w2_scale", "input_scale": "input_scale"}
@@ -115,9 +111,9 @@ class FusedMoE(nn.Module):
                                   traits)
         self.runner = build_runner(self.resolution, traits, placement)
         self._prepared: ExpertWeights | None = None
-        # (topk_ids, topk_weights, logits) -> the ids and weights the experts run on: a model's
-        # routing tape records and replays each token's experts through it (models/layers.py)
-        self.routing_hook: RoutingHook | None = None
+        # set for one forward by a model's routing tape (models/layers.py): the routing records
+        # each token's experts there and replays them from it
+        self.route_tape: RouteTape | None = None
         self._register_load_state_dict_pre_hook(self.take_shard)
 
     @classmethod
@@ -163,18 +159,21 @@ class FusedMoE(nn.Module):
         h = self.expert_input_proj(x) if self.expert_input_proj is not None else x
         logits = router_logits(x, self.gate_weight, self.routing)  # [T, E]
         bias = self.e_score_correction_bias
-        if topk_ids is None and self.routing_hook is None:
+        tape = self.route_tape
+        if topk_ids is None and tape is None:
             h = self.runner(self.expert_weights(), h, logits, bias)
         else:
             if type(self.runner).__call__ is not ExpertsRunner.__call__:
                 raise ValueError(f"the {self.backend} backend routes inside its kernel: given or "
                                  "recorded routing needs one that routes apart (triton, torch)")
             if topk_ids is None:
-                topk_ids, topk_weights = self.runner.route(logits, bias)  # [T, K] each
-            else:
+                topk_ids, topk_weights = self.runner.route(logits, bias, tape)  # [T, K] each
+            elif tape is None:
                 topk_weights = self.weights_at(logits, topk_ids)
-            if self.routing_hook is not None:
-                topk_ids, topk_weights = self.routing_hook(topk_ids, topk_weights, logits)
+            else:
+                raise ValueError("topk_ids were given while a model's routing tape is bound to "
+                                 "this layer (route_tape): the tape chooses the experts inside a "
+                                 "model forward; call the layer with topk_ids outside one")
             h = self.runner.experts(h, self.expert_weights(), topk_ids, topk_weights)
         return self.expert_output_proj(h) if self.expert_output_proj is not None else h
 

@@ -5,6 +5,9 @@ transformers router; all in float32. A row's ids are distinct, in [0, E), by des
 torch.topk sorted=True), ties to the smaller index. A NaN key ranks below -inf, so NaN never yields
 a bad or repeated id (a softmax row holding NaN is all NaN and routes to experts 0..K-1). The
 renormalising + 1e-20 (NemotronH's 0 / 0 guard) changes float32 results only for sums < ~2e-13.
+
+With a `RouteTape`, the same launch also records each token's ids in the tape and, where the token
+replays, takes them from it instead, weighted by the same rule (a model's routing capture/replay).
 """
 import enum
 import math
@@ -93,6 +96,17 @@ class RouteConfig:
         return dict(num_warps=self.num_warps)
 
 
+@dataclass(frozen=True)
+class RouteTape:
+    """Where `route` records each token's ids and replays them from: token t's row of `ids` is
+    rows[t]; it runs that row's ids instead of its top-k where replay[t] and the row holds ids
+    (a row of -1 routes freely), then its row holds the ids it ran."""
+
+    ids: torch.Tensor  # [R, K] int32, contiguous
+    rows: torch.Tensor  # [T] int64, in [0, R)
+    replay: torch.Tensor  # [T] bool
+
+
 def route_config(num_tokens: int, num_experts: int) -> RouteConfig:
     # ~4096 keys per program: the handful of live [BLOCK_T, E_PAD] tiles stay in registers at
     # E = 512 (8 tokens), small E still packs many tokens per program; never wider than the batch.
@@ -112,17 +126,27 @@ def _take_max(keys, available, cols, PAD: tl.constexpr):
 @interpreter_serialized
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr,
+    logits_ptr, bias_ptr, topk_ids_ptr, topk_weights_ptr, tape_ids_ptr, tape_rows_ptr,
+    tape_replay_ptr,
     num_tokens, num_experts, stride_logits_t, stride_logits_e, routed_scaling_factor,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     SIGMOID: tl.constexpr, SELECT_ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    TAPE: tl.constexpr,  # record into (and replay from) a RouteTape
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     cols = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
+    kcols = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
     row_ok = rows[:, None] < num_tokens
     col_ok = cols < num_experts
+    k_ok = kcols < TOP_K
+    if TAPE:
+        tape_rows = tl.load(tape_rows_ptr + rows, mask=rows < num_tokens, other=0)  # [BLOCK_T]
+        tape_offsets = tape_rows[:, None] * TOP_K + kcols  # [BLOCK_T, K_PAD]
+        given = tl.load(tape_ids_ptr + tape_offsets, mask=row_ok & k_ok, other=-1)
+        replaying = ((tl.load(tape_replay_ptr + rows, mask=rows < num_tokens, other=0) != 0)
+                     & (tl.max(tl.where(kcols == 0, given, -1), axis=1) >= 0))  # [BLOCK_T]
     offsets = rows[:, None].to(tl.int64) * stride_logits_t + cols * stride_logits_e
     x = tl.load(logits_ptr + offsets, mask=row_ok & col_ok,
                 other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
@@ -160,18 +184,18 @@ def _route_kernel(
             in_kept = in_kept | (group == kept[:, None])
         available = available & in_kept
 
-    kcols = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
     topk_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
     topk_weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     for j in range(TOP_K):
         _, pick = _take_max(key, available, cols, E_PAD)  # [BLOCK_T]
+        if TAPE:  # a replayed id is weighted from the same scores as a chosen one
+            pick = tl.where(replaying, tl.max(tl.where(kcols == j, given, -1), axis=1), pick)
         chosen = cols == pick[:, None]  # [BLOCK_T, E_PAD], one True per row
         available = available & ~chosen
         value = tl.sum(tl.where(chosen, weight_src, 0.0), axis=1)  # [BLOCK_T]
         topk_ids = tl.where(kcols == j, pick[:, None], topk_ids)
         topk_weights = tl.where(kcols == j, value[:, None], topk_weights)  # [BLOCK_T, K_PAD]
 
-    k_ok = kcols < TOP_K
     if SELECT_ON_LOGITS:
         if SIGMOID:
             topk_weights = tl.sigmoid(topk_weights)
@@ -188,6 +212,8 @@ def _route_kernel(
     out_offsets = rows[:, None] * TOP_K + kcols
     tl.store(topk_ids_ptr + out_offsets, topk_ids, mask=row_ok & k_ok)
     tl.store(topk_weights_ptr + out_offsets, topk_weights, mask=row_ok & k_ok)
+    if TAPE:
+        tl.store(tape_ids_ptr + tape_offsets, topk_ids, mask=row_ok & k_ok)
 
 
 def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
@@ -199,30 +225,34 @@ def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
 
 
 def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None,
-          config: RouteConfig | None = None):
+          config: RouteConfig | None = None, tape: RouteTape | None = None):
     """logits (T, E) -> (topk_ids (T, K) int32, topk_weights (T, K) float32), into `out` if given
-    (CUDA-graph buffers); `config` overrides tiles (tests). Under torch.compile / torch.export, or
-    with grad needed, it is the op torch.ops.moe_triton.route (fresh outputs; backward below)."""
+    (CUDA-graph buffers); `config` overrides tiles (tests); `tape` records and replays (module
+    docstring). Under torch.compile / torch.export, or with grad needed, it is the op
+    torch.ops.moe_triton.route (fresh outputs; backward below), a tape applied after it in torch."""
     if torch.compiler.is_compiling():
         if out is not None or config is not None:
             raise ValueError("route(out=..., config=...) writes caller buffers / overrides tiles "
                              "eagerly; under torch.compile or torch.export call it without them "
                              "(outputs are fresh)")
-        return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
+        routed = torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
+        return routed if tape is None else apply_tape_torch(logits, *routed, spec, tape)
     if checks.grad_needed(logits):
         if out is not None or config is not None:
             raise ValueError("route(out=..., config=...) has no backward; with gradients needed "
                              "(grad mode on, the logits requiring grad) call it without them, or "
                              "under torch.no_grad()")
-        _check_inputs(logits, spec, correction_bias, None)
+        _check_inputs(logits, spec, correction_bias, None, tape)
         checks.not_capturing("route")
-        return torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
-    _check_inputs(logits, spec, correction_bias, out)
-    signature = (tensor_signature(logits), spec, tensor_signature(correction_bias), config)
+        routed = torch.ops.moe_triton.route(logits, correction_bias, *_spec_fields(spec))
+        return routed if tape is None else apply_tape_torch(logits, *routed, spec, tape)
+    _check_inputs(logits, spec, correction_bias, out, tape)
+    signature = (tensor_signature(logits), spec, tensor_signature(correction_bias), config,
+                 tape is not None)
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.add(signature, plan_route(logits, spec, config))
-    return plan(logits, correction_bias, out)
+        plan = _PLANS.add(signature, plan_route(logits, spec, config, tape is not None))
+    return plan(logits, correction_bias, out, tape)
 
 
 @dataclass(frozen=True)
@@ -233,7 +263,7 @@ class RoutePlan:
     top_k: int  # K
     launch: BoundLaunch | None  # None: no tokens
 
-    def __call__(self, logits, correction_bias, out):
+    def __call__(self, logits, correction_bias, out, tape: RouteTape | None = None):
         if out is None:
             out = (
                 torch.empty(self.num_tokens, self.top_k, dtype=torch.int32,
@@ -244,21 +274,25 @@ class RoutePlan:
         if self.launch is not None:
             # never read when HAS_BIAS is off
             bias = correction_bias if correction_bias is not None else out[1]
+            # never read without a tape (TAPE off)
+            ids, rows, replay = (tape.ids, tape.rows, tape.replay) if tape else (out[0],) * 3
             self.launch(logits_ptr=logits, bias_ptr=bias, topk_ids_ptr=out[0],
-                        topk_weights_ptr=out[1])
+                        topk_weights_ptr=out[1], tape_ids_ptr=ids, tape_rows_ptr=rows,
+                        tape_replay_ptr=replay)
         return out
 
 
-def plan_route(logits: torch.Tensor, spec: RoutingSpec,
-               config: RouteConfig | None = None) -> RoutePlan:
-    """The plan of `route(logits, spec, config=config)` for checked arguments."""
+def plan_route(logits: torch.Tensor, spec: RoutingSpec, config: RouteConfig | None = None,
+               tape: bool = False) -> RoutePlan:
+    """The plan of `route(logits, spec, config=config)` for checked arguments (with a RouteTape
+    at each call where `tape`)."""
     num_tokens, num_experts = logits.shape
     if num_tokens == 0:
         return RoutePlan(0, spec.top_k, None)
     config = config or route_config(num_tokens, num_experts)
     fixed = dict(num_tokens=num_tokens, num_experts=num_experts, stride_logits_t=logits.stride(0),
                  stride_logits_e=logits.stride(1), E_PAD=triton.next_power_of_2(num_experts),
-                 **spec.kernel_args(), **config.kernel_args())
+                 **spec.kernel_args(), **config.kernel_args(), TAPE=tape)
     grid = (triton.cdiv(num_tokens, config.block_t),)
     return RoutePlan(num_tokens, spec.top_k,
                      BoundLaunch(_route_kernel, grid, fixed, config.launch_options()))
@@ -317,7 +351,7 @@ def _route_op(logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k:
 LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check_inputs(logits, spec, correction_bias, out):
+def _check_inputs(logits, spec, correction_bias, out, tape=None):
     if not isinstance(spec, RoutingSpec):
         raise ValueError(f"spec must be a RoutingSpec, got {type(spec).__name__}")
     if (not isinstance(logits, torch.Tensor) or logits.dim() != 2
@@ -372,6 +406,24 @@ def _check_inputs(logits, spec, correction_bias, out):
                 raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape "
                                  f"({num_tokens}, {spec.top_k}) on {logits.device}; "
                                  f"got {_describe(buf)}")
+    if tape is not None:
+        _check_tape(tape, num_tokens, spec.top_k, logits.device)
+
+
+def _check_tape(tape, num_tokens: int, top_k: int, device) -> None:
+    if not isinstance(tape, RouteTape):
+        raise ValueError(f"tape must be a RouteTape, got {type(tape).__name__}")
+    for name, t, dtype, shape in (("ids", tape.ids, torch.int32, (top_k,)),
+                                  ("rows", tape.rows, torch.int64, (num_tokens,)),
+                                  ("replay", tape.replay, torch.bool, (num_tokens,))):
+        ok_shape = (t.shape[1:] == shape if name == "ids" else tuple(t.shape) == shape)
+        if (not isinstance(t, torch.Tensor) or t.dim() != (2 if name == "ids" else 1)
+                or not ok_shape or t.dtype != dtype or t.device != device
+                or not t.is_contiguous()):
+            want = f"(R, {top_k})" if name == "ids" else f"({num_tokens},)"
+            raise ValueError(f"tape.{name} must be a contiguous {dtype} tensor of shape {want} "
+                             f"on {device} (one row per token of the logits); "
+                             f"got {_describe(t)}")
 
 
 def _describe(t):
@@ -381,10 +433,12 @@ def _describe(t):
             + ("" if t.is_contiguous() else " (non-contiguous)"))
 
 
-def route_torch(logits, spec: RoutingSpec, correction_bias=None):
+def route_torch(logits, spec: RoutingSpec, correction_bias=None, tape: RouteTape | None = None):
     """Pure-torch reference of `route`: same op, float32, torch.topk."""
     x = logits.float()  # [T, E]
     num_tokens, num_experts = x.shape
+    if tape is not None:
+        _check_tape(tape, num_tokens, spec.top_k, x.device)
     scores = x.sigmoid() if spec.scoring is Scoring.SIGMOID else x.softmax(dim=-1)  # [T, E]
     key = x if spec.select_on is SelectOn.LOGITS else scores
     if correction_bias is not None:
@@ -397,7 +451,18 @@ def route_torch(logits, spec: RoutingSpec, correction_bias=None):
         key = key.masked_fill(~kept.repeat_interleave(num_experts // spec.n_group, dim=1),
                               float("-inf"))
     topk_ids = key.topk(spec.top_k, dim=-1).indices  # [T, K]
-    return topk_ids.to(torch.int32), topk_weights_torch(x, topk_ids, spec)
+    routed = topk_ids.to(torch.int32), topk_weights_torch(x, topk_ids, spec)
+    return routed if tape is None else apply_tape_torch(x, *routed, spec, tape)
+
+
+def apply_tape_torch(logits, topk_ids, topk_weights, spec: RoutingSpec, tape: RouteTape):
+    """A tape's replay and record, in torch, on routed (T, K) ids and weights."""
+    given = tape.ids[tape.rows]  # [T, K]
+    replay = tape.replay[:, None] & (given[:, :1] >= 0)  # [T, 1]
+    ids = torch.where(replay, given, topk_ids.to(torch.int32))
+    weights = torch.where(replay, topk_weights_torch(logits, ids, spec), topk_weights)
+    tape.ids[tape.rows] = ids
+    return ids, weights
 
 
 def topk_weights_torch(logits, topk_ids, spec: RoutingSpec):

@@ -9,6 +9,7 @@ from helpers import assert_close, poison_, test_device
 
 from moe_triton.routing import (
     RouteConfig,
+    RouteTape,
     RoutingSpec,
     Scoring,
     SelectOn,
@@ -90,6 +91,58 @@ def test_route(kind, num_experts, top_k, num_tokens, seed):
     topk_ids, topk_weights = route(logits, spec, bias, out=out)
     assert topk_ids is out[0] and topk_weights is out[1]
     check_routing(topk_ids, topk_weights, *route_torch(logits, spec, bias), num_experts)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tape_replays_its_rows_and_records_every_token_s_experts(kind):
+    """route(tape=...): a token whose replay flag is set and whose row holds ids runs those ids,
+    in the row's order, weighted by the spec's rule at them; every other token (not replaying, or
+    a row of -1) routes freely; then each token's row holds the ids it ran. The kernel in one
+    launch, as route_torch applies the tape in torch; 37 tokens over 5 programs."""
+    device = test_device()
+    num_experts, top_k = (128, 8) if kind == "grouped" else (8, 2)
+    num_tokens, num_rows = 37, 50
+    spec = make_spec(kind, num_experts, top_k)
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(num_tokens, num_experts, generator=gen) * 3).to(device)  # [T, E]
+    bias = ((torch.randn(num_experts, generator=gen) * 0.5).to(device)
+            if kind in ("sigmoid_biased", "grouped") else None)
+    rows = torch.randperm(num_rows, generator=gen)[:num_tokens]  # [T]
+    replay = torch.rand(num_tokens, generator=gen) < 0.6  # [T]
+    given = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                         for _ in range(num_rows)]).int()  # [R, K]
+    given[torch.rand(num_rows, generator=gen) < 0.3] = -1  # rows holding nothing: free
+    tapes = [RouteTape(given.clone().to(device), rows.to(device), replay.to(device))
+             for _ in range(2)]
+    ours = route(logits, spec, bias, config=RouteConfig(block_t=8), tape=tapes[0])
+    expected = route_torch(logits, spec, bias, tapes[1])
+    assert torch.equal(ours[0].cpu(), expected[0].cpu())
+    assert_close(ours[1].cpu(), expected[1].cpu(), torch.float32)
+    assert torch.equal(tapes[0].ids.cpu(), tapes[1].ids.cpu())
+    # independently: given rows where replayed, free routing elsewhere, all recorded
+    replayed = replay & (given[rows, 0] >= 0)
+    assert replayed.any() and not replayed.all()
+    free_ids, _ = route_torch(logits, spec, bias)
+    assert torch.equal(ours[0].cpu()[replayed], given[rows][replayed])
+    assert torch.equal(ours[0].cpu()[~replayed], free_ids.cpu()[~replayed])
+    assert torch.equal(tapes[0].ids.cpu()[rows], ours[0].cpu())
+    untouched = torch.ones(num_rows, dtype=torch.bool)
+    untouched[rows] = False
+    assert torch.equal(tapes[0].ids.cpu()[untouched], given[untouched])
+
+
+def test_a_bad_tape_is_named_before_anything_launches(no_launch):
+    logits = torch.randn(5, 8, device=test_device())
+    ids = torch.full((9, 2), -1, dtype=torch.int32, device=logits.device)
+    rows = torch.arange(5, device=logits.device)
+    replay = torch.zeros(5, dtype=torch.bool, device=logits.device)
+    for bad, match in ((RouteTape(ids, rows[:4], replay), "tape.rows"),
+                       (RouteTape(ids.long(), rows, replay), "tape.ids"),
+                       (RouteTape(ids[:, :1], rows, replay), "tape.ids"),
+                       (RouteTape(ids, rows, replay.int()), "tape.replay")):
+        for router in (route, route_torch):
+            with pytest.raises(ValueError, match=match):
+                router(logits, RoutingSpec(2), tape=bad)
 
 
 @pytest.mark.parametrize("kind", ["softmax_renorm", "grouped"])

@@ -10,7 +10,7 @@ from ..launch import register_op
 from ..parallel import ParallelGroups, parallel_experts
 from ..pipeline import run_experts
 from ..reference import fused_experts_torch
-from ..routing import RoutingSpec, route, route_torch
+from ..routing import RouteTape, RoutingSpec, route, route_torch
 from ..weights import ExpertWeights
 from .padding import pad_expert_weights
 from .spec import BackendSpec, LayerTraits
@@ -56,9 +56,11 @@ class ExpertsRunner:
         """I zero-padded to the backend's multiple (the same object when aligned)."""
         return pad_expert_weights(weights, self.spec.intermediate_multiple)
 
-    def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None):
-        """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32."""
-        return route(router_logits, self.routing, correction_bias)
+    def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
+              tape: RouteTape | None = None):
+        """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32; `tape` records
+        and replays (routing.RouteTape)."""
+        return route(router_logits, self.routing, correction_bias, tape=tape)
 
     def experts(self, hidden_states: torch.Tensor, weights: ExpertWeights, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -82,8 +84,8 @@ class TritonRunner(ExpertsRunner):
 class TorchRunner(ExpertsRunner):
     """The float32 reference, routing included; FP8 weights dequantized, activations not."""
 
-    def route(self, router_logits, correction_bias):
-        return route_torch(router_logits, self.routing, correction_bias)
+    def route(self, router_logits, correction_bias, tape=None):
+        return route_torch(router_logits, self.routing, correction_bias, tape)
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         w13, w2 = weights.dequantized()
@@ -107,8 +109,8 @@ class ParallelRunner(ExpertsRunner):
     def prepare(self, weights):
         return self.local.prepare(weights)
 
-    def route(self, router_logits, correction_bias):
-        return self.local.route(router_logits, correction_bias)
+    def route(self, router_logits, correction_bias, tape=None):
+        return self.local.route(router_logits, correction_bias, tape)
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         if torch.compiler.is_compiling():
