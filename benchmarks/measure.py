@@ -2,7 +2,9 @@
 medians of whole calls, transformers' own experts over our weights as the peer."""
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 from collections.abc import Callable
 
 import torch
@@ -149,3 +151,14 @@ def decode_step_bytes(config, batch: int, context: int, fp8: bool = False) -> fl
     kv_cache = 2 * batch * Hkv * context * D * 2
     head = config.vocab_size * H * 2 + batch * H * 2  # LM head, and the embedding rows
     return L * (hit * expert + attention + router_norms + kv_cache) + head
+
+
+def commit() -> str:
+    """The tree's commit: MOE_TRITON_COMMIT where the checkout is a copy (the GPU machine's)."""
+    if os.environ.get("MOE_TRITON_COMMIT"):
+        return os.environ["MOE_TRITON_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -18,14 +18,12 @@ offline.
 
     python -m pytest benchmarks/test_dropin.py -m gpu --benchmark-only --bench-table dropin.md
 """
-import os
 import statistics
-import subprocess
 import time
 
 import pytest
 import torch
-from measure import qwen3_30b_a3b_config, random_weights_, transformers_fp8_experts
+from measure import commit, qwen3_30b_a3b_config, random_weights_, transformers_fp8_experts
 
 from moe_triton.models import (
     default_dtype,  # importing moe_triton registers "moe_triton" in transformers
@@ -39,17 +37,6 @@ WAYS = (("bf16", "grouped_mm"), ("bf16", "batched_mm"), ("bf16", "moe_triton"),
 ROUNDS = 3
 TABLE = ("transformers eager decode, Qwen3-30B-A3B-shaped (48 layers), 1024-token context, "
          "StaticCache")
-
-
-def commit() -> str:
-    """The tree's commit: MOE_TRITON_COMMIT where the checkout is a copy (the GPU machine's)."""
-    if os.environ.get("MOE_TRITON_COMMIT"):
-        return os.environ["MOE_TRITON_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 class HostClock:
