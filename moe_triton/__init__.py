@@ -15,6 +15,7 @@ Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, 
 R rows after expand; a GEMM computes N output columns over a contraction width C.
 
 `pipeline.py` runs it, planned once per call signature (reference: `reference.py`);
+`with batch_invariant():` (invariance.py) makes each token's output independent of its batch;
 `layer.py`'s `FusedMoE` calls a runner the resolver picks once per layer. Importing registers
 the "moe_triton" experts in transformers."""
 from .activation import SILU_AND_MUL, Activation, ActivationKind, activate, activation_torch
@@ -22,6 +23,7 @@ from .config import DecodeConfig, GemmConfig, MoEConfig, choose_config, decode_c
 from .expand import ExpertLayout, LayoutKind, expand_torch, per_pair_layout
 from .finalize import finalize_torch
 from .integrations.transformers import register_experts_implementation
+from .invariance import batch_invariant
 from .layer import FusedMoE, MoESpec, SharedCombination
 from .models import from_transformers
 from .pipeline import fused_experts, run_experts
@@ -52,7 +54,7 @@ __all__ = [
     "GemmConfig", "MoEConfig", "DecodeConfig", "choose_config", "decode_config",
     "ExpertLayout", "LayoutKind", "expand_torch", "per_pair_layout", "finalize_torch",
     "fused_experts", "run_experts", "fused_experts_torch", "from_transformers", "ExpertWeights",
-    "WeightFormat", "Fp8Scaling", "quantize_fp8",
+    "WeightFormat", "Fp8Scaling", "quantize_fp8", "batch_invariant",
     "ExpertBackend", "FusedMoE", "MoESpec", "SharedCombination", "ModelContext", "Placement",
     "Resolution", "resolve", "pad_experts", "Platform", "detect_platform",
     "RoutingSpec", "Scoring", "SelectOn", "route", "route_torch", "router_logits",

@@ -281,6 +281,8 @@ def _fp8_steps(up: GemmConfig, down: GemmConfig,
     return up, replace(down, block_c=max(FP8_MIN_STEP, min(up.block_n, step)))
 
 
+# batch-invariant mode's tiles for every T: prefill's (sorted rows, no split along C)
+INVARIANT_TOKENS = 4096
 FP8_GROUP = 128  # the widest C step an FP8 scale group spans
 FP8_MIN_STEP = 32  # an 8-bit tl.dot needs a contraction of at least 32 on SM90
 

@@ -8,11 +8,12 @@ import torch
 
 from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
-from .config import FP8_MIN_STEP, MoEConfig, choose_config
+from .config import FP8_MIN_STEP, INVARIANT_TOKENS, MoEConfig, choose_config
 from .decode import DecodePlan, plan_decode_experts
 from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, per_pair_layout, plan_expand
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
 from .finalize import FinalizePlan, plan_finalize
+from .invariance import batch_invariant_enabled
 from .launch import PlanCache, register_op
 from .platform import (
     INTERPRETER_DOT_DTYPES,
@@ -132,8 +133,8 @@ def run_experts(
 
 
 def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> LayerPlan:
-    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config,
-                                out)
+    signature = (_call_signature(hidden_states, weights, topk_ids, topk_weights, activation,
+                                 config, out), batch_invariant_enabled())
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS.add(signature, plan_experts(hidden_states, weights, topk_ids, topk_weights,
@@ -171,8 +172,11 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
 
 def default_config(num_tokens: int, top_k: int, weights: ExpertWeights,
                    device: torch.device) -> MoEConfig:
-    """choose_config's tiles for a call on `weights` (FP8: steps within their block)."""
+    """choose_config's tiles for a call on `weights` (FP8: steps within their block); in
+    batch-invariant mode the tiles of INVARIANT_TOKENS whatever the call's T (invariance.py)."""
     block = weights.format.block
+    if batch_invariant_enabled():
+        num_tokens = INVARIANT_TOKENS
     return choose_config(max(num_tokens, 1), top_k, weights.num_experts, weights.hidden_size,
                          weights.intermediate_size, device, weights.dtype,
                          fp8_group=block[1] if block is not None else 128)

@@ -19,7 +19,9 @@ import triton
 import triton.language as tl
 
 from . import checks
+from .invariance import batch_invariant_enabled
 from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
+from .linear import linear
 from .platform import interpreter_hint, triton_can_run_on
 from .weights import tensor_signature
 
@@ -218,10 +220,13 @@ def _route_kernel(
 
 def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
                   spec: RoutingSpec) -> torch.Tensor:
-    """hidden_states (T, H) @ gate_weight (E, H).T -> logits (T, E), float32 if the spec says."""
+    """hidden_states (T, H) @ gate_weight (E, H).T -> logits (T, E), float32 if the spec says;
+    batch-invariant mode: by `linear.linear`, whose rows never depend on the others."""
     if spec.router_in_float32:
-        return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
-    return torch.nn.functional.linear(hidden_states.to(gate_weight.dtype), gate_weight)
+        x, w = hidden_states.float(), gate_weight.float()
+    else:
+        x, w = hidden_states.to(gate_weight.dtype), gate_weight
+    return linear(x, w) if batch_invariant_enabled() else torch.nn.functional.linear(x, w)
 
 
 def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None,

@@ -1,0 +1,144 @@
+"""invariance.py: inside `batch_invariant()` a token's output has the same bits alone, inside its
+batch and inside a shuffled batch with other tokens, for run_experts and FusedMoE (its router
+included); outside it the layer is shown not to be, so the check can fail. Under the interpreter
+in float32 / fp16 / FP8, and on the H200 at the Qwen3 grid shape in bf16 and FP8."""
+import pytest
+import torch
+from helpers import random_expert_weights, random_ids, test_device
+
+from moe_triton import (
+    ExpertWeights,
+    FusedMoE,
+    Placement,
+    RoutingSpec,
+    WeightFormat,
+    batch_invariant,
+    run_experts,
+)
+
+TOKENS = [1, 2, 7, 37, 64]
+E, K, H, I = 8, 2, 64, 32
+
+
+def rows_alone(T: int) -> list[int]:
+    """The tokens run alone: both of a batch of two, else the first, a middle and the last (each
+    alone call is a full layer call under the interpreter)."""
+    return sorted({0, T // 2, T - 1})
+
+
+def differing_rows(call, T: int, extra: int, seed: int) -> list[str]:
+    """call(indices) runs the tokens at `indices` as one batch. Where token t's row of the batch
+    of tokens 0..T-1 differs from the same token alone, or placed at random among T + `extra`
+    tokens: an empty list means invariant."""
+    full = call(torch.arange(T))
+    order = torch.randperm(T + extra, generator=torch.Generator().manual_seed(seed))
+    mixed = call(order)
+    at = order.argsort()  # where token t went
+    bad = [f"token {t} in the shuffled batch" for t in range(T)
+           if not torch.equal(mixed[at[t]], full[t])]
+    return bad + [f"token {t} alone" for t in rows_alone(T)
+                  if not torch.equal(call(torch.tensor([t]))[0], full[t])]
+
+
+def tiny_layer(dtype, fmt=WeightFormat()) -> FusedMoE:
+    layer = FusedMoE(E, K, H, I, routing=RoutingSpec(K, renormalize=True), weight_format=fmt,
+                     dtype=dtype, placement=Placement("triton"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.gate_weight.copy_(torch.randn(E, H, generator=g))
+        w13, w2 = random_expert_weights(g, E, H, I)
+        if fmt.fp8 is None:
+            layer.gate_up_proj.copy_(w13)
+            layer.down_proj.copy_(w2)
+        else:
+            weights = ExpertWeights(w13, w2).to_format(fmt)
+            for name, tensor in (("gate_up_proj", weights.w13), ("down_proj", weights.w2),
+                                 ("gate_up_proj_scale", weights.w13_scale),
+                                 ("down_proj_scale", weights.w2_scale)):
+                getattr(layer, name).copy_(tensor)
+    return layer.to(test_device())
+
+
+def tokens(T: int, dtype, seed: int) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(test_device(),
+                                                                               dtype)
+
+
+# every T in float32; fp16 and FP8 (whose experts take fp16 activations here) at two
+LAYER_CASES = ([(T, torch.float32, WeightFormat()) for T in TOKENS]
+               + [(T, torch.float16, fmt) for T in (1, 37)
+                  for fmt in (WeightFormat(), WeightFormat.fp8_block(32, 32))])
+
+
+@pytest.mark.parametrize("T,dtype,fmt", LAYER_CASES,
+                         ids=lambda v: "fp8" if getattr(v, "fp8", None) else str(v))
+def test_the_layer_s_rows_do_not_depend_on_the_batch(T, dtype, fmt):
+    layer, x = tiny_layer(dtype, fmt), tokens(T + 9, dtype, T)
+    with torch.no_grad(), batch_invariant():
+        assert differing_rows(lambda rows: layer(x[rows.to(x.device)]), T, 9, T) == []
+
+
+def test_outside_the_mode_the_router_s_rows_depend_on_the_batch():
+    """Shows the check above can fail: torch's float32 CPU matmul (the router's, outside the
+    mode) rounds a row differently alone than in a batch of 64 (the GPU's split-K tiles: below)."""
+    if test_device().type != "cpu":
+        pytest.skip("the CPU's BLAS; the GPU's counterpart is the grid test below")
+    layer, x = tiny_layer(torch.float32), tokens(64 + 9, torch.float32, 1)
+    with torch.no_grad():
+        assert differing_rows(lambda rows: layer(x[rows]), 64, 9, 1) != []
+
+
+@pytest.mark.parametrize("T", TOKENS)
+def test_given_experts_rows_do_not_depend_on_the_batch(T):
+    """run_experts on given ids and weights: the expert GEMMs' tiles alone (no router)."""
+    g = torch.Generator().manual_seed(T)
+    device = test_device()
+    weights = ExpertWeights(*(w.to(device) for w in random_expert_weights(g, E, H, I)))
+    ids = random_ids(T + 9, K, E, seed=T).to(device)
+    topk_weights = torch.rand(T + 9, K, generator=g).to(device)
+    x = tokens(T + 9, torch.float32, T)
+
+    def call(rows):
+        rows = rows.to(device)
+        return run_experts(x[rows], weights, ids[rows], topk_weights[rows])
+
+    with batch_invariant():
+        assert differing_rows(call, T, 9, T) == []
+
+
+def test_the_mode_is_scoped_and_refuses_a_non_bool():
+    from moe_triton.invariance import batch_invariant_enabled
+
+    assert not batch_invariant_enabled()
+    with batch_invariant():
+        assert batch_invariant_enabled()
+        with batch_invariant(False):
+            assert not batch_invariant_enabled()
+        assert batch_invariant_enabled()
+    assert not batch_invariant_enabled()
+    with pytest.raises(ValueError, match="True or False"), batch_invariant("yes"):
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block128"])
+def test_grid_size_rows_do_not_depend_on_the_batch_on_the_gpu(fmt):
+    """Qwen3-30B-A3B's experts: rows alone (decode tiles, split-K) vs in 4096 tokens (prefill
+    tiles) differ outside the mode and match bit for bit inside it."""
+    from moe_triton.tools.bench import GRID_SHAPES, random_experts, random_inputs
+
+    shape = GRID_SHAPES["Qwen3-30B-A3B"]
+    weights = ExpertWeights(*random_experts(shape, torch.bfloat16, "cuda"))
+    if fmt != "bf16":
+        weights = weights.to_format(WeightFormat.fp8_block(128, 128))
+    inputs = random_inputs(shape, 4096, torch.bfloat16, "cuda", num_variants=1, seed=3)
+    x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+
+    def alone_vs_batch() -> list[int]:
+        full = run_experts(x, weights, ids, topk_weights)
+        return [T for T in TOKENS if not torch.equal(
+            run_experts(x[:T], weights, ids[:T], topk_weights[:T]), full[:T])]
+
+    assert alone_vs_batch() != []  # the default tiles follow T
+    with batch_invariant():
+        assert alone_vs_batch() == []
