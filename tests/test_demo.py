@@ -45,7 +45,8 @@ def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tm
     kernels (interpreted, float16), within FP8's logit error of transformers on the dequantized
     checkpoint. Then --model on that checkpoint: float32 on CPU, the experts dequantized by the
     torch reference, so the greedy tokens equal transformers' exactly."""
-    result = run_cli("demo", "--quant", "fp8", "--tokens", "4", "--batch", "1", tmp_path=tmp_path)
+    # 2 tokens: each costs a decode step of both models under the interpreter
+    result = run_cli("demo", "--quant", "fp8", "--tokens", "2", "--batch", "1", tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert ("experts backend: triton" in out
@@ -53,7 +54,7 @@ def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tm
     assert ("relative error" in out and "(FP8 bound 0.05): ok" in out
             and "tokens equal to transformers' generate" in out)
     checkpoint = tmp_path / "cache" / "moe-triton" / "cohere2-moe-tiny-random-fp8-v1"
-    result = run_cli("demo", "--model", str(checkpoint), "--tokens", "4", "--batch", "1",
+    result = run_cli("demo", "--model", str(checkpoint), "--tokens", "2", "--batch", "1",
                      tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert ("experts format: fp8 e4m3, 16x16 block scales, "

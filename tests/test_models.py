@@ -49,7 +49,9 @@ def test_logits_match_transformers(checkpoint):
 
 def test_prefill_last_is_the_last_position_of_prefill(checkpoint):
     _, path = checkpoint
-    ours = load_model(path, dtype=torch.float32)
+    # the head over the last position is the model's, not the experts' (the torch backend: a
+    # third of the interpreter's time)
+    ours = load_model(path, dtype=torch.float32, backend="torch")
     ids = prompt()
     ours.setup(max_batch=2, max_seq=32)
     last = ours.prefill_last(ids)  # the LM head over one position
@@ -62,7 +64,11 @@ def test_greedy_generation_matches_transformers(checkpoint, request):
         pytest.skip("the sum strategy's combination is checked by its logits and prefill tests; "
                     "its decode steps are the average variant's code path (half a minute here)")
     reference, path = checkpoint
-    ours = load_model(path, dtype=torch.float32)
+    # one family decodes through the Triton experts; the others' decode differs from it in the
+    # family's attention and blocks, not the experts (the torch backend: a third of the time)
+    family = request.node.callspec.params["checkpoint"]
+    ours = load_model(path, dtype=torch.float32,
+                      **({} if family == "qwen3_moe" else {"backend": "torch"}))
     ids = prompt()
     # 8 tokens: each costs a decode step of both models under the interpreter
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
@@ -695,15 +701,15 @@ def test_replayed_routing_gives_the_same_tokens_even_after_the_router_changes(ta
     _, path = tape_checkpoint
     ours = load_model(path, dtype=torch.float32, backend="torch")
     ids, free = prompt(), dict(eos_token_id=None, return_routing=True)
-    tokens, routing = ours.generate(ids, 3, **free)
-    replayed, again = ours.generate(ids, 3, routing=routing, **free)
+    tokens, routing = ours.generate(ids, 2, **free)
+    replayed, again = ours.generate(ids, 2, routing=routing, **free)
     assert torch.equal(replayed, tokens) and torch.equal(again, routing)  # captured while replayed
     with torch.no_grad():  # another router: free routing changes
         for layer in ours.sparse_layers():
             layer.gate_weight.copy_(torch.randn(layer.gate_weight.shape,
                                                 generator=torch.Generator().manual_seed(7)))
-    assert not torch.equal(ours.generate(ids, 3, **free)[1], routing)
-    assert torch.equal(ours.generate(ids, 3, routing=routing, **free)[1], routing)
+    assert not torch.equal(ours.generate(ids, 2, **free)[1], routing)
+    assert torch.equal(ours.generate(ids, 2, routing=routing, **free)[1], routing)
 
 
 def test_recorded_routing_ends_at_each_sequence_s_last_token_and_replays_with_eos(tape_checkpoint,
