@@ -11,26 +11,31 @@ row in a fixed order (routing, expand, the per-token FP8 quantization, finalize'
 slots in slot order). Modules the layer calls but does not own (shared experts, an input or
 output projection) are invariant only if they are. Read at each call, on the host: a plan made in
 one mode is never reused in the other.
+
+The mode is one process-wide flag, not a context variable: torch.compile reads a module global
+(and guards on it, recompiling when it flips) but cannot trace ContextVar.get. Threads that need
+different modes at once cannot have them.
 """
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
-_BATCH_INVARIANT = contextvars.ContextVar("moe_triton_batch_invariant", default=False)
+_batch_invariant = False
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True):
-    """Within the block (this thread or task), calls are batch-invariant (module docstring)."""
+    """Within the block, calls are batch-invariant (module docstring); nested blocks restore the
+    outer mode when they end."""
+    global _batch_invariant
     if not isinstance(enabled, bool):
         raise ValueError(f"batch_invariant(enabled) takes True or False, got {enabled!r}")
-    token = _BATCH_INVARIANT.set(enabled)
+    outer, _batch_invariant = _batch_invariant, enabled
     try:
         yield
     finally:
-        _BATCH_INVARIANT.reset(token)
+        _batch_invariant = outer
 
 
 def batch_invariant_enabled() -> bool:
-    return _BATCH_INVARIANT.get()
+    return _batch_invariant

@@ -133,8 +133,8 @@ def run_experts(
 
 
 def _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out) -> LayerPlan:
-    signature = (_call_signature(hidden_states, weights, topk_ids, topk_weights, activation,
-                                 config, out), batch_invariant_enabled())
+    signature = _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config,
+                                out)
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS.add(signature, plan_experts(hidden_states, weights, topk_ids, topk_weights,
@@ -285,11 +285,13 @@ def _plan_quantize(hidden_states,
 
 
 def _call_signature(hidden_states, weights, topk_ids, topk_weights, activation, config, out):
-    """What the checks and launches depend on; None for a wrong-kind argument (checks name it)."""
+    """What the checks and launches depend on (the batch-invariant mode too: it picks the tiles);
+    None for a wrong-kind argument (checks name it)."""
     try:
         signature = (tensor_signature(hidden_states), weights.signature,
                      tensor_signature(topk_ids), tensor_signature(topk_weights), activation,
-                     config, None if out is None else tensor_signature(out))
+                     config, None if out is None else tensor_signature(out),
+                     batch_invariant_enabled())
         hash(signature)
     except (AttributeError, TypeError):
         return None
