@@ -17,7 +17,9 @@ from moe_triton.graphs import (
     default_batch_sizes,
     overlap_enabled,
 )
+from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.layer import FusedMoE
+from moe_triton.linear import linear
 
 from .layers import Batch, RoutingTape, StaticKVCache
 
@@ -107,8 +109,9 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.lm_head.weight if self.lm_head is not None
                   else self.model.embed_tokens.weight)
-        return (nn.functional.linear(hidden, weight).float()
-                * getattr(self.config, "logit_scale", 1.0))
+        logits = (linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], -1)
+                  if batch_invariant_enabled() else nn.functional.linear(hidden, weight))
+        return logits.float() * getattr(self.config, "logit_scale", 1.0)
 
     def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
         # evaluated while capturing, baked into the graph

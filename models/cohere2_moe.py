@@ -5,7 +5,6 @@ layer is inplace-free). Prefill stays serial: a prefill chunk fills the GPU alre
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import Activation
@@ -17,12 +16,14 @@ from moe_triton.routing import RoutingSpec, Scoring, SelectOn
 from .causal_lm import CausalLM
 from .layers import (
     Batch,
+    Linear,
     QKVProjection,
     RMSNorm,
     RotaryEmbedding,
     StaticKVCache,
     attention,
     head_dim_of,
+    silu_and_mul,
 )
 from .registry import register_block, register_model
 
@@ -61,7 +62,7 @@ class Cohere2MoeAttention(nn.Module):
         self.qkv_proj = QKVProjection(config.hidden_size,
                                       config.num_attention_heads * self.head_dim,
                                       config.num_key_value_heads * self.head_dim, bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+        self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                 bias=bias)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
@@ -77,12 +78,12 @@ class Cohere2MoeAttention(nn.Module):
 class Cohere2MoeMLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x, overlap: bool = False):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 @register_block("Cohere2MoeSparseMoeBlock", shared_experts="shared_experts")

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from moe_triton.config import device_limits
+from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from moe_triton.platform import triton_computes_exactly
 from moe_triton.weights import tensor_signature
@@ -109,8 +110,11 @@ def _compute(q, keys, values, slots, positions, scale: float, window: int) -> to
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
-    """Two waves of programs over the SMs (four programs on CPU), at most one split per block."""
+    """Two waves of programs over the SMs (four programs on CPU), at most one split per block;
+    batch-invariant mode: batch 1's for every batch (the split sets a row's summation order)."""
     programs = 2 * device_limits(device)[0] if device.type == "cuda" else 4
+    if batch_invariant_enabled():
+        batch = 1
     return max(1, min(triton.cdiv(programs, batch * kv_heads), triton.cdiv(max_seq, block_n), 64))
 
 
@@ -119,7 +123,7 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int) -> tor
     if q.shape[0] == 0:
         return out
     signature = (tuple(tensor_signature(t) for t in (q, keys, values, slots, positions))
-                 + (scale, window))
+                 + (scale, window, batch_invariant_enabled()))
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS.add(signature, _plan(q, keys, scale, window))

@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_triton.activation import SILU_AND_MUL, Activation, activate, activation_torch
 from moe_triton.graphs import ForwardMode
+from moe_triton.invariance import batch_invariant_enabled
+from moe_triton.linear import linear
 from moe_triton.routing import RouteTape
 
 from .decode_attention import decode_attention
@@ -41,7 +44,36 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class QKVProjection(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear; in batch-invariant mode (moe_triton.batch_invariant) through moe_triton.linear,
+    whose rows' bits never depend on the rest of the batch (torch's BLAS picks kernels by the row
+    count)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not batch_invariant_enabled():
+            return super().forward(x)
+        out = linear(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias  # an exact add: row by row
+
+
+def gated_activation(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL) -> torch.Tensor:
+    """(..., 2I) [gate | up] -> (..., I) in gate_up's dtype, as activation_torch computes it; in
+    batch-invariant mode moe_triton.activate's kernel, element by element alike (torch's CPU
+    loops take another exp for a buffer's last elements, so a row's bits follow its place)."""
+    if not batch_invariant_enabled():
+        return activation_torch(gate_up, activation).to(gate_up.dtype)
+    out = activate(gate_up.reshape(-1, gate_up.shape[-1]), activation)
+    return out.view(*gate_up.shape[:-1], -1)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up, as transformers computes it; batch-invariant: gated_activation's."""
+    if not batch_invariant_enabled():
+        return F.silu(gate) * up
+    return gated_activation(torch.cat((gate, up), dim=-1))
+
+
+class QKVProjection(Linear):
     """q, k and v as one GEMM (one decode kernel, not three); checkpoint.fuse_qkv fuses them."""
 
     def __init__(self, hidden_size: int, q_size: int, kv_size: int, bias: bool):
@@ -74,7 +106,27 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[..., None].float() * self.inv_freq
         emb = (freqs.repeat_interleave(2, dim=-1) if interleaved
                else torch.cat((freqs, freqs), dim=-1))
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos, sin = ((by_rows(torch.cos, emb), by_rows(torch.sin, emb)) if batch_invariant_enabled()
+                    else (emb.cos(), emb.sin()))
+        return (cos * self.scaling).to(dtype), (sin * self.scaling).to(dtype)
+
+
+ROW_WIDTH = 64  # elements: a multiple of any CPU vector loop's stride (AVX-512: 2 x 16 floats)
+ONE_THREAD = 32768  # elements: torch's CPU grain size, below which a loop runs on one thread
+
+
+def by_rows(function, x: torch.Tensor) -> torch.Tensor:
+    """An elementwise `function` of x (..., D) whose every element takes the same code whatever
+    the batch: torch's CPU loops compute a buffer's last elements, and each thread's, with scalar
+    code (another exp, sin or cos, other bits), so a row's bits would follow its place. Rows padded
+    to ROW_WIDTH, one thread's worth at a time: each element in the vector loop. Batch-invariant
+    mode's (GPU elementwise kernels are the same per element anyway)."""
+    rows = x.reshape(-1, x.shape[-1])  # [N, D]
+    D = rows.shape[1]
+    padded = F.pad(rows, (0, -D % ROW_WIDTH))  # [N, D'], D' a multiple of ROW_WIDTH
+    chunk = max(1, ONE_THREAD // max(padded.shape[1], 1))
+    out = torch.cat([function(part) for part in padded.split(chunk)]) if len(rows) else padded
+    return out[:, :D].reshape(x.shape)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from .layers import (
     Batch,
     DecoderLayer,
     DecoderModel,
+    Linear,
     QKVProjection,
     RMSNorm,
     StaticKVCache,
@@ -31,7 +32,7 @@ class MiniMaxM2Attention(nn.Module):
         q_size, kv_size = (config.num_attention_heads * self.head_dim,
                            config.num_key_value_heads * self.head_dim)
         self.qkv_proj = QKVProjection(config.hidden_size, q_size, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(q_size, config.rms_norm_eps)  # over all heads, before the head split
         self.k_norm = RMSNorm(kv_size, config.rms_norm_eps)
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from moe_triton.activation import Activation, ActivationKind, activation_torch
+from moe_triton.activation import Activation, ActivationKind
 from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring
 
+from .layers import Linear, gated_activation
 from .registry import register_block
 
 
@@ -22,12 +23,12 @@ class MiniMaxM3SharedMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.activation = clamped_swiglu(config)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.shared_intermediate_size,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.shared_intermediate_size,
                                       bias=False)
-        self.down_proj = nn.Linear(config.shared_intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.shared_intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(activation_torch(self.gate_up_proj(x), self.activation).to(x.dtype))
+        return self.down_proj(gated_activation(self.gate_up_proj(x), self.activation))
 
 
 @register_block("MiniMaxM3VLSparseMoeBlock", correction_bias="gate.e_score_correction_bias",

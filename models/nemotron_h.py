@@ -11,14 +11,15 @@ from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec, Scoring
 
+from .layers import Linear
 from .registry import register_block
 
 
 class NemotronHMLP(nn.Module):
     def __init__(self, config, intermediate_size: int):
         super().__init__()
-        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.up_proj = Linear(config.hidden_size, intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(torch.relu(self.up_proj(x)).square())
@@ -54,6 +55,6 @@ class NemotronHMoeBlock(FusedMoE):
         super().__init__(
             **spec.layer_args(), placement=placement,
             shared_experts=NemotronHMLP(config, spec.shared_intermediate_size),
-            expert_input_proj=nn.Linear(spec.hidden_size, latent, bias=bias) if latent else None,
-            expert_output_proj=nn.Linear(latent, spec.hidden_size, bias=bias) if latent else None,
+            expert_input_proj=Linear(spec.hidden_size, latent, bias=bias) if latent else None,
+            expert_output_proj=Linear(latent, spec.hidden_size, bias=bias) if latent else None,
         )

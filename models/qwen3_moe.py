@@ -3,7 +3,6 @@ Legend: B sequences, L tokens each, H hidden, Hq/Hkv heads, D head dim, V vocabu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import Activation
@@ -16,11 +15,13 @@ from .layers import (
     Batch,
     DecoderLayer,
     DecoderModel,
+    Linear,
     QKVProjection,
     RMSNorm,
     StaticKVCache,
     attention,
     head_dim_of,
+    silu_and_mul,
 )
 from .registry import register_block, register_model
 
@@ -33,7 +34,7 @@ class Qwen3MoeAttention(nn.Module):
         self.qkv_proj = QKVProjection(config.hidden_size,
                                       config.num_attention_heads * self.head_dim,
                                       config.num_key_value_heads * self.head_dim, bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
+        self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                 bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before rotary
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -53,12 +54,12 @@ class Qwen3MoeAttention(nn.Module):
 class Qwen3MoeMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 @register_block("Qwen3MoeSparseMoeBlock")

@@ -9,7 +9,8 @@ router's matmul runs in `linear.linear`, whose contraction order is fixed, in pl
 whose BLAS picks kernels by the number of rows. Everything else in the layer already works row by
 row in a fixed order (routing, expand, the per-token FP8 quantization, finalize's sum over the K
 slots in slot order). Modules the layer calls but does not own (shared experts, an input or
-output projection) are invariant only if they are. Read at each call, on the host: a plan made in
+output projection) are invariant only if they are; moe_triton.models' own (models/layers.py:
+`Linear`, `gated_activation`, the rotary table, decode attention's split) read the mode too. Read at each call, on the host: a plan made in
 one mode is never reused in the other.
 
 The mode is one process-wide flag, not a context variable: torch.compile reads a module global

@@ -142,3 +142,91 @@ def test_grid_size_rows_do_not_depend_on_the_batch_on_the_gpu(fmt):
     assert alone_vs_batch() != []  # the default tiles follow T
     with batch_invariant():
         assert alone_vs_batch() == []
+
+
+# ---- the models: attention, norms, rotary and the head too --------------------------------------
+
+INVARIANT_FAMILIES = ["qwen3_moe", "cohere2_moe", "minimax_m2"]  # -sum: average's code but a sum
+
+
+@pytest.fixture(scope="module", params=INVARIANT_FAMILIES)
+def family_model(request, tmp_path_factory):
+    """A tiny random checkpoint of the family, loaded in float32 on the Triton experts (the torch
+    backend's per-expert matmuls take as many rows as the batch sends: not invariant)."""
+    from helpers import FAMILIES, randomize_
+
+    from moe_triton.models import load_model
+
+    make, seed = FAMILIES[request.param]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    randomize_(make().eval(), seed=seed).save_pretrained(path)
+    model = load_model(path, dtype=torch.float32, device=test_device())
+    model.setup(max_batch=4, max_seq=24)
+    return model
+
+
+def prompts(batch: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def decode_inputs(tokens, positions, slots) -> dict[str, torch.Tensor]:
+    return {name: torch.tensor(values, device=test_device())
+            for name, values in (("token_ids", tokens), ("positions", positions),
+                                 ("slots", slots))}
+
+
+def decode_alone_and_beside(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's decode_step logits alone and beside two of other lengths, each prefilled
+    into its own slot first (prefill(ids, slots=))."""
+    lengths = (7, 4, 9)
+    for slot, length in enumerate(lengths):
+        model.prefill(prompts(1, length, seed=10 + slot).to(test_device()),
+                      slots=torch.tensor([slot], device=test_device()))
+    alone = model.decode_step(decode_inputs([5], [7], [0]))
+    beside = model.decode_step(decode_inputs([5, 11, 13], list(lengths), [0, 1, 2]))
+    return alone[0], beside[0]
+
+
+def test_a_models_prefill_and_decode_give_a_sequence_the_same_bits_alone_and_batched(
+        family_model):
+    """Prefill: a prompt's logits alone and among three prompts. Decode: decode_alone_and_beside.
+    Bitwise."""
+    model = family_model
+    ids = prompts(3, 5, seed=1).to(test_device())
+    with batch_invariant():
+        together = model.prefill(ids)  # [3, 5, V]
+        assert torch.equal(model.prefill(ids[1:2])[0], together[1])
+        alone, beside = decode_alone_and_beside(model)
+    assert torch.equal(alone, beside)
+
+
+def test_outside_the_mode_a_decode_step_depends_on_its_batch(family_model):
+    """The check above can fail: the default decode attention splits the context by the batch
+    size (and torch's matmuls pick kernels by it), so the same sequence's step differs in bits."""
+    if test_device().type != "cpu":
+        pytest.skip("the CPU's split count and BLAS (the GPU's grid test covers the experts)")
+    if family_model.config.model_type != "qwen3_moe":
+        pytest.skip("one family shows it (the split and matmuls are every family's)")
+    alone, beside = decode_alone_and_beside(family_model)
+    assert not torch.equal(alone, beside)
+
+
+def test_greedy_tokens_alone_and_batched_are_the_same():
+    """generate: one prompt's tokens alone and among three (qwen3: the decode path is the
+    family-independent part)."""
+    import tempfile
+
+    from helpers import FAMILIES, randomize_
+
+    from moe_triton.models import load_model
+
+    make, seed = FAMILIES["qwen3_moe"]
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as path:
+        randomize_(make().eval(), seed=seed).save_pretrained(path)
+        model = load_model(path, dtype=torch.float32, device=test_device())
+    ids = prompts(3, 6, seed=2).to(test_device())
+    with batch_invariant():
+        batched = model.generate(ids, 3, eos_token_id=None)
+        assert torch.equal(model.generate(ids[2:], 3, eos_token_id=None)[0], batched[2])
