@@ -377,8 +377,8 @@ CASES[4] += [
     Case(ParallelSpec(ep_size=2, tp_size=2), (4, 4), **CAPTURED),
     Case(ParallelSpec(ep_size=4), (2, 2, 0, 2), **CAPTURED),  # refused
 ]
-MODEL_SPECS = {2: [ParallelSpec(tp_size=2), ParallelSpec(ep_size=2)],
-               4: [ParallelSpec(ep_size=2, tp_size=2)]}
+# TP alone: the 4-rank model's TP groups, and the FP8 model's below (ep1xtp2)
+MODEL_SPECS = {2: [ParallelSpec(ep_size=2)], 4: [ParallelSpec(ep_size=2, tp_size=2)]}
 
 
 @pytest.mark.parametrize("world_size,spec",

@@ -70,9 +70,9 @@ def test_greedy_generation_matches_transformers(checkpoint, request):
     ours = load_model(path, dtype=torch.float32,
                       **({} if family == "qwen3_moe" else {"backend": "torch"}))
     ids = prompt()
-    # 8 tokens: each costs a decode step of both models under the interpreter
-    expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
-    actual = ours.generate(ids, max_new_tokens=8)
+    # 6 tokens: each costs a decode step of both models under the interpreter
+    expected = reference.generate(ids, max_new_tokens=6, do_sample=False)
+    actual = ours.generate(ids, max_new_tokens=6)
     assert len(set(expected[:, 7:].flatten().tolist())) > 2, (
         "degenerate reference generation: pick another seed")
     assert torch.equal(actual, expected)

@@ -49,11 +49,13 @@ def config_for(layout: LayoutKind) -> MoEConfig:
 @pytest.mark.parametrize("T,layout", [(T, LayoutKind.SORTED) for T in (0, 1, 3, 17, 64)]
                          + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3, 6)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("E,K", [(1, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 8)])
-def test_fused_experts(T, E, K, seed, dtype, layout, poisoned_empty):
-    x, w13, w2, ids, weights = make_layer(T, E, K, H=40, I=33, dtype=dtype, seed=seed,
-                                          filtered=0.2 * seed)
+def test_fused_experts(T, E, K, dtype, layout, poisoned_empty):
+    # one data set a case (two were 2 minutes of the suite); a fifth of the fp16 cases' pairs
+    # filtered, none of the float32 ones'
+    filtered = 0.2 if dtype == torch.float16 else 0.0
+    x, w13, w2, ids, weights = make_layer(T, E, K, H=40, I=33, dtype=dtype,
+                                          seed=T + 7 * E + 31 * K, filtered=filtered)
     out = fused_experts(x, w13, w2, ids, weights, config=config_for(layout))
     assert out.shape == (T, 40) and out.dtype == dtype
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights), dtype, scale=2)
