@@ -93,6 +93,7 @@ class CausalLM(nn.Module):
         self.routing_tape: RoutingTape | None = None  # setup(routing_tape=True)
         self._batch_sizes: tuple[int, ...] | None = None  # setup's, kept when generate redoes it
         self.graphs: DecodeGraphRunner | None = None
+        self.graphs_batch_invariant = False  # the mode the graphs were captured in (bake it in)
         self.use_graphs = True
         self.use_overlap = True  # overlap branches on alternate streams in captured decode
         # generate's default stop; load_model reads generation_config.json over it
@@ -296,6 +297,7 @@ class CausalLM(nn.Module):
             config = GraphConfig(batch_sizes=sizes, lockstep=lockstep)
             self.graphs = DecodeGraphRunner(self._decode_step, inputs, config)
             self.graphs.capture()
+            self.graphs_batch_invariant = batch_invariant_enabled()
 
     def sparse_layers(self) -> list[FusedMoE]:
         """The sparse MoE layers, in layer order (a routing tape's layer axis)."""
@@ -354,9 +356,12 @@ class CausalLM(nn.Module):
                                    f"generate({B} x {L} prompt tokens, "
                                    f"max_new_tokens={max_new_tokens})")
             self.setup(B, L + max_new_tokens, routing_tape=routed or self.routing_tape is not None)
-        elif routed and self.routing_tape is None:
+        elif ((routed and self.routing_tape is None) or (
+                self.graphs is not None
+                and self.graphs_batch_invariant != batch_invariant_enabled())):
+            # a tape, or graphs captured in the other batch-invariant mode: capture anew
             self.setup(self.cache.max_batch, self.cache.max_seq, self._batch_sizes,
-                       routing_tape=True)
+                       routing_tape=routed or self.routing_tape is not None)
         tape = self.routing_tape
         if tape is not None:
             tape.start(B, routing)

@@ -230,3 +230,24 @@ def test_greedy_tokens_alone_and_batched_are_the_same():
     with batch_invariant():
         batched = model.generate(ids, 3, eos_token_id=None)
         assert torch.equal(model.generate(ids[2:], 3, eos_token_id=None)[0], batched[2])
+
+
+@pytest.mark.gpu
+def test_decode_graphs_are_captured_in_the_mode_generate_runs_in(tmp_path):
+    """Graphs bake the mode in at capture: generate inside batch_invariant() after a setup outside
+    it captures them again, and a prompt's greedy tokens alone and batched then match, in bf16."""
+    from helpers import FAMILIES, randomize_
+
+    from moe_triton.models import load_model
+
+    make, seed = FAMILIES["qwen3_moe"]
+    torch.manual_seed(0)
+    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
+    model.setup(max_batch=4, max_seq=24)
+    assert model.graphs is not None and not model.graphs_batch_invariant
+    ids = prompts(3, 6, seed=2).cuda()
+    with batch_invariant():
+        batched = model.generate(ids, 6, eos_token_id=None)
+        assert model.graphs_batch_invariant
+        assert torch.equal(model.generate(ids[2:], 6, eos_token_id=None)[0], batched[2])
