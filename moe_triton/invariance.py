@@ -10,8 +10,8 @@ whose BLAS picks kernels by the number of rows. Everything else in the layer alr
 row in a fixed order (routing, expand, the per-token FP8 quantization, finalize's sum over the K
 slots in slot order). Modules the layer calls but does not own (shared experts, an input or
 output projection) are invariant only if they are; moe_triton.models' own (models/layers.py:
-`Linear`, `gated_activation`, the rotary table, decode attention's split) read the mode too. Read at each call, on the host: a plan made in
-one mode is never reused in the other.
+`Linear`, `gated_activation`, the rotary table, decode attention's split) read the mode too.
+Read at each call, on the host: a plan made in one mode is never reused in the other.
 
 The mode is one process-wide flag, not a context variable: torch.compile reads a module global
 (and guards on it, recompiling when it flips) but cannot trace ContextVar.get. Threads that need
