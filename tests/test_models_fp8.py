@@ -219,6 +219,20 @@ def test_fp8_experts_record_and_replay_their_routing(qwen3_fp8):
     assert torch.equal(replayed, tokens) and torch.equal(again, routing)
 
 
+def test_fp8_experts_prefill_a_prompt_to_the_same_bits_alone_and_in_a_batch(qwen3_fp8):
+    """batch_invariant() on FP8 experts (float16 activations, the interpreter's FP8 kernels): a
+    prompt's prefill logits alone and among three, bitwise. Prefill only: fp16 decode attention
+    falls back to torch on the CPU, which the mode does not cover there. (At this size the default
+    mode happens to match too; tests/test_invariance.py shows where it does not.)"""
+    from moe_triton import batch_invariant
+
+    ours = load_model(qwen3_fp8["published"], dtype=torch.float16, backend="triton")
+    ours.setup(max_batch=3, max_seq=16)
+    ids = prompt(batch=3, length=5)
+    with batch_invariant():
+        assert torch.equal(ours.prefill(ids[1:2])[0], ours.prefill(ids)[1])
+
+
 # ---- bad FP8 checkpoints: one error naming the tensor and what was expected ----------------------
 
 def edited(layouts, tmp_path, edit, layout="published"):
