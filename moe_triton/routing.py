@@ -418,13 +418,12 @@ def _check_inputs(logits, spec, correction_bias, out, tape=None):
 def _check_tape(tape, num_tokens: int, top_k: int, device) -> None:
     if not isinstance(tape, RouteTape):
         raise ValueError(f"tape must be a RouteTape, got {type(tape).__name__}")
-    for name, t, dtype, shape in (("ids", tape.ids, torch.int32, (top_k,)),
+    rows = tape.ids.shape[0] if isinstance(tape.ids, torch.Tensor) else None  # R: any
+    for name, t, dtype, shape in (("ids", tape.ids, torch.int32, (rows, top_k)),
                                   ("rows", tape.rows, torch.int64, (num_tokens,)),
                                   ("replay", tape.replay, torch.bool, (num_tokens,))):
-        ok_shape = (t.shape[1:] == shape if name == "ids" else tuple(t.shape) == shape)
-        if (not isinstance(t, torch.Tensor) or t.dim() != (2 if name == "ids" else 1)
-                or not ok_shape or t.dtype != dtype or t.device != device
-                or not t.is_contiguous()):
+        if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype
+                or t.device != device or not t.is_contiguous()):
             want = f"(R, {top_k})" if name == "ids" else f"({num_tokens},)"
             raise ValueError(f"tape.{name} must be a contiguous {dtype} tensor of shape {want} "
                              f"on {device} (one row per token of the logits); "

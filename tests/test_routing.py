@@ -139,7 +139,8 @@ def test_a_bad_tape_is_named_before_anything_launches(no_launch):
     for bad, match in ((RouteTape(ids, rows[:4], replay), "tape.rows"),
                        (RouteTape(ids.long(), rows, replay), "tape.ids"),
                        (RouteTape(ids[:, :1], rows, replay), "tape.ids"),
-                       (RouteTape(ids, rows, replay.int()), "tape.replay")):
+                       (RouteTape(ids, rows, replay.int()), "tape.replay"),
+                       (RouteTape(ids, rows.tolist(), replay), "tape.rows")):
         for router in (route, route_torch):
             with pytest.raises(ValueError, match=match):
                 router(logits, RoutingSpec(2), tape=bad)
