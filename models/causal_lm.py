@@ -19,9 +19,8 @@ from moe_triton.graphs import (
 )
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.layer import FusedMoE
-from moe_triton.linear import linear
 
-from .layers import Batch, RoutingTape, StaticKVCache
+from .layers import Batch, RoutingTape, StaticKVCache, dense
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")
 FINISHED_CHECK_EVERY = 8
@@ -110,9 +109,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.lm_head.weight if self.lm_head is not None
                   else self.model.embed_tokens.weight)
-        logits = (linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], -1)
-                  if batch_invariant_enabled() else nn.functional.linear(hidden, weight))
-        return logits.float() * getattr(self.config, "logit_scale", 1.0)
+        return dense(hidden, weight).float() * getattr(self.config, "logit_scale", 1.0)
 
     def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
         # evaluated while capturing, baked into the graph
@@ -336,8 +333,8 @@ class CausalLM(nn.Module):
         returns (tokens, routing), routing int32 [sparse layers, B, P, K] on the CPU, each
         position's experts in the router's order, -1 from a sequence's last token on (eos);
         `routing` of that shape replays: each layer runs the given experts, weighted by its
-        router's rule at them (FusedMoE.weights_at); a position whose K ids are all -1 routes
-        freely."""
+        router's rule at them (in the routing kernel, routing.RouteTape); a position whose K ids
+        are all -1 routes freely."""
         input_ids = self._checked_input_ids(input_ids)
         max_new_tokens = _count("max_new_tokens", max_new_tokens, 0)
         stop = self._stop_tokens(eos_token_id, pad_token_id)

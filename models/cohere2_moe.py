@@ -63,7 +63,7 @@ class Cohere2MoeAttention(nn.Module):
                                       config.num_attention_heads * self.head_dim,
                                       config.num_key_value_heads * self.head_dim, bias)
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                bias=bias)
+                             bias=bias)
 
     def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
         B, L, _ = x.shape

@@ -44,15 +44,22 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x (..., C), weight (N, C)); in batch-invariant mode (moe_triton.batch_invariant)
+    moe_triton.linear, whose rows' bits never depend on the rest of the batch (torch's BLAS picks
+    kernels by the row count)."""
+    if not batch_invariant_enabled():
+        return F.linear(x, weight)
+    return linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+
+
 class Linear(nn.Linear):
-    """nn.Linear; in batch-invariant mode (moe_triton.batch_invariant) through moe_triton.linear,
-    whose rows' bits never depend on the rest of the batch (torch's BLAS picks kernels by the row
-    count)."""
+    """nn.Linear; in batch-invariant mode through `dense`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not batch_invariant_enabled():
             return super().forward(x)
-        out = linear(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+        out = dense(x, self.weight)
         return out if self.bias is None else out + self.bias  # an exact add: row by row
 
 

@@ -24,7 +24,7 @@ class MiniMaxM3SharedMLP(nn.Module):
         super().__init__()
         self.activation = clamped_swiglu(config)
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.shared_intermediate_size,
-                                      bias=False)
+                                   bias=False)
         self.down_proj = Linear(config.shared_intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):

@@ -35,7 +35,7 @@ class Qwen3MoeAttention(nn.Module):
                                       config.num_attention_heads * self.head_dim,
                                       config.num_key_value_heads * self.head_dim, bias)
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                bias=bias)
+                             bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)  # per head, before rotary
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.sliding_window = (config.sliding_window
