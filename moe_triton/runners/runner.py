@@ -40,6 +40,8 @@ class ExpertsRunner:
 
     graph_capturable = True  # the whole forward can be captured in a CUDA graph
     lockstep = False  # its forward holds collectives peers with other tokens must join at once
+    # why a row's bits follow the rest of its batch even in batch_invariant(); None: they do not
+    batch_dependence: str | None = "its kernels choose tiles by the batch"
 
     def __init__(self, spec: BackendSpec, layer: LayerTraits, context: ModelContext):
         self.spec, self.layer, self.context = spec, layer, context
@@ -75,6 +77,7 @@ class ExpertsRunner:
 
 
 class TritonRunner(ExpertsRunner):
+    batch_dependence = None  # the mode fixes its tiles (pipeline.default_config)
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         return run_experts(hidden_states, weights, topk_ids, topk_weights,
@@ -83,6 +86,9 @@ class TritonRunner(ExpertsRunner):
 
 class TorchRunner(ExpertsRunner):
     """The float32 reference, routing included; FP8 weights dequantized, activations not."""
+
+    batch_dependence = ("per-expert torch matmuls round a row by how many rows share its expert "
+                        "(BLAS picks kernels by the row count)")
 
     def route(self, router_logits, correction_bias, tape=None):
         return route_torch(router_logits, self.routing, correction_bias, tape)
@@ -104,6 +110,8 @@ class ParallelRunner(ExpertsRunner):
         super().__init__(local.spec, local.layer, local.context)
         self.local, self.groups = local, groups
         self.graph_capturable = local.graph_capturable
+        self.batch_dependence = ("the mode does not cover moe_triton.parallel's collectives "
+                                 "(NCCL picks its reduction algorithm by message size)")
         self.lockstep = groups.spec.all_to_all
 
     def prepare(self, weights):
