@@ -1,5 +1,6 @@
 """What the tests share: one `assert_close` with dtype-justified tolerances, poisoning, the device,
-random routing ids and expert weights, tiny transformers models, and the quantization-config table.
+random routing ids and expert weights, tiny transformers models and MoE blocks, and the
+quantization-config table.
 
 Test files import from here, never from conftest.py or from one another. Importing this module
 imports moe_triton, so TRITON_INTERPRET must be settled first: pytest imports conftest.py (which
@@ -101,6 +102,16 @@ def random_expert_weights(g: torch.Generator, E, H, I, gated=True, dtype=torch.f
     w13 = torch.randn(E, 2 * I if gated else I, H, generator=g) / H**0.5
     w2 = torch.randn(E, H, I, generator=g) / I**0.5
     return w13.to(dtype), w2.to(dtype)
+
+
+def copy_experts_(layer, weights) -> None:
+    """A FusedMoE's expert tensors (and their scales, where the format has them) from
+    ExpertWeights `weights`, in place."""
+    with torch.no_grad():
+        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
+                            ("gate_up_proj_scale", "w13_scale"), ("down_proj_scale", "w2_scale")):
+            if getattr(weights, field) is not None:
+                getattr(layer, name).copy_(getattr(weights, field))
 
 
 # ---- tiny transformers models --------------------------------------------------------------------
@@ -471,3 +482,35 @@ def fp8_quantize(w: torch.Tensor, strategy: str, block=(128, 128)):
         per_element = (scale.repeat_interleave(bn, 0)[: w.shape[0]]
                        .repeat_interleave(bc, 1)[:, : w.shape[1]])
     return (w / per_element).clamp(-448, 448).to(torch.float8_e4m3fn), scale.float()
+
+
+# ---- tiny standalone MoE blocks: (transformers' block, ours) on one config ----------------------
+
+def m3_block():
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLSparseMoeBlock
+
+    from moe_triton.models.minimax_m3 import MiniMaxM3MoeBlock
+
+    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40,
+                                   shared_intermediate_size=24, num_local_experts=8,
+                                   num_experts_per_tok=2, routed_scaling_factor=2.0,
+                                   swiglu_limit=0.7, swiglu_alpha=1.702)
+    return MiniMaxM3VLSparseMoeBlock(config), MiniMaxM3MoeBlock(config)
+
+
+def nemotron_block(latent):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    from moe_triton.models.nemotron_h import NemotronHMoeBlock
+
+    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40,
+                             moe_shared_expert_intermediate_size=24, n_routed_experts=8,
+                             num_experts_per_tok=2, n_group=2, topk_group=1,
+                             routed_scaling_factor=2.5, norm_topk_prob=True, moe_latent_size=latent)
+    return NemotronHMoE(config), NemotronHMoeBlock(config)
+
+
+BLOCKS = {"minimax_m3": m3_block, "nemotron_h": lambda: nemotron_block(None),
+          "nemotron_h-latent": lambda: nemotron_block(32)}

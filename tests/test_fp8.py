@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, copy_experts_
 
 from moe_triton import (
     ExpertWeights,
@@ -275,10 +275,7 @@ def load_random_fp8(layer, seed=0):
     with torch.no_grad():
         layer.gate_weight.copy_(torch.randn(layer.gate_weight.shape,
                                             generator=torch.Generator().manual_seed(seed)))
-        for name, tensor in (("gate_up_proj", weights.w13), ("down_proj", weights.w2),
-                             ("gate_up_proj_scale", weights.w13_scale),
-                             ("down_proj_scale", weights.w2_scale)):
-            getattr(layer, name).copy_(tensor)
+    copy_experts_(layer, weights)
     layer.prepare_weights()
     return layer
 

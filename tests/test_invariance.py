@@ -4,7 +4,7 @@ included); outside it the layer is shown not to be, so the check can fail. Under
 in float32 / fp16 / FP8, and on the H200 at the Qwen3 grid shape in bf16 and FP8."""
 import pytest
 import torch
-from helpers import random_expert_weights, random_ids, test_device
+from helpers import copy_experts_, random_expert_weights, random_ids, test_device
 
 from moe_triton import (
     ExpertWeights,
@@ -46,16 +46,8 @@ def tiny_layer(dtype, fmt=WeightFormat()) -> FusedMoE:
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         layer.gate_weight.copy_(torch.randn(E, H, generator=g))
-        w13, w2 = random_expert_weights(g, E, H, I)
-        if fmt.fp8 is None:
-            layer.gate_up_proj.copy_(w13)
-            layer.down_proj.copy_(w2)
-        else:
-            weights = ExpertWeights(w13, w2).to_format(fmt)
-            for name, tensor in (("gate_up_proj", weights.w13), ("down_proj", weights.w2),
-                                 ("gate_up_proj_scale", weights.w13_scale),
-                                 ("down_proj_scale", weights.w2_scale)):
-                getattr(layer, name).copy_(tensor)
+    weights = ExpertWeights(*random_expert_weights(g, E, H, I))
+    copy_experts_(layer, weights if fmt.fp8 is None else weights.to_format(fmt))
     return layer.to(test_device())
 
 
@@ -118,6 +110,32 @@ def test_the_mode_is_scoped_and_refuses_a_non_bool():
     assert not batch_invariant_enabled()
     with pytest.raises(ValueError, match="True or False"), batch_invariant("yes"):
         pass
+
+
+def test_a_backend_the_mode_does_not_cover_is_refused_before_anything_runs():
+    """The torch reference's per-expert matmuls round a row by how many rows share its expert:
+    inside the mode a layer on it is a ValueError naming the backend and the fix, not rows that
+    silently differ."""
+    layer = FusedMoE(E, K, H, I, routing=RoutingSpec(K), placement=Placement("torch"))
+    refused = pytest.raises(ValueError, match=r"torch backend.*Placement\('triton'\)")
+    with batch_invariant(), refused:
+        layer(torch.zeros(3, H))
+    assert layer(torch.zeros(3, H)).shape == (3, H)  # outside the mode it runs
+
+
+@pytest.mark.parametrize("name", ["minimax_m3", "nemotron_h-latent"])
+def test_a_standalone_blocks_rows_do_not_depend_on_the_batch(name):
+    """MiniMax-M3's and NemotronH's MoE blocks, shared experts and latent projections included
+    (models/' Linear reads the mode), on the Triton experts in float32."""
+    from helpers import BLOCKS, randomize_all_
+
+    _, block = BLOCKS[name]()
+    assert block.backend == "triton"
+    block = randomize_all_(block.eval(), seed=3).to(test_device())
+    x = torch.randn(40, block.gate_weight.shape[1],
+                    generator=torch.Generator().manual_seed(4)).to(test_device())
+    with torch.no_grad(), batch_invariant():
+        assert differing_rows(lambda at: block(x[at][None])[0], 7, 33, seed=5) == []
 
 
 @pytest.mark.gpu

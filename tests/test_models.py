@@ -9,9 +9,11 @@ import re
 import pytest
 import torch
 from helpers import (
+    BLOCKS,
     FAMILIES,
     assert_close,
     eos_for_early_stops,
+    nemotron_block,
     prompt,
     randomize_,
     randomize_all_,
@@ -253,36 +255,6 @@ def test_unsupported_architecture_and_missing_files(tmp_path):
 
 
 # ---- standalone MoE blocks: MiniMax-M3 and NemotronH ------------------------------------------
-
-def m3_block():
-    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
-    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLSparseMoeBlock
-
-    from moe_triton.models.minimax_m3 import MiniMaxM3MoeBlock
-
-    config = MiniMaxM3VLTextConfig(hidden_size=48, intermediate_size=40,
-                                   shared_intermediate_size=24, num_local_experts=8,
-                                   num_experts_per_tok=2, routed_scaling_factor=2.0,
-                                   swiglu_limit=0.7, swiglu_alpha=1.702)
-    return MiniMaxM3VLSparseMoeBlock(config), MiniMaxM3MoeBlock(config)
-
-
-def nemotron_block(latent):
-    from transformers import NemotronHConfig
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
-
-    from moe_triton.models.nemotron_h import NemotronHMoeBlock
-
-    config = NemotronHConfig(hidden_size=48, moe_intermediate_size=40,
-                             moe_shared_expert_intermediate_size=24, n_routed_experts=8,
-                             num_experts_per_tok=2, n_group=2, topk_group=1,
-                             routed_scaling_factor=2.5, norm_topk_prob=True, moe_latent_size=latent)
-    return NemotronHMoE(config), NemotronHMoeBlock(config)
-
-
-BLOCKS = {"minimax_m3": m3_block, "nemotron_h": lambda: nemotron_block(None),
-          "nemotron_h-latent": lambda: nemotron_block(32)}
-
 
 def per_expert_layout(state):
     """The Hub's per-expert names from transformers' fused tensors."""
