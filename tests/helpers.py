@@ -182,8 +182,37 @@ FAMILIES = {"qwen3_moe": (tiny_qwen3_moe, 1), "cohere2_moe": (tiny_cohere2_moe, 
             "minimax_m2": (tiny_minimax_m2, 1)}
 
 
-def prompt(batch=2, length=7, vocab=97):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(3))
+def prompt(batch=2, length=7, vocab=97, seed=3):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def rows_that_depend_on_the_batch(model, mode: bool = True) -> list[str]:
+    """In batch_invariant(mode): a prompt's prefill logits alone vs among three, and one sequence's
+    decode_step logits alone vs beside two of other lengths (each prefilled into its own slot with
+    prefill(ids, slots=)); the checks whose bits differ (empty: invariant). The model was set up
+    for a batch of three or more and 16 positions or more."""
+    from moe_triton import batch_invariant
+
+    device = next(model.parameters()).device
+
+    def tensor(values):
+        return torch.tensor(values, device=device)
+
+    differ = []
+    with batch_invariant(mode):
+        ids = prompt(batch=3, length=5).to(device)
+        if not torch.equal(model.prefill(ids[1:2])[0], model.prefill(ids)[1]):
+            differ.append("prefill")
+        lengths = (7, 4, 9)
+        for slot, length in enumerate(lengths):
+            model.prefill(prompt(1, length, seed=10 + slot).to(device), slots=tensor([slot]))
+        alone = model.decode_step({"token_ids": tensor([5]), "positions": tensor([7]),
+                                   "slots": tensor([0])})
+        beside = model.decode_step({"token_ids": tensor([5, 11, 13]),
+                                    "positions": tensor(list(lengths)), "slots": tensor([0, 1, 2])})
+        if not torch.equal(alone[0], beside[0]):
+            differ.append("decode")
+    return differ
 
 
 def eos_for_early_stops(free: torch.Tensor, L: int) -> tuple[list[int], list[int | None]]:

@@ -4,7 +4,14 @@ included); outside it the layer is shown not to be, so the check can fail. Under
 in float32 / fp16 / FP8, and on the H200 at the Qwen3 grid shape in bf16 and FP8."""
 import pytest
 import torch
-from helpers import copy_experts_, random_expert_weights, random_ids, test_device
+from helpers import (
+    copy_experts_,
+    prompt,
+    random_expert_weights,
+    random_ids,
+    rows_that_depend_on_the_batch,
+    test_device,
+)
 
 from moe_triton import (
     ExpertWeights,
@@ -184,39 +191,11 @@ def family_model(request, tmp_path_factory):
     return model
 
 
-def prompts(batch: int, length: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def decode_inputs(tokens, positions, slots) -> dict[str, torch.Tensor]:
-    return {name: torch.tensor(values, device=test_device())
-            for name, values in (("token_ids", tokens), ("positions", positions),
-                                 ("slots", slots))}
-
-
-def decode_alone_and_beside(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's decode_step logits alone and beside two of other lengths, each prefilled
-    into its own slot first (prefill(ids, slots=))."""
-    lengths = (7, 4, 9)
-    for slot, length in enumerate(lengths):
-        model.prefill(prompts(1, length, seed=10 + slot).to(test_device()),
-                      slots=torch.tensor([slot], device=test_device()))
-    alone = model.decode_step(decode_inputs([5], [7], [0]))
-    beside = model.decode_step(decode_inputs([5, 11, 13], list(lengths), [0, 1, 2]))
-    return alone[0], beside[0]
-
-
 def test_a_models_prefill_and_decode_give_a_sequence_the_same_bits_alone_and_batched(
         family_model):
-    """Prefill: a prompt's logits alone and among three prompts. Decode: decode_alone_and_beside.
-    Bitwise."""
-    model = family_model
-    ids = prompts(3, 5, seed=1).to(test_device())
-    with batch_invariant():
-        together = model.prefill(ids)  # [3, 5, V]
-        assert torch.equal(model.prefill(ids[1:2])[0], together[1])
-        alone, beside = decode_alone_and_beside(model)
-    assert torch.equal(alone, beside)
+    """helpers.rows_that_depend_on_the_batch: prefill logits alone vs among three, decode alone vs
+    beside two sequences of other lengths, bitwise."""
+    assert rows_that_depend_on_the_batch(family_model) == []
 
 
 def test_outside_the_mode_a_decode_step_depends_on_its_batch(family_model):
@@ -226,8 +205,23 @@ def test_outside_the_mode_a_decode_step_depends_on_its_batch(family_model):
         pytest.skip("the CPU's split count and BLAS (the GPU's grid test covers the experts)")
     if family_model.config.model_type != "qwen3_moe":
         pytest.skip("one family shows it (the split and matmuls are every family's)")
-    alone, beside = decode_alone_and_beside(family_model)
-    assert not torch.equal(alone, beside)
+    assert "decode" in rows_that_depend_on_the_batch(family_model, mode=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", INVARIANT_FAMILIES)
+def test_a_bf16_models_prefill_and_decode_are_batch_invariant_on_the_gpu(family, tmp_path):
+    """The same checks in bf16 on the H200: SDPA's prefill kernels, cuBLAS outside the mode."""
+    from helpers import FAMILIES, randomize_
+
+    from moe_triton.models import load_model
+
+    make, seed = FAMILIES[family]
+    torch.manual_seed(0)
+    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
+    model.setup(max_batch=4, max_seq=24)
+    assert rows_that_depend_on_the_batch(model) == []
 
 
 def test_greedy_tokens_alone_and_batched_are_the_same():
@@ -244,7 +238,7 @@ def test_greedy_tokens_alone_and_batched_are_the_same():
     with tempfile.TemporaryDirectory() as path:
         randomize_(make().eval(), seed=seed).save_pretrained(path)
         model = load_model(path, dtype=torch.float32, device=test_device())
-    ids = prompts(3, 6, seed=2).to(test_device())
+    ids = prompt(3, 6, seed=2).to(test_device())
     with batch_invariant():
         batched = model.generate(ids, 3, eos_token_id=None)
         assert torch.equal(model.generate(ids[2:], 3, eos_token_id=None)[0], batched[2])
@@ -264,7 +258,7 @@ def test_decode_graphs_are_captured_in_the_mode_generate_runs_in(tmp_path):
     model = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
     model.setup(max_batch=4, max_seq=24)
     assert model.graphs is not None and not model.graphs_batch_invariant
-    ids = prompts(3, 6, seed=2).cuda()
+    ids = prompt(3, 6, seed=2).cuda()
     with batch_invariant():
         batched = model.generate(ids, 6, eos_token_id=None)
         assert model.graphs_batch_invariant

@@ -40,6 +40,7 @@ from helpers import (
     prompt,
     randomize_,
     relative_error,
+    rows_that_depend_on_the_batch,
     save_checkpoint,
     sparse_qwen3_moe,
     transformers_fp8_checkpoint,
@@ -231,6 +232,16 @@ def test_fp8_experts_prefill_a_prompt_to_the_same_bits_alone_and_in_a_batch(qwen
     ids = prompt(batch=3, length=5)
     with batch_invariant():
         assert torch.equal(ours.prefill(ids[1:2])[0], ours.prefill(ids)[1])
+
+
+@pytest.mark.gpu
+def test_fp8_experts_prefill_and_decode_are_batch_invariant_on_the_gpu(fp8_checkpoint):
+    """Every family's FP8 checkpoint in bf16 on the H200's FP8 kernels: helpers'
+    rows_that_depend_on_the_batch (prefill alone vs among three, decode alone vs beside two)."""
+    _, layouts = fp8_checkpoint
+    ours = load_model(layouts["published"], dtype=torch.bfloat16, device="cuda")
+    ours.setup(max_batch=3, max_seq=16)
+    assert rows_that_depend_on_the_batch(ours) == []
 
 
 # ---- bad FP8 checkpoints: one error naming the tensor and what was expected ----------------------
