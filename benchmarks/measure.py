@@ -109,6 +109,28 @@ def event_median_seconds(fn: Callable[[], object], iterations: int = 30) -> floa
 
 # ---- a full-size model (Qwen3-30B-A3B's config), its decode step's bytes -------------------------
 
+def interleaved_layer_seconds(shape: LayerShape, weights, M: int, variants: dict[str, Callable],
+                              rounds: int = 3, num_inputs: int = 4) -> dict[str, float]:
+    """Seconds per run_experts call of each variant (name -> run_experts-like fn(x, weights, ids,
+    topk_weights)) at M tokens: CUDA-graph replays of `num_inputs` calls over rotated inputs (the
+    grid benchmark's timing), the variants' graphs captured first, then timed in turn over
+    `rounds` rounds; each variant's median."""
+    from moe_triton.graphs import capture_graph
+    from moe_triton.tools.bench import random_inputs, time_graph_replays
+
+    inputs = random_inputs(shape, M, torch.bfloat16, "cuda", num_inputs)
+    graphs = {}
+    for name, fn in variants.items():
+        graphs[name] = capture_graph(
+            lambda i, fn=fn: fn(inputs.hidden_states[i], weights, inputs.topk_ids[i],
+                                inputs.topk_weights[i]), num_inputs)
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            times[name].append(time_graph_replays(graph, num_inputs, replays=20))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def qwen3_30b_a3b_config(num_layers: int = 48):
     """Qwen3-30B-A3B's config (48 layers, H=2048, 128 experts of I=768, top-8, 32 / 4 heads of
     128)."""

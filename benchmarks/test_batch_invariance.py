@@ -3,7 +3,7 @@ in turn (interleaved rounds, medians):
 
 - The layer on the grid's four shapes, bf16 and FP8 block-128, M from 1 to 4096: run_experts
   through CUDA-graph replays of four calls over rotated inputs (the grid benchmark's timing), one
-  graph per mode, ROUNDS alternations.
+  graph per mode, three alternations.
 - The model step: a full-size Qwen3-30B-A3B-shaped model of moe_triton.models (48 layers, random
   bf16 weights drawn on the GPU) decoding one step through its graphs at context 1k, batch 1, 8
   and 64, with the graphs captured in each mode in turn.
@@ -15,31 +15,28 @@ import statistics
 
 import pytest
 import torch
-from measure import commit, event_median_seconds, qwen3_30b_a3b_config, random_weights_
+from measure import (
+    commit,
+    event_median_seconds,
+    interleaved_layer_seconds,
+    qwen3_30b_a3b_config,
+    random_weights_,
+)
 
 from moe_triton import ExpertWeights, WeightFormat, batch_invariant, run_experts
-from moe_triton.graphs import capture_graph
 from moe_triton.models import default_dtype
-from moe_triton.tools.bench import GRID_SHAPES, random_experts, random_inputs, time_graph_replays
+from moe_triton.tools.bench import GRID_SHAPES, random_experts
 
 LAYER_M = (1, 4, 16, 64, 256, 1024, 4096)
 STEP_BATCHES, CONTEXT = (1, 8, 64), 1024
-ROUNDS, VARIANTS = 3, 4
 MODES = (False, True)
 
 
-def layer_graphs(shape, weights: ExpertWeights, M: int) -> dict[bool, torch.cuda.CUDAGraph]:
-    inputs = random_inputs(shape, M, torch.bfloat16, "cuda", VARIANTS)
-
-    def call(i):
-        return run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i],
-                           inputs.topk_weights[i])
-
-    graphs = {}
-    for mode in MODES:
+def in_mode(mode: bool):
+    def call(x, weights, ids, topk_weights):
         with batch_invariant(mode):
-            graphs[mode] = capture_graph(call, VARIANTS)
-    return graphs
+            return run_experts(x, weights, ids, topk_weights)
+    return call
 
 
 @pytest.mark.gpu
@@ -51,17 +48,13 @@ def test_the_layers_cost_on_the_grid(benchmark, name, record):
                          ("fp8-block128", native.to_format(WeightFormat.fp8_block(128, 128)))):
         with torch.no_grad():
             for M in LAYER_M:
-                graphs = layer_graphs(shape, weights, M)
-                times = {mode: [] for mode in MODES}
-                for _ in range(ROUNDS):
-                    for mode, graph in graphs.items():
-                        times[mode].append(time_graph_replays(graph, VARIANTS, replays=20))
-                default, invariant = (statistics.median(times[mode]) for mode in MODES)
+                times = interleaved_layer_seconds(shape, weights, M,
+                                                  {mode: in_mode(mode) for mode in MODES})
+                default, invariant = times[False], times[True]
                 record("run_experts, default vs batch_invariant(), graph replays", dict(
                     commit=commit(), shape=name, format=fmt, M=M,
                     default_us=f"{default * 1e6:.1f}", invariant_us=f"{invariant * 1e6:.1f}",
                     ratio=f"{invariant / default:.3f}"))
-                del graphs
         del weights
     del native
     torch.cuda.empty_cache()
