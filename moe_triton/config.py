@@ -79,9 +79,6 @@ class MoEConfig:
     layout: LayoutKind = LayoutKind.SORTED
     # set: both GEMMs in the decode kernel instead (opt-in: decode_config)
     decode: DecodeConfig | None = None
-    # the down GEMM adds each weighted row into a float32 (T, H) with float atomics, in place of
-    # finalize's pass over (R, H); opt-in: the K slots' order varies run to run (not bit-stable)
-    atomic_combine: bool = False
 
     def __post_init__(self):
         if (not isinstance(self.up, GemmConfig) or not isinstance(self.down, GemmConfig)
@@ -98,10 +95,6 @@ class MoEConfig:
         if self.up.split_c > 1:
             raise ValueError(f"up.split_c={self.up.split_c}: the first GEMM's activation needs the "
                              "whole sum; split only the second GEMM (down.split_c)")
-        if self.atomic_combine and (self.decode is not None or self.down.split_c > 1
-                                    or self.layout is not LayoutKind.SORTED):
-            raise ValueError("atomic_combine adds whole rows of the sorted layout's down GEMM: "
-                             "it takes layout=SORTED, no decode kernel and down.split_c=1")
 
     @property
     def block_m(self) -> int:
@@ -117,8 +110,7 @@ class MoEConfig:
             d = self.decode
             return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"
                     f"{d.block_h}/s{d.num_stages}/w{d.num_warps}{'/tma' if d.tma_weights else ''}")
-        return (f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
-                f"{' atomic-combine' if self.atomic_combine else ''}")
+        return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
 
 
 def _check_tile_fields(config, blocks: tuple[str, ...], counts: tuple[str, ...]) -> None:

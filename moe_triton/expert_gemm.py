@@ -135,11 +135,10 @@ def _e4m3_nan(tile, axis: tl.constexpr):
 def _expert_gemm_kernel(
     a_ptr, a_desc, w_ptr, w_desc, out_ptr,
     sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr, topk_ids_ptr,
-    a_scale_ptr, w_scale_ptr, out_scale_ptr, topk_weights_ptr,
+    a_scale_ptr, w_scale_ptr, out_scale_ptr,
     N, C, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
     stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
-    stride_tw_t, stride_tw_k,
     A_DESC: tl.constexpr,  # row-space a through a TMA descriptor over (R, C)
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
     PERSISTENT: tl.constexpr,  # the grid's programs walk the tiles of the rows in use (SORTED)
@@ -156,9 +155,6 @@ def _expert_gemm_kernel(
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE per or in a step)
     W_SCALAR: tl.constexpr,  # PER_STEP weight scales: every tile lies in one weight block
     OUT_FP8: tl.constexpr,  # quantize the output tile per row, one scale per (row, BLOCK_N columns)
-    # k > 0: add each row, times its routing weight, into float32 out (T, N) at token pair // k
-    # with atomics (the fused combine: no (R, N) round trip; the slots' order is not fixed)
-    COMBINE_TOP_K: tl.constexpr,
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -175,14 +171,13 @@ def _expert_gemm_kernel(
             _gemm_tile(
                 pid_m, pid_n, rows, tl.load(sorted_pair_ids_ptr + rows), expert,
                 a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
-                topk_weights_ptr,
                 N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
                 stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
                 stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n,
-                stride_ws_c, stride_os_m, stride_tw_t, stride_tw_k,
+                stride_ws_c, stride_os_m,
                 A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
-                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, COMBINE_TOP_K,
-                ACT_LIMIT, ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
+                IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
     else:
         if TRIGGER:
             gdc_launch_dependents()
@@ -204,14 +199,13 @@ def _expert_gemm_kernel(
         _gemm_tile(
             pid_m, pid_n, rows, pair, expert,
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
-                topk_weights_ptr,
             N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
             stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
             stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c,
-            stride_os_m, stride_tw_t, stride_tw_k,
+            stride_os_m,
             A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
-            A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, COMBINE_TOP_K,
-            ACT_LIMIT, ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+            A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
+            IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
 
 
 @triton.jit
@@ -230,16 +224,14 @@ def _tile_coordinates(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 def _gemm_tile(
     pid_m, pid_n, rows, pair, expert,
     a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
-    topk_weights_ptr,
     N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
     stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
-    stride_tw_t, stride_tw_k,
     A_DESC: tl.constexpr, W_DESC: tl.constexpr, GATHER_TOP_K: tl.constexpr,
     FUSED_GATE: tl.constexpr, ACT_KIND: tl.constexpr, SPLIT_C: tl.constexpr,
     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, A_GROUP: tl.constexpr, NAN_BITS: tl.constexpr,
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr, W_SCALAR: tl.constexpr,
-    OUT_FP8: tl.constexpr, COMBINE_TOP_K: tl.constexpr,
+    OUT_FP8: tl.constexpr,
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -349,22 +341,15 @@ def _gemm_tile(
                               other=0.0)[None, :]
     if ACT_KIND >= 0:
         acc = _apply_activation(acc, acc_up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
+    out = (out_ptr + tl.program_id(1) * stride_out_split + rows[:, None].to(tl.int64) * stride_out_m
+           + offs_n[None, :])
     out_mask = is_real[:, None] & n_ok[None, :]
-    if COMBINE_TOP_K > 0:
-        token = pair // COMBINE_TOP_K
-        weight = tl.load(topk_weights_ptr + token * stride_tw_t
-                         + (pair % COMBINE_TOP_K) * stride_tw_k, mask=is_real, other=0.0)
-        out = out_ptr + token[:, None].to(tl.int64) * stride_out_m + offs_n[None, :]
-        tl.atomic_add(out, acc * weight.to(tl.float32)[:, None], mask=out_mask, sem="relaxed")
+    if OUT_FP8:  # columns past N (a descriptor tile's overrun) must not enter the row's max
+        scale = fp8_scale(nan_max(tl.where(n_ok[None, :], tl.abs(acc), 0.0), 1))  # [BLOCK_M]
+        tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os_m + pid_n, scale, mask=is_real)
+        tl.store(out, quantize_tile(acc, scale[:, None]), mask=out_mask)
     else:
-        out = (out_ptr + tl.program_id(1) * stride_out_split
-               + rows[:, None].to(tl.int64) * stride_out_m + offs_n[None, :])
-        if OUT_FP8:  # columns past N (a descriptor tile's overrun) must not enter the row's max
-            scale = fp8_scale(nan_max(tl.where(n_ok[None, :], tl.abs(acc), 0.0), 1))  # [BLOCK_M]
-            tl.store(out_scale_ptr + rows.to(tl.int64) * stride_os_m + pid_n, scale, mask=is_real)
-            tl.store(out, quantize_tile(acc, scale[:, None]), mask=out_mask)
-        else:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def weight_descriptor(w: torch.Tensor, block: tuple[int, int]):
@@ -402,20 +387,18 @@ def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor) -> None:
 class ExpertGemmPlan:
     """`expert_gemm` for one signature: valid for any tensors with the metadata planned from."""
 
-    out_shape: tuple[int, ...]  # [R, N_out], [S, R, N] float32 split-C partials, or combined [T, N]
+    out_shape: tuple[int, ...]  # [R, N_out], or [S, R, N] float32 split-C partials
     out_dtype: torch.dtype
     out_scales_shape: tuple[int, int] | None  # [R, N_out / BLOCK_N] with an FP8 output, else None
     config: GemmConfig
     descriptor: bool  # weights through a TMA descriptor
     a_descriptor: bool  # row-space a through a TMA descriptor
-    combine: bool  # rows weighted and added into float32 [T, N] (which starts at zero)
     launch: BoundLaunch | None  # None: no row blocks or no output columns, nothing to compute
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout,
                  a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None):
-        """(out, out_scales), out_scales None unless FP8 out; a_scale / w_scale as planned;
-        `topk_weights` (T, K) for a combining plan."""
+                 out: torch.Tensor | None = None):
+        """(out, out_scales), out_scales None unless FP8 out; a_scale / w_scale as planned."""
         out, out_scales = self.outputs(a.device, out)
         if self.launch is not None:
             w_desc = (weight_descriptor(w, (self.config.block_n, self.config.block_c))
@@ -424,15 +407,14 @@ class ExpertGemmPlan:
             a_desc = (TensorDescriptor.from_tensor(a, [self.config.block_m, self.config.block_c])
                       if self.a_descriptor else a)
             self.launch(**_gemm_tensors(a, a_desc, w, w_desc, layout, a_scale, w_scale, out,
-                                        out_scales, topk_weights))
+                                        out_scales))
         return out, out_scales
 
     def outputs(self, device, out: torch.Tensor | None = None):
         """Fresh (out, out_scales); on the meta device, what a next stage plans from."""
-        if out is None:  # [S, R, N], [R, N_out] or [T, N]
-            out = (torch.zeros if self.combine else torch.empty)(self.out_shape,
-                                                                 dtype=self.out_dtype,
-                                                                 device=device)
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.out_dtype,
+                              device=device)  # [S, R, N] or [R, N_out]
         out_scales = None
         if self.out_scales_shape is not None:
             out_scales = torch.empty(self.out_scales_shape, dtype=torch.float32,
@@ -441,12 +423,11 @@ class ExpertGemmPlan:
 
 
 def _gemm_tensors(a, a_desc, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out,
-                  out_scales, topk_weights) -> dict:
+                  out_scales) -> dict:
     sorted_pair_ids, block_expert, num_rows = layout.block_tensors()
     if a_scale is None:  # unread without FP8
         a_scale, w_scale = out, out
     return dict(a_ptr=a, a_desc=a_desc, w_ptr=w, w_desc=w_desc, out_ptr=out,
-                topk_weights_ptr=topk_weights if topk_weights is not None else out,
                 sorted_pair_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert,
                 num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids, a_scale_ptr=a_scale,
                 w_scale_ptr=w_scale,
@@ -465,21 +446,15 @@ def plan_expert_gemm(
     out_dtype: torch.dtype | None = None,
     trigger: bool = False,
     dependent: bool = False,
-    combine: torch.Tensor | None = None,
 ) -> ExpertGemmPlan:
     """trigger: the next kernel is a PDL dependent; dependent: this one is (platform.py's
-    dependent_launch must allow both). `combine`: the call's topk_weights (T, K), or a stand-in of
-    their metadata: each row times its weight is added into a float32 (T, N) (float atomics)."""
+    dependent_launch must allow both)."""
     if config.block_m != layout.block_m:
         raise ValueError(f"config.block_m={config.block_m} must equal the layout's "
                          f"block_m={layout.block_m}")
     if config.split_c > 1 and (activation is not None or out_dtype == FP8_DTYPE):
         raise ValueError(f"config.split_c={config.split_c} leaves partial sums, but an activation "
                          "or an FP8 output needs the whole sum: split only the second GEMM")
-    if combine is not None and (config.split_c > 1 or activation is not None
-                                or out_dtype == FP8_DTYPE or layout.kind is not LayoutKind.SORTED):
-        raise ValueError("a combining GEMM writes whole weighted rows of a sorted layout: no "
-                         "split_c, activation or FP8 output")
     if scales is not None:
         _check_scales(scales, a, w)
     E, N, C = w.shape
@@ -493,16 +468,13 @@ def plan_expert_gemm(
                               else ((R, n_out), (0, n_out)))
     if split_c > 1:
         out_dtype = torch.float32
-    if combine is not None:
-        out_shape, out_strides = (layout.num_pairs // layout.top_k, n_out), (0, n_out)
-        out_dtype = torch.float32
     out_scales_shape = (R, triton.cdiv(n_out, config.block_n)) if out_dtype == FP8_DTYPE else None
     sorted_layout = layout.kind is LayoutKind.SORTED
     descriptor = config.tma_weights and takes_descriptor(w)
     a_descriptor = config.tma_activations and not gather and sorted_layout and takes_descriptor(a)
     persistent = config.persistent_programs > 0 and sorted_layout
     plan = functools.partial(ExpertGemmPlan, out_shape, out_dtype, out_scales_shape, config,
-                             descriptor, a_descriptor, combine is not None)
+                             descriptor, a_descriptor)
     if num_m_blocks == 0 or n_out == 0:
         return plan(None)
     fixed = dict(
@@ -512,9 +484,6 @@ def plan_expert_gemm(
         stride_w_e=w.stride(0), stride_w_n=w.stride(1), stride_w_c=w.stride(2),
         stride_out_m=out_strides[1], stride_out_split=out_strides[0],
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
-        stride_tw_t=combine.stride(0) if combine is not None else 0,
-        stride_tw_k=combine.stride(1) if combine is not None else 0,
-        COMBINE_TOP_K=layout.top_k if combine is not None else 0,
         A_DESC=a_descriptor, W_DESC=descriptor, PERSISTENT=persistent,
         TRIGGER=trigger and not persistent, DEPENDENT=dependent and not persistent,
         PER_PAIR=layout.kind is LayoutKind.PER_PAIR,

@@ -193,7 +193,7 @@ class LayerPlan:
     up: ExpertGemmPlan | None  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
     down: ExpertGemmPlan | None  # w2 -> [R, H], or [S, R, H] float32 split-C partials
     decode: DecodePlan | None  # instead of quantize, up and down: [S, P, H] partials by pair
-    finalize: FinalizePlan | None  # weighted un-permute -> a fresh [T, H]; None: down combined
+    finalize: FinalizePlan  # weighted un-permute -> a fresh [T, H] (or `out`)
 
     def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
                  out=None) -> torch.Tensor:
@@ -209,10 +209,6 @@ class LayerPlan:
             x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
         # [R, I], [R, I / BLOCK_N]
         h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)
-        if self.finalize is None:  # the down GEMM combined: [T, H] float32
-            y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale,
-                             topk_weights=topk_weights)
-            return y.to(hidden_states.dtype) if out is None else out.copy_(y)
         y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale)  # [R, H] or [S, R, H]
         return self.finalize(y, topk_weights, layout, out)  # [T, H]
 
@@ -252,13 +248,10 @@ class LayerPlan:
         if fp8:  # the intermediate: one scale per row and up.block_n columns
             down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale,
                                     weights.format.block)
-        combine = topk_weights if config.atomic_combine else None
         down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False,
-                                scales=down_scales, out_dtype=dtype, trigger=pdl, dependent=pdl,
-                                combine=combine)
+                                scales=down_scales, out_dtype=dtype, trigger=pdl, dependent=pdl)
         y, _ = down.outputs("meta")
-        finalize = (None if config.atomic_combine
-                    else plan_finalize(y, topk_weights, layout, dtype, out, dependent=pdl))
+        finalize = plan_finalize(y, topk_weights, layout, dtype, out, dependent=pdl)
         return cls(T, H, expand, quantize, up, down, None, finalize)
 
 

@@ -120,28 +120,6 @@ def test_filtered_ids_contribute_nothing(layout, poisoned_empty):
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights.nan_to_num()), torch.float32)
 
 
-# The fused combine (MoEConfig.atomic_combine): the down GEMM adds weighted rows into a float32
-# (T, H) with atomics instead of finalize; filtered pairs add nothing, an `out` is overwritten.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T,K", [(1, 2), (17, 4)])
-def test_atomic_combine(T, K, dtype, poisoned_empty):
-    x, w13, w2, ids, weights = make_layer(T, 8, K, 40, 33, dtype, seed=T + K, filtered=0.25)
-    config = replace(config_for(LayoutKind.SORTED), atomic_combine=True)
-    reference = fused_experts_torch(x, w13, w2, ids, weights)
-    assert_close(fused_experts(x, w13, w2, ids, weights, config=config), reference, dtype,
-                 scale=2)
-    out = torch.full((T, 40), float("nan"), dtype=dtype)
-    assert fused_experts(x, w13, w2, ids, weights, config=config, out=out) is out
-    assert_close(out, reference, dtype, scale=2)
-
-
-def test_atomic_combine_refuses_what_it_cannot_combine():
-    tiles = config_for(LayoutKind.SORTED)
-    for config in (dict(layout=LayoutKind.PER_PAIR), dict(down=replace(tiles.down, split_c=2))):
-        with pytest.raises(ValueError, match="atomic_combine"):
-            replace(tiles, atomic_combine=True, **config)
-
-
 def test_output_is_fresh_and_input_unchanged():
     x, w13, w2, ids, weights = make_layer(17, 4, 2, 40, 33, torch.float32, seed=5)
     inputs = [t.clone() for t in (x, w13, w2, ids, weights)]
@@ -548,27 +526,6 @@ def test_persistent_form_on_the_gpu(real_layer, T):
         assert torch.equal(out, run_experts(x, weights, ids, topk_weights, config=config))
         if weights is native:
             assert relative_error(out, fused_experts_torch(x, w13, w2, ids, topk_weights)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 1024, 4096])
-def test_atomic_combine_on_the_gpu(real_layer, T):
-    """The fused combine compiled at real size, bf16 and FP8 block-128: within the format's
-    tolerance of the default path (the slots' order differs, so not its bits)."""
-    shape, w13, w2 = real_layer
-    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
-    x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
-    native = ExpertWeights(w13, w2)
-    for weights in (native, native.to_format(WeightFormat.fp8_block(128, 128))):
-        config = choose_config(max(T, 1024), shape.top_k, shape.num_experts, shape.hidden_size,
-                               shape.intermediate_size, x.device, weights.dtype)
-        combined = run_experts(x, weights, ids, topk_weights,
-                               config=replace(config, atomic_combine=True))
-        default = run_experts(x, weights, ids, topk_weights, config=config)
-        assert relative_error(combined, default) < 5e-3
-        if weights is native:
-            assert relative_error(combined, fused_experts_torch(x, w13, w2, ids,
-                                                                topk_weights)) < 1e-2
 
 
 @pytest.mark.gpu
