@@ -186,11 +186,12 @@ def prompt(batch=2, length=7, vocab=97, seed=3):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def rows_that_depend_on_the_batch(model, mode: bool = True) -> list[str]:
-    """In batch_invariant(mode): a prompt's prefill logits alone vs among three, and one sequence's
-    decode_step logits alone vs beside two of other lengths (each prefilled into its own slot with
-    prefill(ids, slots=)); the checks whose bits differ (empty: invariant). The model was set up
-    for a batch of three or more and 16 positions or more."""
+def rows_that_depend_on_the_batch(model, mode: bool = True,
+                                  checks: tuple[str, ...] = ("prefill", "decode")) -> list[str]:
+    """In batch_invariant(mode), of `checks`: "prefill", a prompt's prefill logits alone vs among
+    three; "decode", one sequence's decode_step logits alone vs beside two of other lengths (each
+    prefilled into its own slot with prefill(ids, slots=)); those whose bits differ (empty:
+    invariant). The model was set up for a batch of three or more and 16 positions or more."""
     from moe_triton import batch_invariant
 
     device = next(model.parameters()).device
@@ -201,8 +202,11 @@ def rows_that_depend_on_the_batch(model, mode: bool = True) -> list[str]:
     differ = []
     with batch_invariant(mode):
         ids = prompt(batch=3, length=5).to(device)
-        if not torch.equal(model.prefill(ids[1:2])[0], model.prefill(ids)[1]):
+        if "prefill" in checks and not torch.equal(model.prefill(ids[1:2])[0],
+                                                   model.prefill(ids)[1]):
             differ.append("prefill")
+        if "decode" not in checks:
+            return differ
         lengths = (7, 4, 9)
         for slot, length in enumerate(lengths):
             model.prefill(prompt(1, length, seed=10 + slot).to(device), slots=tensor([slot]))

@@ -21,10 +21,28 @@ from moe_triton.tools.demo import (
 
 
 def run_cli(*args, tmp_path, env_extra=None):
+    """`python -m moe_triton ...` in a fresh process: the entry point itself, for the runs that
+    go end to end."""
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "moe_triton", *args], capture_output=True,
                           text=True, env=env,
                           timeout=600)
+
+
+@pytest.fixture
+def run_main(tmp_path, monkeypatch, capsys):
+    """The CLI's main(argv) in this process (under the interpreter conftest set), for its error
+    exits: (exit code, stdout, stderr). A fresh interpreter costs ~8 s an exit on 2 cores."""
+    from moe_triton.tools.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
 
 
 def test_demo_runs_end_to_end_and_matches_transformers(tmp_path):
@@ -40,26 +58,24 @@ def test_demo_runs_end_to_end_and_matches_transformers(tmp_path):
     assert (tmp_path / "cache" / "moe-triton").exists()  # built once, cached
 
 
-def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tmp_path):
+def test_demo_quant_fp8_runs_fp8_kernels_and_model_accepts_the_fp8_checkpoint(tmp_path, run_main):
     """--quant fp8: the built-in model written as an FP8 checkpoint, its experts on the Triton FP8
     kernels (interpreted, float16), within FP8's logit error of transformers on the dequantized
     checkpoint. Then --model on that checkpoint: float32 on CPU, the experts dequantized by the
     torch reference, so the greedy tokens equal transformers' exactly."""
     # 2 tokens: each costs a decode step of both models under the interpreter
-    result = run_cli("demo", "--quant", "fp8", "--tokens", "2", "--batch", "1", tmp_path=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = result.stdout
+    code, out, err = run_main("demo", "--quant", "fp8", "--tokens", "2", "--batch", "1")
+    assert code == 0, err[-2000:]
     assert ("experts backend: triton" in out
             and "experts format: fp8 e4m3, 16x16 block scales" in out)
     assert ("relative error" in out and "(FP8 bound 0.05): ok" in out
             and "tokens equal to transformers' generate" in out)
     checkpoint = tmp_path / "cache" / "moe-triton" / "cohere2-moe-tiny-random-fp8-v1"
-    result = run_cli("demo", "--model", str(checkpoint), "--tokens", "2", "--batch", "1",
-                     tmp_path=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    code, out, err = run_main("demo", "--model", str(checkpoint), "--tokens", "2", "--batch", "1")
+    assert code == 0, err[-2000:]
     assert ("experts format: fp8 e4m3, 16x16 block scales, "
-            "dynamic per-token-group activations (on torch)") in result.stdout
-    assert "tokens match transformers' generate: yes" in result.stdout
+            "dynamic per-token-group activations (on torch)") in out
+    assert "tokens match transformers' generate: yes" in out
 
 
 def test_demo_agrees_with_transformers_when_sequences_stop_at_eos(tmp_path):
@@ -100,27 +116,24 @@ def test_demo_agrees_with_transformers_when_sequences_stop_at_eos(tmp_path):
                                               '"quantization_config": {"quant_method": "awq"}}'),
      "quant_method='awq': expected 'fp8'"),
 ])
-def test_demo_errors_are_one_line(tmp_path, setup, match):
+def test_demo_errors_are_one_line(tmp_path, setup, match, run_main):
     model = tmp_path / "model"
     model.mkdir()
     setup(model)
-    result = run_cli("demo", "--model", str(model), tmp_path=tmp_path,
-                     env_extra={"TRITON_INTERPRET": "1"})
-    assert result.returncode == 2
-    assert match in result.stderr and "Traceback" not in result.stderr
-    assert len([line for line in result.stderr.splitlines()
-                if line.startswith("moe-triton demo:")]) == 1
+    code, _, err = run_main("demo", "--model", str(model))
+    assert code == 2
+    assert match in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("moe-triton demo:")]) == 1
 
 
-def test_demo_quant_fp8_with_a_model_is_refused_in_one_line(tmp_path):
+def test_demo_quant_fp8_with_a_model_is_refused_in_one_line(tmp_path, run_main):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    result = run_cli("demo", "--quant", "fp8", "--model", str(model), tmp_path=tmp_path,
-                     env_extra={"TRITON_INTERPRET": "1"})
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert ("--quant fp8 builds the built-in model in FP8" in result.stderr
-            and len(result.stderr.strip().splitlines()) == 1)
+    code, _, err = run_main("demo", "--quant", "fp8", "--model", str(model))
+    assert code == 2 and "Traceback" not in err
+    assert ("--quant fp8 builds the built-in model in FP8" in err
+            and len(err.strip().splitlines()) == 1)
 
 
 # ---- the cache (issue 25 item 13) and the reference's packages (item 12) -------------------------
@@ -129,7 +142,8 @@ def interrupt(*args, **kwargs):
     raise KeyboardInterrupt  # Ctrl-C
 
 
-def test_an_interrupted_build_leaves_nothing_and_the_next_demo_runs(tmp_path, monkeypatch):
+def test_an_interrupted_build_leaves_nothing_and_the_next_demo_runs(tmp_path, monkeypatch,
+                                                                   run_main):
     """Ctrl-C while the first demo saved its weights left config.json without them, and every later
     demo exited 2 with no hint. The checkpoint is now written into a temporary directory beside
     the cache and renamed into place when whole."""
@@ -142,9 +156,10 @@ def test_an_interrupted_build_leaves_nothing_and_the_next_demo_runs(tmp_path, mo
         build_demo_checkpoint(cache_dir())
     assert list(cache_dir().parent.iterdir()) == []  # no half checkpoint, no temporary directory
     monkeypatch.undo()
-    result = run_cli("demo", "--tokens", "2", "--batch", "1", tmp_path=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "tokens match transformers' generate: yes" in result.stdout
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out, err = run_main("demo", "--tokens", "2", "--batch", "1")
+    assert code == 0, err[-2000:]
+    assert "tokens match transformers' generate: yes" in out
 
 
 def test_an_interrupted_fp8_build_leaves_nothing_and_the_next_build_loads(tmp_path, monkeypatch):
@@ -165,15 +180,14 @@ def test_an_interrupted_fp8_build_leaves_nothing_and_the_next_build_loads(tmp_pa
     assert layer.weight_format.block == (16, 16)
 
 
-def test_an_incomplete_cache_says_how_to_rebuild_it(tmp_path):
+def test_an_incomplete_cache_says_how_to_rebuild_it(tmp_path, run_main):
     """What the demo before this fix left after an interrupted build: config.json alone."""
     path = tmp_path / "cache" / "moe-triton" / DEMO_NAME
     path.mkdir(parents=True)
     (path / "config.json").write_text("{}")
-    result = run_cli("demo", tmp_path=tmp_path, env_extra={"TRITON_INTERPRET": "1"})
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert (f"rm -rf {path}) and run again" in result.stderr
-            and len(result.stderr.strip().splitlines()) == 1)
+    code, _, err = run_main("demo")
+    assert code == 2 and "Traceback" not in err
+    assert f"rm -rf {path}) and run again" in err and len(err.strip().splitlines()) == 1
 
 
 FP8_CONFIG = {"architectures": ["Cohere2MoeForCausalLM"], "model_type": "cohere2_moe",
@@ -205,15 +219,11 @@ def test_the_fp8_demo_wants_accelerate_before_step_1(tmp_path, monkeypatch, quan
     assert printed == []
 
 
-def test_the_fp8_demo_without_accelerate_exits_2_in_one_line(tmp_path):
-    hide = ("import sys; sys.modules['accelerate'] = None; "
-            "from moe_triton.tools.cli import main; sys.exit(main())")
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-c", hide, "demo", "--quant", "fp8"],
-                            capture_output=True, text=True,
-                            env=env, timeout=600)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines() == [
+def test_the_fp8_demo_without_accelerate_exits_2_in_one_line(tmp_path, monkeypatch, run_main):
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if it were not installed
+    code, _, err = run_main("demo", "--quant", "fp8")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
         "moe-triton demo: ValueError: the FP8 demo's reference (transformers on the dequantized "
         "checkpoint) needs the package accelerate: pip install accelerate"]
     assert not (tmp_path / "cache").exists()
