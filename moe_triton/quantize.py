@@ -57,29 +57,33 @@ def quantize_rows(x):
 @triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr,
-    C, stride_x_t, stride_q_t, stride_s_t,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+    T, C, stride_x_t, stride_q_t, stride_s_t,
+    GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
 ):
-    # one program per (row, group)
-    row = tl.program_id(0).to(tl.int64)
+    # one program per (BLOCK_T rows, group): a program per row and group left most of a group's
+    # 256 bytes to launch cost (47.5 us for 8 MB at Qwen3 M=4096)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    is_row = rows < T
     first = tl.program_id(1) * GROUP
-    x_row = x_ptr + row * stride_x_t
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x_t
+    q_rows = q_ptr + rows[:, None].to(tl.int64) * stride_q_t
     if STATIC:
-        scale = tl.load(static_scale_ptr)
+        scale = tl.zeros([BLOCK_T], dtype=tl.float32) + tl.load(static_scale_ptr)
     else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        amax = tl.zeros([BLOCK_T, BLOCK], dtype=tl.float32)
         for start in range(first, first + GROUP, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=(cols < C) & (cols < first + GROUP),
-                        other=0.0).to(tl.float32)
+            mask = is_row[:, None] & ((cols < C) & (cols < first + GROUP))[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-        scale = fp8_scale(nan_max(amax, 0))
-        tl.store(scale_ptr + row * stride_s_t + tl.program_id(1), scale)
+        scale = fp8_scale(nan_max(amax, 1))  # [BLOCK_T]
+        tl.store(scale_ptr + rows.to(tl.int64) * stride_s_t + tl.program_id(1), scale,
+                 mask=is_row)
     for start in range(first, first + GROUP, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = (cols < C) & (cols < first + GROUP)
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q_t + cols, quantize_tile(x, scale), mask=mask)
+        mask = is_row[:, None] & ((cols < C) & (cols < first + GROUP))[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_rows + cols[None, :], quantize_tile(x, scale[:, None]), mask=mask)
 
 
 @dataclass(frozen=True)
@@ -120,10 +124,14 @@ def plan_quantize(x: torch.Tensor, group: int | None = None, static: bool = Fals
     num_groups = triton.cdiv(C, group) if C else 0
     if T == 0 or C == 0:
         return QuantizePlan((T, C), num_groups, None)
-    fixed = dict(C=C, stride_x_t=x.stride(0), stride_q_t=C,
-                 stride_s_t=0 if static else num_groups, GROUP=group,
-                 BLOCK=min(1024, triton.next_power_of_2(group)), STATIC=static)
-    return QuantizePlan((T, C), num_groups, BoundLaunch(_quantize_kernel, (T, num_groups), fixed))
+    block = min(1024, triton.next_power_of_2(group))
+    # rows per program: a tile of ~4096 elements (fewer rows than that: all of them)
+    block_t = min(triton.next_power_of_2(T), max(1, 4096 // block))
+    fixed = dict(T=T, C=C, stride_x_t=x.stride(0), stride_q_t=C,
+                 stride_s_t=0 if static else num_groups, GROUP=group, BLOCK_T=block_t,
+                 BLOCK=block, STATIC=static)
+    grid = (triton.cdiv(T, block_t), num_groups)
+    return QuantizePlan((T, C), num_groups, BoundLaunch(_quantize_kernel, grid, fixed))
 
 
 def quantize_fp8(x: torch.Tensor, group: int | None = None,

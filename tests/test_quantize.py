@@ -37,7 +37,9 @@ def test_round_to_fp8_matches_torchs_cast():
 
 @pytest.mark.parametrize("T,C,group",
                          [(0, 16, 16), (1, 1, None), (3, 72, 32), (5, 961, 128), (7, 128, 128),
-                          (4, 300, None), (2, 2500, 2048)], ids=str)
+                          (4, 300, None), (2, 2500, 2048),
+                          # several row blocks, the last one partial (32 and 256 rows a block)
+                          (70, 128, 128), (300, 48, 16)], ids=str)
 def test_quantize_matches_reference(T, C, group, poisoned_empty):
     g = torch.Generator().manual_seed(T + C)
     x = (torch.randn(T, C, generator=g)
