@@ -480,12 +480,13 @@ def test_prefill_of_a_host_prompt_never_syncs_the_host(checkpoint):
 
 
 @pytest.mark.gpu
-def test_decode_graphs_record_and_replay_routing_as_eager_decode_does(checkpoint):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_graphs_record_and_replay_routing_as_eager_decode_does(checkpoint, dtype):
     """The routing tape inside captured decode steps: the same ids as eager steps record, and a
     replay through the graphs gives the same tokens."""
     _, path = checkpoint
-    graphs = load_model(path, dtype=torch.float32, device="cuda")
-    eager = load_model(path, dtype=torch.float32, device="cuda")
+    graphs = load_model(path, dtype=dtype, device="cuda")
+    eager = load_model(path, dtype=dtype, device="cuda")
     eager.use_graphs = False
     ids, free = prompt().cuda(), dict(eos_token_id=None, return_routing=True)
     tokens, routing = graphs.generate(ids, 6, **free)

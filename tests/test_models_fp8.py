@@ -244,6 +244,20 @@ def test_fp8_experts_prefill_and_decode_are_batch_invariant_on_the_gpu(fp8_check
     assert rows_that_depend_on_the_batch(ours) == []
 
 
+@pytest.mark.gpu
+def test_fp8_experts_record_and_replay_routing_through_graphs_on_the_gpu(fp8_checkpoint):
+    """Every family's FP8 checkpoint in bf16 on the FP8 kernels, decode through graphs: the tape
+    records every position, and a replay gives the same tokens and records the same ids."""
+    _, layouts = fp8_checkpoint
+    ours = load_model(layouts["published"], dtype=torch.bfloat16, device="cuda")
+    ids, free = prompt().cuda(), dict(eos_token_id=None, return_routing=True)
+    tokens, routing = ours.generate(ids, 6, **free)
+    assert ours.graphs is not None and ours.graphs.stats.num_graphs > 0
+    assert (routing >= 0).all()
+    replayed, again = ours.generate(ids, 6, routing=routing, **free)
+    assert torch.equal(replayed, tokens) and torch.equal(again, routing)
+
+
 # ---- bad FP8 checkpoints: one error naming the tensor and what was expected ----------------------
 
 def edited(layouts, tmp_path, edit, layout="published"):
