@@ -53,6 +53,9 @@ def quantize_rows(x):
     return quantize_tile(x, scale[:, None]), scale
 
 
+MIN_PROGRAMS = 1024  # the fewest programs plan_quantize stacks rows down to
+
+
 @interpreter_serialized
 @triton.jit
 def _quantize_kernel(
@@ -125,8 +128,12 @@ def plan_quantize(x: torch.Tensor, group: int | None = None, static: bool = Fals
     if T == 0 or C == 0:
         return QuantizePlan((T, C), num_groups, None)
     block = min(1024, triton.next_power_of_2(group))
-    # rows per program: a tile of ~4096 elements (fewer rows than that: all of them)
-    block_t = min(triton.next_power_of_2(T), max(1, 4096 // block))
+    block_t = 1  # rows per program; a group wider than a tile loops over it, a row at a time
+    # a group in one tile: rows stacked up to ~4096 elements while MIN_PROGRAMS or more remain
+    # (several per SM: fewer left small batches latency-bound, measured at T = 16-256)
+    while (group <= block and 2 * block_t * block <= 4096 and 2 * block_t <= T
+           and triton.cdiv(T, 2 * block_t) * num_groups >= MIN_PROGRAMS):
+        block_t *= 2
     fixed = dict(T=T, C=C, stride_x_t=x.stride(0), stride_q_t=C,
                  stride_s_t=0 if static else num_groups, GROUP=group, BLOCK_T=block_t,
                  BLOCK=block, STATIC=static)
