@@ -191,11 +191,8 @@ class FusedMoE(nn.Module):
         [0, E): these experts instead of the router's (replay), weighted by `weights_at`; their
         range is checked on the host (one sync on a GPU)."""
         checks.layer_input(hidden_states, self.gate_weight)
-        if batch_invariant_enabled() and self.runner.batch_dependence is not None:
-            raise ValueError(f"batch_invariant() is on, but this layer's experts run on the "
-                             f"{self.backend} backend, where {self.runner.batch_dependence}: "
-                             "build the layer with Placement('triton') (on a CPU with "
-                             "TRITON_INTERPRET=1), or call it outside the mode")
+        if batch_invariant_enabled():
+            self.runner.check_batch_invariance()
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [T, H]
         if topk_ids is not None:
             checks.expert_ids("topk_ids", topk_ids, tuple(hidden_states.shape[:-1]),

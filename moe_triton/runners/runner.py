@@ -58,6 +58,14 @@ class ExpertsRunner:
         """I zero-padded to the backend's multiple (the same object when aligned)."""
         return pad_expert_weights(weights, self.spec.intermediate_multiple)
 
+    def check_batch_invariance(self) -> None:
+        """Inside batch_invariant(): a ValueError where this backend's rows follow the batch."""
+        if self.batch_dependence is not None:
+            raise ValueError(f"batch_invariant() is on, but this layer's experts run on the "
+                             f"{self.spec.backend} backend, where {self.batch_dependence}: build "
+                             "the layer with Placement('triton') (on a CPU with "
+                             "TRITON_INTERPRET=1), or call it outside the mode")
+
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
               tape: RouteTape | None = None):
         """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32; `tape` records
