@@ -130,17 +130,25 @@ def test_a_backend_the_mode_does_not_cover_is_refused_before_anything_runs():
     assert layer(torch.zeros(3, H)).shape == (3, H)  # outside the mode it runs
 
 
+@pytest.mark.parametrize("dtype", [torch.float32,
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.gpu)], ids=str)
 @pytest.mark.parametrize("name", ["minimax_m3", "nemotron_h-latent"])
-def test_a_standalone_blocks_rows_do_not_depend_on_the_batch(name):
+def test_a_standalone_blocks_rows_do_not_depend_on_the_batch(name, dtype):
     """MiniMax-M3's and NemotronH's MoE blocks, shared experts and latent projections included
-    (models/' Linear reads the mode), on the Triton experts in float32."""
+    (models/' Linear reads the mode), on the Triton experts: float32, and bf16 on the GPU."""
     from helpers import BLOCKS, randomize_all_
 
-    _, block = BLOCKS[name]()
+    from moe_triton.models import default_dtype
+
+    _, weights = BLOCKS[name]()
+    # built where and in what it runs: its backend resolves there, its router bias stays float32
+    with torch.device(test_device()), default_dtype(dtype):
+        _, block = BLOCKS[name]()
     assert block.backend == "triton"
-    block = randomize_all_(block.eval(), seed=3).to(test_device())
+    block.load_state_dict(randomize_all_(weights, seed=3).state_dict())
+    block = block.eval()
     x = torch.randn(40, block.gate_weight.shape[1],
-                    generator=torch.Generator().manual_seed(4)).to(test_device())
+                    generator=torch.Generator().manual_seed(4)).to(test_device(), dtype)
     with torch.no_grad(), batch_invariant():
         assert differing_rows(lambda at: block(x[at][None])[0], 7, 33, seed=5) == []
 
