@@ -69,7 +69,7 @@ LAYERS = [
      ["moe_triton.activation", "moe_triton.routing", "moe_triton.expand",
       "moe_triton._expand_kernels", "moe_triton.config", "moe_triton.quantize",
       "moe_triton.expert_gemm", "moe_triton.decode", "moe_triton.finalize",
-      "moe_triton.reference", "moe_triton.linear"]),
+      "moe_triton.reference", "moe_triton.linear", "moe_triton.gemv"]),
     ("pipeline", ["moe_triton.pipeline"]),
     ("parallel", ["moe_triton.parallel"]),
     ("placement", ["moe_triton.placement"]),
