@@ -10,10 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_triton import checks
 from moe_triton.activation import SILU_AND_MUL, Activation, activate, activation_torch
-from moe_triton.gemv import MAX_ROWS as GEMV_ROWS
-from moe_triton.gemv import gemv
 from moe_triton.graphs import ForwardMode
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.linear import linear
@@ -48,32 +45,19 @@ class RMSNorm(nn.Module):
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x (..., C), weight (N, C)); a decode-size call on the GPU through moe_triton.gemv
-    (`gemv_applies`); in batch-invariant mode (moe_triton.batch_invariant) moe_triton.linear,
-    whose rows' bits never depend on the rest of the batch (torch's BLAS picks kernels by the
-    row count)."""
-    if batch_invariant_enabled():
-        return linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
-    if gemv_applies(x, weight):
-        return gemv(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
-    return F.linear(x, weight)
-
-
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """A decode step's projection on a CUDA GPU in bf16 / fp16, eager, no gradients, x (..., C)
-    of at most 16 rows: cuBLAS's small-M kernels read the weights at about 0.4 of the bandwidth
-    there (docs/PERFORMANCE.md, issue 30)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.numel() <= GEMV_ROWS * x.shape[-1] and x.is_contiguous()
-            and weight.stride(-1) == 1 and not torch.compiler.is_compiling()
-            and not checks.grad_needed(x, weight))
+    """F.linear(x (..., C), weight (N, C)); in batch-invariant mode (moe_triton.batch_invariant)
+    moe_triton.linear, whose rows' bits never depend on the rest of the batch (torch's BLAS picks
+    kernels by the row count)."""
+    if not batch_invariant_enabled():
+        return F.linear(x, weight)
+    return linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
 
 
 class Linear(nn.Linear):
-    """nn.Linear, through `dense` where it does more than F.linear (the bias added after)."""
+    """nn.Linear; in batch-invariant mode through `dense`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not batch_invariant_enabled() and not gemv_applies(x, self.weight):
+        if not batch_invariant_enabled():
             return super().forward(x)
         out = dense(x, self.weight)
         return out if self.bias is None else out + self.bias  # an exact add: row by row

@@ -8,7 +8,8 @@ and the last program of a column block to finish (a counter it bumps with acquir
 ordering) adds the slices in slice order and writes the output: no second launch, and the bits do
 not depend on which program finished last. The counters return to zero after each call, so a plan
 can be replayed in a CUDA graph; a plan's calls must not overlap in time (one stream).
-`gemv_torch`: the reference.
+`gemv_torch`: the reference. Not wired into models/ yet: measured level with cuBLAS on a decode
+step (docs/PERFORMANCE.md, issue 30), the first design of the projections' kernel.
 """
 from __future__ import annotations
 
@@ -122,7 +123,7 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """x (T <= 16, C) @ w (N, C).T -> a fresh (T, N) in x's dtype; both with unit last stride and
-    one dtype and device (the caller, models/layers.dense, checks when it applies)."""
+    one dtype and device."""
     T, C = x.shape
     if (T > MAX_ROWS or w.dim() != 2 or w.shape[1] != C or x.stride(1) != 1 or w.stride(1) != 1
             or x.dtype != w.dtype):
