@@ -102,7 +102,9 @@ class FusedMoE(nn.Module):
                                       activation.gated, weight_format, dtype, device)
         for name, field in _EXPERT_TENSORS.items():
             tensor = getattr(experts, field)
-            self.register_parameter(name, nn.Parameter(tensor) if tensor is not None else None)
+            # packed MXFP4 bytes cannot require gradients
+            self.register_parameter(name, nn.Parameter(tensor, tensor.is_floating_point())
+                                    if tensor is not None else None)
         bias = (torch.zeros(num_experts, dtype=torch.float32, device=device)
                 if self.routing.correction_bias else None)
         self.register_buffer("e_score_correction_bias", bias)

@@ -46,6 +46,10 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids,
                          f"use one of {FLOAT_DTYPES}")
     T, H = hidden_states.shape
     device, dtype = hidden_states.device, hidden_states.dtype
+    if weights.format.fp4:
+        raise ValueError("MXFP4 experts have no Triton kernels yet: run them on the torch "
+                         "reference (Placement('torch'), backend='torch'), or dequantize them "
+                         "(ExpertWeights.dequantized())")
     if weights.format.fp8 is not None and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"hidden_states is {dtype}; FP8 experts take bfloat16 or float16 "
                          "activations (their output dtype): cast hidden_states")

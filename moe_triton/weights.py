@@ -5,7 +5,11 @@ and their `WeightFormat`, validated once. FP8: e4m3, float32 scales that multipl
              w2_scale [E, ceil(H / bn), ceil(I / bc)], partial edge blocks; x per token per bc group
     CHANNEL  w13_scale [E, 2I], w2_scale [E, H] (a scale per output row); x per token
     TENSOR   stored per row like CHANNEL, gate and up each exact (`per_tensor_rows`); x per token,
-             or static: one `input_scale`, the largest of the checkpoint's per-expert ones"""
+             or static: one `input_scale`, the largest of the checkpoint's per-expert ones
+MXFP4 (OCP MX, gpt-oss's experts): e2m1 values packed two per byte along the contraction (the low
+nibble the even index), w13 uint8 [E, 2I, H / 2], w2 uint8 [E, H, I / 2]; one E8M0 scale byte per
+32 contraction values (2^(s - 127); 255 is NaN), w13_scale uint8 [E, 2I, H / 32], w2_scale uint8
+[E, H, I / 32]; activations stay in bf16 / fp16 / fp32 (W4A16)."""
 from __future__ import annotations
 
 import enum
@@ -18,6 +22,10 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
+MXFP4_GROUP = 32  # contraction values per E8M0 scale
+MXFP4_DTYPE = torch.uint8  # two e2m1 codes a byte; scales one E8M0 byte each
+# e2m1 codes 0-7 (sign in bit 3): 0, 0.5, 1, 1.5, 2, 3, 4, 6
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 class Fp8Scaling(enum.Enum):
@@ -31,8 +39,11 @@ class WeightFormat:
     fp8: Fp8Scaling | None = None  # None: bf16 / fp16 / fp32 weights, no scales
     block: tuple[int, int] | None = None  # BLOCK's (block_n, block_c): rows x contraction
     static_input: bool = False  # TENSOR: activations quantized with one static input scale
+    fp4: bool = False  # OCP MXFP4 weights (module docstring), the one FP4 format; activations as x
 
     def __post_init__(self):
+        if self.fp4 and (self.fp8 is not None or self.static_input):
+            raise ValueError(f"WeightFormat.fp4 (MXFP4) excludes the FP8 fields; got {self}")
         if (self.block is not None) != (self.fp8 is Fp8Scaling.BLOCK):
             raise ValueError("WeightFormat.block is the BLOCK format's (block_n, block_c) and "
                              f"only its; got {self}")
@@ -58,7 +69,22 @@ class WeightFormat:
     def fp8_tensor(cls, static_input: bool = False) -> WeightFormat:
         return cls(Fp8Scaling.TENSOR, static_input=static_input)
 
+    @classmethod
+    def mxfp4(cls) -> WeightFormat:
+        return cls(fp4=True)
+
+    @property
+    def quantized(self) -> bool:
+        return self.fp8 is not None or self.fp4
+
+    @property
+    def packing(self) -> int:
+        """Weight values per stored element along the contraction."""
+        return 2 if self.fp4 else 1
+
     def __str__(self) -> str:
+        if self.fp4:
+            return "mxfp4 e2m1, e8m0 scales per 32, unquantized activations"
         if self.fp8 is None:
             return "unquantized"
         if self.block is not None:
@@ -68,6 +94,8 @@ class WeightFormat:
         return f"fp8 e4m3, per-{self.fp8.value} scales, {inputs} activations"
 
     def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.fp4:
+            return MXFP4_DTYPE
         return dtype if self.fp8 is None else FP8_DTYPE
 
     @property
@@ -76,7 +104,10 @@ class WeightFormat:
 
     def scale_shape(self, experts: int, rows: int, cols: int,
                     halves: int = 1) -> tuple[int, ...] | None:
-        """The scale of an (E, rows, cols) weight of `halves` stacked row blocks (None: native)."""
+        """The scale of an (E, rows, cols) weight of `halves` stacked row blocks (None: native);
+        `cols` counts values, not packed bytes."""
+        if self.fp4:
+            return (experts, rows, cols // MXFP4_GROUP)
         if self.fp8 is None:
             return None
         if self.block is None:
@@ -142,6 +173,8 @@ class WeightFormat:
 
     def grid_lead(self, start: int) -> int:
         """Zero columns of I before a slice at `start` that put it on the block grid; 0 without."""
+        if self.fp4:
+            return start % MXFP4_GROUP
         return start % math.lcm(*self.block) if self.block is not None else 0
 
 
@@ -175,10 +208,14 @@ class ExpertWeights:
         if self.gated and rows % 2:
             raise ValueError(f"w13 has {rows} rows; a gated activation needs [gate; up] = 2I rows")
         I = rows // 2 if self.gated else rows
-        if tuple(self.w2.shape) != (E, self.hidden_size, I):
-            raise ValueError(f"w2 must have shape (E, H, I) = {(E, self.hidden_size, I)} to match "
-                             f"w13 {tuple(self.w13.shape)}, got {tuple(self.w2.shape)}")
-        if self.format.fp8 is None:
+        stored = (E, self.hidden_size, I // self.format.packing)
+        if tuple(self.w2.shape) != stored:
+            raise ValueError(f"w2 must have shape (E, H, I{' / 2' if self.format.fp4 else ''}) = "
+                             f"{stored} to match w13 {tuple(self.w13.shape)}, "
+                             f"got {tuple(self.w2.shape)}")
+        if self.format.fp4:
+            self._check_fp4()
+        elif self.format.fp8 is None:
             self._check_native()
         else:
             self._check_fp8()
@@ -191,6 +228,27 @@ class ExpertWeights:
         if any(t is not None for t in (self.w13_scale, self.w2_scale, self.input_scale)):
             raise ValueError("scales were given for unquantized weights; "
                              "pass format=WeightFormat.fp8_... with them")
+
+    def _check_fp4(self):
+        E, H, I, halves = self.num_experts, self.hidden_size, self.intermediate_size, self.halves
+        for name, size in (("H", H), ("I", I)):
+            if size % MXFP4_GROUP:
+                raise ValueError(f"MXFP4 experts scale every {MXFP4_GROUP} contraction values: "
+                                 f"{name}={size} must be a multiple of {MXFP4_GROUP}")
+        for name, t, shape in (
+                ("w13", self.w13, (E, halves * I, H // 2)), ("w2", self.w2, (E, H, I // 2)),
+                ("w13_scale", self.w13_scale, self.format.scale_shape(E, halves * I, H)),
+                ("w2_scale", self.w2_scale, self.format.scale_shape(E, H, I))):
+            if (not isinstance(t, torch.Tensor) or t.dtype != MXFP4_DTYPE
+                    or tuple(t.shape) != shape):
+                raise ValueError(f"{name} must be a uint8 tensor of shape {shape} for MXFP4 "
+                                 f"experts (E={E}, H={H}, I={I}; two e2m1 values a byte, one "
+                                 f"E8M0 scale per {MXFP4_GROUP}), got {_describe(t)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the weights on {self.device}")
+        if self.input_scale is not None:
+            raise ValueError("input_scale was given, but MXFP4 experts take unquantized "
+                             "activations")
 
     def _check_fp8(self):
         for name, w in (("w13", self.w13), ("w2", self.w2)):
@@ -225,11 +283,11 @@ class ExpertWeights:
 
     @property
     def hidden_size(self) -> int:
-        return self.w13.shape[2]
+        return self.w13.shape[2] * self.format.packing
 
     @property
     def intermediate_size(self) -> int:
-        return self.w2.shape[2]
+        return self.w2.shape[2] * self.format.packing
 
     @property
     def halves(self) -> int:
@@ -261,26 +319,40 @@ class ExpertWeights:
     def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool,
               fmt: WeightFormat, dtype: torch.dtype, device=None) -> ExpertWeights:
         halves = 2 if gated else 1
-        E, H, I = num_experts, hidden_size, intermediate_size
+        E, H, I, packing = num_experts, hidden_size, intermediate_size, fmt.packing
         storage = dict(dtype=fmt.storage_dtype(dtype), device=device)
         scales = (fmt.scale_shape(E, halves * I, H, halves), fmt.scale_shape(E, H, I),
                   fmt.input_scale_shape)
-        return cls(torch.empty(E, halves * I, H, **storage), torch.empty(E, H, I, **storage),
-                   gated, fmt,
-                   *(torch.ones(shape, dtype=torch.float32, device=device) if shape else None
+        # scales of 1: float32 ones, or the E8M0 byte 127
+        one = (dict(fill_value=127, dtype=MXFP4_DTYPE) if fmt.fp4
+               else dict(fill_value=1.0, dtype=torch.float32))
+        return cls(torch.empty(E, halves * I, H // packing, **storage),
+                   torch.empty(E, H, I // packing, **storage), gated, fmt,
+                   *(torch.full(shape, device=device, **one) if shape else None
                      for shape in scales))
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in float32, the values the format stores."""
+        if self.format.fp4:
+            return (dequantize_mxfp4(self.w13, self.w13_scale),
+                    dequantize_mxfp4(self.w2, self.w2_scale))
         if self.format.fp8 is None:
             return self.w13.float(), self.w2.float()
         return (_dequantize(self.w13, self.w13_scale, self.format, self.halves),
                 _dequantize(self.w2, self.w2_scale, self.format, 1))
 
     def to_format(self, fmt: WeightFormat) -> ExpertWeights:
-        """Quantized to FP8 `fmt` by torch ops: scale = max |w| (block/row/tensor) / 448, RNE."""
-        if self.format.fp8 is not None or fmt.fp8 is None:
-            raise ValueError("to_format quantizes unquantized weights to an FP8 format; "
+        """Quantized to `fmt` by torch ops. FP8: scale = max |w| (block/row/tensor) / 448, RNE.
+        MXFP4: `quantize_mxfp4`."""
+        if self.format.quantized or not fmt.quantized:
+            raise ValueError("to_format quantizes unquantized weights to an FP8 or MXFP4 format; "
                              f"got {self.format} -> {fmt}")
+        if fmt.fp4:
+            # an expert at a time, as for FP8
+            (w13, s13), (w2, s2) = (map(torch.cat, zip(*(quantize_mxfp4(w) for w in t.split(1)),
+                                                      strict=True))
+                                    for t in (self.w13, self.w2))
+            return ExpertWeights(w13, w2, self.gated, fmt, s13, s2)
         if fmt.static_input:
             raise ValueError("a static input scale comes from calibration, not from the weights: "
                              "quantize with WeightFormat.fp8_tensor() and pass input_scale to "
@@ -320,6 +392,10 @@ class ExpertWeights:
             raise ValueError(f"narrow_intermediate(start={start}, length={length}, lead={lead}) "
                              f"must lie in I={I}: lead >= 0, length >= 1, start - lead >= 0 and "
                              "start + length <= I")
+        if fmt.fp4 and (lead or first % MXFP4_GROUP or stop % MXFP4_GROUP):
+            raise ValueError(f"narrow_intermediate(start={start}, length={length}, lead={lead}): "
+                             f"MXFP4 slices cut whole {MXFP4_GROUP}-column groups (start and "
+                             f"start + length multiples of {MXFP4_GROUP}, no lead)")
         if fmt.grid_lead(first):
             raise ValueError(f"narrow_intermediate: the slice starts at column {first}, inside a "
                              f"{fmt.block} block of {fmt} weights; start on the block grid or pass "
@@ -346,9 +422,13 @@ class ExpertWeights:
         padded = -(-self.intermediate_size // multiple) * multiple
         if padded == self.intermediate_size:
             return self
+        if self.format.fp4 and padded % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 experts pad I to whole {MXFP4_GROUP}-column groups: "
+                             f"multiple={multiple} gives I={padded}")
         fields = {}
         for name, (dim, parts, step) in self._intermediate_axes().items():
-            fill = 0.0 if name in ("w13", "w2") else 1.0
+            # zero weights (zero bytes: +0.0 in e4m3 and e2m1 alike) under scales of 1
+            fill = 0.0 if name in ("w13", "w2") else 127 if self.format.fp4 else 1.0
             chunks = getattr(self, name).chunk(parts, dim)
             size = -(-padded // step)
             fields[name] = torch.cat([_pad_end(c, dim, size, fill) for c in chunks], dim)
@@ -356,8 +436,10 @@ class ExpertWeights:
 
     def _intermediate_axes(self) -> dict[str, tuple[int, int, int]]:
         """Each tensor with an I axis -> (dim, projections stacked on it, I columns per entry)."""
-        axes = {"w13": (1, self.halves, 1), "w2": (2, 1, 1)}
-        if self.format.block is not None:
+        axes = {"w13": (1, self.halves, 1), "w2": (2, 1, self.format.packing)}
+        if self.format.fp4:  # w13's scales per row, w2's per 32 of I
+            axes |= {"w13_scale": (1, self.halves, 1), "w2_scale": (2, 1, MXFP4_GROUP)}
+        elif self.format.block is not None:
             block_n, block_c = self.format.block
             axes |= {"w13_scale": (1, self.halves, block_n), "w2_scale": (2, 1, block_c)}
         elif self.format.fp8 is not None:  # a scale per row: w13's rows are I's, w2's are H's
@@ -397,6 +479,39 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, fmt: WeightFormat) -
         raise ValueError("dequantize_weight takes a 2-D weight and an FP8 format, "
                          f"got {_describe(q)}, {fmt}")
     return _dequantize(q[None], fmt.checkpoint_scale(scale[None], *q.shape), fmt, 1)[0]
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., C] float -> (e2m1 pairs uint8 [..., C / 2], E8M0 scales uint8 [..., C / 32]).
+
+    The rule: each group of 32's scale is the smallest power of two 2^e with max |w| / 2^e <= 6
+    (the largest e2m1 value), so no value saturates; each value rounds to the nearest e2m1 value,
+    ties to the even code; an all-zero group takes e = -127."""
+    groups = w.float().unflatten(-1, (-1, MXFP4_GROUP))  # [..., G, 32]
+    amax = groups.abs().amax(dim=-1)  # [..., G]
+    mantissa, exponent = torch.frexp(amax / E2M1_VALUES[-1])
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # ceil(log2(amax / 6))
+    exponent = torch.where(amax == 0, -127, exponent).clamp(-127, 127)
+    scaled = (groups / torch.exp2(exponent.float())[..., None]).flatten(-2)  # [..., C], |.| <= 6
+    grid = torch.tensor(E2M1_VALUES, device=w.device)
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    magnitude = scaled.abs().clamp(max=E2M1_VALUES[-1])
+    code = torch.bucketize(magnitude, midpoints)  # a tie takes the lower value's code
+    tie = (code < len(midpoints)) & (magnitude == midpoints[code.clamp(max=len(midpoints) - 1)])
+    code = code + (tie & (code % 2 == 1)).long()  # ties to the even code
+    code = code | ((scaled < 0).long() << 3)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(MXFP4_DTYPE)  # the even index low
+    return packed, (exponent + 127).to(MXFP4_DTYPE)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(e2m1 pairs [..., C / 2], E8M0 scales [..., C / 32]) -> [..., C] float32; a scale byte of
+    255 is NaN, as the OCP MX spec has it."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).long()  # [..., C]
+    scale = torch.where(scales == 255, float("nan"), torch.exp2(scales.float() - 127))
+    values = table[codes].unflatten(-1, (-1, MXFP4_GROUP))  # [..., G, 32]
+    return (values * scale[..., None]).flatten(-2)
 
 
 def per_tensor_rows(scale: torch.Tensor, rows: int) -> torch.Tensor:

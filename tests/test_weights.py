@@ -401,3 +401,120 @@ def test_the_geometry_on_the_gpu_gives_the_cpu_s_tensors(fmt, gated):
             assert (a is None) == (e is None), name
             if a is not None:
                 assert a.cpu().view(torch.uint8).equal(e.view(torch.uint8)), name
+
+
+# ---- MXFP4 (issue 31): the format, its round trip and its rounding rule --------------------------
+
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def test_mxfp4_round_trip_is_within_half_an_e2m1_step_of_its_group():
+    """Each group of 32 scales by 2^e with max |w| / 2^e <= 6: every value within half the gap
+    between its two e2m1 neighbours (1 at the top, between 4 and 6), times the scale."""
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(3, 2 * 64, 96, generator=g), torch.randn(3, 96, 64, generator=g)
+    q = ExpertWeights(w13, w2).to_format(WeightFormat.mxfp4())
+    assert (q.w13.dtype, q.w13.shape, q.w13_scale.shape) == (torch.uint8, (3, 128, 48), (3, 128, 3))
+    assert (q.w2.shape, q.w2_scale.shape) == ((3, 96, 32), (3, 96, 2))
+    assert (q.hidden_size, q.intermediate_size) == (96, 64)
+    for w, back, scale in ((w13, q.dequantized()[0], q.w13_scale),
+                           (w2, q.dequantized()[1], q.w2_scale)):
+        step = torch.exp2(scale.float() - 127).repeat_interleave(32, dim=-1)
+        assert ((back - w).abs() <= step + 1e-7).all()  # half of the widest gap (2), scaled
+        assert (w.abs().unflatten(-1, (-1, 32)).amax(-1)
+                <= 6 * torch.exp2(scale.float() - 127)).all()  # nothing saturates
+
+
+def test_mxfp4_holds_e2m1_values_exactly_and_rounds_ties_to_the_even_code():
+    from moe_triton.weights import dequantize_mxfp4, quantize_mxfp4
+
+    g = torch.Generator().manual_seed(1)
+    signs = torch.where(torch.rand(4, 64, generator=g) < 0.5, -1.0, 1.0)
+    exact = E2M1_GRID[torch.randint(0, 8, (4, 64), generator=g)] * signs
+    exact[:, ::32] = 6.0  # each group's max 6: its scale is 2^0
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(exact * 2.0**-3)), exact * 2.0**-3)
+    # midpoints between neighbours, in a group scaled by 1: ties go to the even code
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    expected = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0] * 4)
+    packed, scales = quantize_mxfp4(ties)
+    assert scales.tolist() == [127] and torch.equal(dequantize_mxfp4(packed, scales), expected)
+    assert packed[0].item() == 0x20  # 0.25 -> code 0 in the low nibble, 0.75 -> code 2 in the high
+
+
+def test_mxfp4_scale_255_is_nan_and_a_zero_group_is_zero():
+    from moe_triton.weights import dequantize_mxfp4, quantize_mxfp4
+
+    packed, scales = quantize_mxfp4(torch.zeros(64))
+    assert scales.tolist() == [0, 0] and torch.equal(dequantize_mxfp4(packed, scales),
+                                                     torch.zeros(64))
+    values = dequantize_mxfp4(packed, torch.tensor([255, 127], dtype=torch.uint8))
+    assert values[:32].isnan().all() and torch.equal(values[32:], torch.zeros(32))
+
+
+def mxfp4_experts(**changes):
+    q = ExpertWeights(torch.randn(2, 128, 64), torch.randn(2, 64, 64)).to_format(
+        WeightFormat.mxfp4())
+    fields = dict(w13=q.w13, w2=q.w2, gated=True, format=q.format, w13_scale=q.w13_scale,
+                  w2_scale=q.w2_scale) | changes
+    return ExpertWeights(**fields)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(w13_scale=torch.zeros(2, 128, 2)), "w13_scale must be a uint8 tensor of shape"),
+    (dict(w2_scale=torch.zeros(2, 64, 3, dtype=torch.uint8)), "w2_scale must be a uint8"),
+    (dict(w13=torch.zeros(2, 128, 64, dtype=torch.uint8)), r"to match w13 \(2, 128, 64\)"),
+    (dict(w2=torch.zeros(2, 64, 64, dtype=torch.uint8)), r"w2 must have shape \(E, H, I / 2\)"),
+    (dict(w13=torch.zeros(2, 128, 40, dtype=torch.uint8),
+          w2=torch.zeros(2, 80, 32, dtype=torch.uint8),
+          w2_scale=torch.zeros(2, 80, 2, dtype=torch.uint8)), "H=80 must be a multiple of 32"),
+    (dict(input_scale=torch.ones(1)), "input_scale was given"),
+], ids=["scale-dtype", "scale-shape", "w13-unpacked", "w2-unpacked", "H-off-group", "input"])
+def test_bad_mxfp4_weights_name_the_tensor(changes, match):
+    with pytest.raises(ValueError, match=match):
+        mxfp4_experts(**changes)
+
+
+def test_mxfp4_experts_run_on_the_torch_reference_and_refuse_the_triton_kernels():
+    """Until the MXFP4 kernels exist: the layer on backend='torch' computes the dequantized
+    weights' experts; the Triton backend and run_experts refuse before anything runs."""
+    from moe_triton import FusedMoE, Placement, RoutingSpec, fused_experts_torch, run_experts
+    from moe_triton.routing import route_torch
+
+    weights = mxfp4_experts()
+    layer = FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4(),
+                     placement=Placement("torch"))
+    assert layer.gate_up_proj.dtype == torch.uint8 and not layer.gate_up_proj.requires_grad
+    auto = FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4())
+    assert auto.backend == "torch" and "MXFP4" in auto.resolution.reason
+    with torch.no_grad():
+        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
+                            ("gate_up_proj_scale", "w13_scale"), ("down_proj_scale", "w2_scale")):
+            getattr(layer, name).copy_(getattr(weights, field))
+        layer.gate_weight.normal_()
+    x = torch.randn(5, 64)
+    ids, topk_weights = route_torch(x @ layer.gate_weight.T, layer.routing)
+    expected = fused_experts_torch(x, *weights.dequantized(), ids, topk_weights)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)  # float32 both ways
+    with pytest.raises(ValueError, match="does not run mxfp4"):
+        FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4(),
+                 placement=Placement("triton"))
+    with pytest.raises(ValueError, match="MXFP4 experts have no Triton kernels yet"):
+        run_experts(x, weights, ids, topk_weights)
+
+
+def test_mxfp4_pads_and_narrows_on_whole_groups_as_the_dequantized_weights_do():
+    q = mxfp4_experts()  # I = 64
+    w13, w2 = q.dequantized()
+    padded = q.pad_intermediate(96)
+    p13, p2 = padded.dequantized()
+    assert padded.intermediate_size == 96 and torch.equal(p2[..., :64], w2)
+    assert torch.equal(p2[..., 64:], torch.zeros(2, 64, 32))
+    assert torch.equal(p13, torch.cat([F.pad(half, (0, 0, 0, 32)) for half in w13.chunk(2, 1)], 1))
+    cut = q.narrow_intermediate(32, 32)
+    c13, c2 = cut.dequantized()
+    assert torch.equal(c2, w2[..., 32:]) and torch.equal(c13, torch.cat(
+        [half[:, 32:] for half in w13.chunk(2, 1)], 1))
+    with pytest.raises(ValueError, match="whole 32-column groups"):
+        q.narrow_intermediate(16, 32)
+    with pytest.raises(ValueError, match="whole 32-column groups"):
+        q.pad_intermediate(40)

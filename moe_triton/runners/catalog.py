@@ -34,7 +34,7 @@ SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
     BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89,
                 interpreter_dtypes=INTERPRETER_DOT_DTYPES, **_OURS),
     BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, fp8_dtypes=_FLOATS,
-                **_OURS),
+                fp4=True, **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
                 intermediate_multiple=128, hidden_multiple=128, fused_router=True,
                 runner=TrtllmRunner, **_FLASHINFER),
@@ -113,7 +113,7 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
         return None
     if layer.dtype not in spec.dtypes:
         return f"weights are {layer.dtype}; it takes {', '.join(map(str, spec.dtypes))}"
-    if layer.format.fp8 not in spec.weight_formats:
+    if layer.format.fp8 not in spec.weight_formats or (layer.format.fp4 and not spec.fp4):
         return f"it does not run {layer.format} experts"
     if layer.format.fp8 is not None:
         if layer.dtype not in spec.fp8_dtypes:

@@ -62,3 +62,4 @@ class BackendSpec:
     fp8_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     # dtypes correct under the CPU interpreter (its bf16 tl.dot is wrong); None: all of `dtypes`
     interpreter_dtypes: tuple[torch.dtype, ...] | None = None
+    fp4: bool = False  # runs MXFP4 experts (WeightFormat.mxfp4())
