@@ -48,8 +48,11 @@ def config_for(layout: LayoutKind) -> MoEConfig:
 # to 48 one-pair tiles; 17 took a minute a case on a busy 2-core machine).
 @pytest.mark.parametrize("T,layout", [(T, LayoutKind.SORTED) for T in (0, 1, 3, 17, 64)]
                          + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3, 6)], ids=str)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("E,K", [(1, 1), (4, 1), (4, 2), (4, 4), (8, 2), (8, 8)])
+# K = E = 8 (every expert for every token, the slowest case under the interpreter) in float32 only
+@pytest.mark.parametrize("E,K,dtype", [(E, K, dtype) for E, K in [(1, 1), (4, 1), (4, 2), (4, 4),
+                                                                  (8, 2), (8, 8)]
+                                       for dtype in (torch.float32, torch.float16)
+                                       if (E, K, dtype) != (8, 8, torch.float16)], ids=str)
 def test_fused_experts(T, E, K, dtype, layout, poisoned_empty):
     # one data set a case (two were 2 minutes of the suite); a fifth of the fp16 cases' pairs
     # filtered, none of the float32 ones'
