@@ -235,17 +235,12 @@ class ExpertWeights:
             if size % MXFP4_GROUP:
                 raise ValueError(f"MXFP4 experts scale every {MXFP4_GROUP} contraction values: "
                                  f"{name}={size} must be a multiple of {MXFP4_GROUP}")
-        for name, t, shape in (
-                ("w13", self.w13, (E, halves * I, H // 2)), ("w2", self.w2, (E, H, I // 2)),
-                ("w13_scale", self.w13_scale, self.format.scale_shape(E, halves * I, H)),
-                ("w2_scale", self.w2_scale, self.format.scale_shape(E, H, I))):
-            if (not isinstance(t, torch.Tensor) or t.dtype != MXFP4_DTYPE
-                    or tuple(t.shape) != shape):
-                raise ValueError(f"{name} must be a uint8 tensor of shape {shape} for MXFP4 "
-                                 f"experts (E={E}, H={H}, I={I}; two e2m1 values a byte, one "
-                                 f"E8M0 scale per {MXFP4_GROUP}), got {_describe(t)}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, the weights on {self.device}")
+        what = (f"MXFP4 experts (E={E}, H={H}, I={I}; two e2m1 values a byte, one E8M0 scale "
+                f"per {MXFP4_GROUP})")
+        for name, shape in (("w13", (E, halves * I, H // 2)), ("w2", (E, H, I // 2)),
+                            ("w13_scale", self.format.scale_shape(E, halves * I, H)),
+                            ("w2_scale", self.format.scale_shape(E, H, I))):
+            self._check_stored(name, MXFP4_DTYPE, shape, what)
         if self.input_scale is not None:
             raise ValueError("input_scale was given, but MXFP4 experts take unquantized "
                              "activations")
@@ -256,16 +251,10 @@ class ExpertWeights:
                 raise ValueError(f"{name} is {w.dtype}; {self.format} weights are {FP8_DTYPE} "
                                  "(mixed formats between w13 and w2 are not supported)")
         E, H, I, halves = self.num_experts, self.hidden_size, self.intermediate_size, self.halves
-        for name, scale, shape in (("w13_scale", self.w13_scale,
-                                    self.format.scale_shape(E, halves * I, H, halves)),
-                                   ("w2_scale", self.w2_scale, self.format.scale_shape(E, H, I))):
-            if (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32
-                    or tuple(scale.shape) != shape):
-                raise ValueError(f"{name} must be a float32 tensor of shape {shape} for "
-                                 f"{self.format} experts (E={E}, H={H}, I={I}), "
-                                 f"got {_describe(scale)}")
-            if scale.device != self.device:
-                raise ValueError(f"{name} is on {scale.device}, the weights on {self.device}")
+        what = f"{self.format} experts (E={E}, H={H}, I={I})"
+        for name, shape in (("w13_scale", self.format.scale_shape(E, halves * I, H, halves)),
+                            ("w2_scale", self.format.scale_shape(E, H, I))):
+            self._check_stored(name, torch.float32, shape, what)
         if self.format.static_input:
             if (not isinstance(self.input_scale, torch.Tensor) or self.input_scale.numel() != 1
                     or self.input_scale.dtype != torch.float32
@@ -276,6 +265,16 @@ class ExpertWeights:
         elif self.input_scale is not None:
             raise ValueError("input_scale was given but the format quantizes activations "
                              "dynamically; use WeightFormat.fp8_tensor(static_input=True)")
+
+    def _check_stored(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                      what: str) -> None:
+        """Field `name` is a `dtype` tensor of `shape` on the weights' device."""
+        t = getattr(self, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be a {str(dtype).removeprefix('torch.')} tensor of "
+                             f"shape {shape} for {what}, got {_describe(t)}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device}, the weights on {self.device}")
 
     @property
     def num_experts(self) -> int:
