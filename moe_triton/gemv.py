@@ -1,4 +1,4 @@
-"""Decode-size projections at the weights' bandwidth: x (T, C) @ w (N, C).T -> (T, N), T <= 16.
+"""Decode-size projections, a first design: x (T, C) @ w (N, C).T -> (T, N), T <= 16.
 
 A decode step's dense projections (attention's qkv and o, the LM head, shared experts) read each
 weight once for a handful of rows: the work is the weight stream. Program (column block, slice of
