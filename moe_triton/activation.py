@@ -72,7 +72,8 @@ def activation_torch(gate_up: torch.Tensor, activation: Activation) -> torch.Ten
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=activation.swiglu_limit)
     up = up.clamp(min=-activation.swiglu_limit, max=activation.swiglu_limit)
-    return (up + 1.0) * gate * torch.sigmoid(gate * activation.swiglu_alpha)
+    # transformers' association (gpt-oss, MiniMax-M3): (up + 1) * (g * sigmoid(g * alpha))
+    return (up + 1.0) * (gate * torch.sigmoid(gate * activation.swiglu_alpha))
 
 
 def activation_backward_torch(gate_up: torch.Tensor, grad: torch.Tensor,
@@ -122,7 +123,7 @@ def _apply_activation(gate, up, KIND: tl.constexpr, LIMIT: tl.constexpr, ALPHA: 
         gate = tl.minimum(gate, LIMIT, propagate_nan=tl.PropagateNan.ALL)
         up = tl.minimum(tl.maximum(up, -LIMIT, propagate_nan=tl.PropagateNan.ALL), LIMIT,
                         propagate_nan=tl.PropagateNan.ALL)
-        return (up + 1.0) * gate * tl.sigmoid(gate * ALPHA)
+        return (up + 1.0) * (gate * tl.sigmoid(gate * ALPHA))
 
 
 @interpreter_serialized

@@ -48,6 +48,21 @@ def test_clamped_swiglu_clamps():
     assert activate(x, activation).item() == 0.0
 
 
+def test_clamped_swiglu_is_gpt_oss_s_bit_for_bit_in_float32():
+    """transformers' GptOssExperts._apply_gate on its interleaved [g0, u0, g1, u1, ...] columns,
+    against the reference on the same values as [gate | up], bitwise (same ops, same order)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = GptOssConfig(hidden_size=32, intermediate_size=48, num_local_experts=2)
+    experts = GptOssExperts(config)
+    interleaved = torch.randn(37, 2 * 48, generator=torch.Generator().manual_seed(0)) * 6
+    gate, up = interleaved[:, ::2], interleaved[:, 1::2]
+    ours = activation_torch(torch.cat([gate, up], dim=1),
+                            Activation(ActivationKind.CLAMPED_SWIGLU, config.swiglu_limit, 1.702))
+    assert experts.alpha == 1.702 and torch.equal(ours, experts._apply_gate(interleaved))
+
+
 def test_from_hidden_act():
     assert Activation.from_hidden_act("silu").kind is ActivationKind.SILU_AND_MUL
     assert not Activation.from_hidden_act("relu2").gated
