@@ -448,20 +448,36 @@ class ExpertWeights:
     @classmethod
     def from_checkpoint(cls, w13: torch.Tensor | Sequence[torch.Tensor], w2: torch.Tensor,
                         fmt: WeightFormat, w13_scale=None, w2_scale=None, input_scale=None,
-                        gated: bool = True) -> ExpertWeights:
-        """Experts as stored: w13 whole or as (gate, up), scales as `checkpoint_scale` takes."""
+                        gated: bool = True, interleaved: bool = False) -> ExpertWeights:
+        """Experts as stored: w13 whole or as (gate, up), scales as `checkpoint_scale` takes.
+        `interleaved`: w13's rows are [g0, u0, g1, u1, ...] (gpt-oss; transformers'
+        is_concatenated=False), reordered once here into [gate; up], each row's scales with it."""
+        if interleaved and (not gated or fmt.fp8 not in (None, Fp8Scaling.CHANNEL)):
+            raise ValueError("interleaved=True reorders gated w13 rows [g0, u0, g1, u1, ...] with "
+                             "their per-row scales: it takes gated experts, unquantized, MXFP4 or "
+                             "per-channel FP8 (a block or per-tensor scale would cover gate and up "
+                             f"rows at once), got gated={gated}, {fmt}")
         if isinstance(w13, (list, tuple)):
             if len({tuple(w.shape) if isinstance(w, torch.Tensor) else None for w in w13}) != 1:
                 raise ValueError("w13's projections must be tensors of one shape, "
                                  f"got {[_describe(w) for w in w13]}")
             w13 = torch.cat(list(w13), dim=1)
-        if fmt.fp8 is None or not all(isinstance(w, torch.Tensor) and w.dim() == 3
-                                      for w in (w13, w2)):
-            return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)  # says what is wrong
-        w13_scale = fmt.checkpoint_scale(w13_scale, *w13.shape[1:], gated)
-        w2_scale = fmt.checkpoint_scale(w2_scale, *w2.shape[1:])
-        input_scale = fmt.checkpoint_input_scale(input_scale)
-        return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
+        if fmt.fp8 is not None and all(isinstance(w, torch.Tensor) and w.dim() == 3
+                                       for w in (w13, w2)):
+            w13_scale = fmt.checkpoint_scale(w13_scale, *w13.shape[1:], gated)
+            w2_scale = fmt.checkpoint_scale(w2_scale, *w2.shape[1:])
+            input_scale = fmt.checkpoint_input_scale(input_scale)
+        if interleaved:
+            w13, w13_scale = (_gate_rows_first(t) for t in (w13, w13_scale))
+        return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)  # checks what is wrong
+
+
+def _gate_rows_first(t):
+    """Rows [g0, u0, g1, u1, ...] (dim 1) -> [g0, g1, ...; u0, u1, ...]; anything else as it is
+    (ExpertWeights then says what is wrong with it)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[1] % 2:
+        return t
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
 
 
 def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:

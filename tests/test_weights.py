@@ -518,3 +518,35 @@ def test_mxfp4_pads_and_narrows_on_whole_groups_as_the_dequantized_weights_do():
         q.narrow_intermediate(16, 32)
     with pytest.raises(ValueError, match="whole 32-column groups"):
         q.pad_intermediate(40)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat(), WeightFormat.fp8_channel(),
+                                 WeightFormat.mxfp4()], ids=str)
+def test_interleaved_gate_up_rows_are_reordered_once_with_their_scales(fmt):
+    """gpt-oss stores w13's rows as [g0, u0, g1, u1, ...]: from_checkpoint(interleaved=True) holds
+    the same experts as the [gate; up] layout built from the de-interleaved rows."""
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = torch.randn(2, 2 * 64, 64, generator=g), torch.randn(2, 64, 64, generator=g)
+    stacked = torch.cat([w13[:, 0::2], w13[:, 1::2]], dim=1)
+    if not fmt.quantized:
+        ours = ExpertWeights.from_checkpoint(w13, w2, fmt, interleaved=True)
+        assert torch.equal(ours.w13, stacked)
+        return
+    # quantized as the checkpoint stored it: the interleaved rows, each with its own scales
+    stored = ExpertWeights(w13, w2).to_format(fmt)
+    ours = ExpertWeights.from_checkpoint(stored.w13, stored.w2, fmt, stored.w13_scale,
+                                         stored.w2_scale, interleaved=True)
+    dequantized = stored.dequantized()[0]
+    assert torch.equal(ours.dequantized()[0],
+                       torch.cat([dequantized[:, 0::2], dequantized[:, 1::2]], dim=1))
+
+
+def test_interleaved_rows_refuse_block_scales_and_non_gated_experts():
+    q = ExpertWeights(torch.randn(2, 256, 128), torch.randn(2, 128, 128)).to_format(
+        WeightFormat.fp8_block())
+    with pytest.raises(ValueError, match="block or per-tensor scale would cover gate and up"):
+        ExpertWeights.from_checkpoint(q.w13, q.w2, q.format, q.w13_scale, q.w2_scale,
+                                      interleaved=True)
+    with pytest.raises(ValueError, match="gated=False"):
+        ExpertWeights.from_checkpoint(torch.randn(2, 64, 64), torch.randn(2, 64, 64),
+                                      WeightFormat(), gated=False, interleaved=True)
