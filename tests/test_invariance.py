@@ -182,21 +182,27 @@ def test_grid_size_rows_do_not_depend_on_the_batch_on_the_gpu(fmt):
 INVARIANT_FAMILIES = ["qwen3_moe", "cohere2_moe", "minimax_m2"]  # -sum: average's code but a sum
 
 
-@pytest.fixture(scope="module", params=INVARIANT_FAMILIES)
-def family_model(request, tmp_path_factory):
-    """A tiny random checkpoint of the family, loaded in float32 on the Triton experts (the torch
-    backend's per-expert matmuls take as many rows as the batch sends: not invariant)."""
+def tiny_model(family: str, path, dtype: torch.dtype, device):
+    """A tiny random checkpoint of `family` written to `path`, loaded back in `dtype` on `device`
+    (on the Triton experts: the torch backend's per-expert matmuls take as many rows as the batch
+    sends, not invariant), set up for a batch of 4 and 24 positions."""
     from helpers import FAMILIES, randomize_
 
     from moe_triton.models import load_model
 
-    make, seed = FAMILIES[request.param]
+    make, seed = FAMILIES[family]
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp(request.param)
     randomize_(make().eval(), seed=seed).save_pretrained(path)
-    model = load_model(path, dtype=torch.float32, device=test_device())
+    model = load_model(path, dtype=dtype, device=device)
     model.setup(max_batch=4, max_seq=24)
     return model
+
+
+@pytest.fixture(scope="module", params=INVARIANT_FAMILIES)
+def family_model(request, tmp_path_factory):
+    """The family's tiny model in float32."""
+    return tiny_model(request.param, tmp_path_factory.mktemp(request.param), torch.float32,
+                      test_device())
 
 
 def test_a_models_prefill_and_decode_give_a_sequence_the_same_bits_alone_and_batched(
@@ -220,15 +226,7 @@ def test_outside_the_mode_a_decode_step_depends_on_its_batch(family_model):
 @pytest.mark.parametrize("family", INVARIANT_FAMILIES)
 def test_a_bf16_models_prefill_and_decode_are_batch_invariant_on_the_gpu(family, tmp_path):
     """The same checks in bf16 on the H200: SDPA's prefill kernels, cuBLAS outside the mode."""
-    from helpers import FAMILIES, randomize_
-
-    from moe_triton.models import load_model
-
-    make, seed = FAMILIES[family]
-    torch.manual_seed(0)
-    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
-    model = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
-    model.setup(max_batch=4, max_seq=24)
+    model = tiny_model(family, tmp_path, torch.bfloat16, "cuda")
     assert rows_that_depend_on_the_batch(model) == []
 
 
@@ -246,15 +244,7 @@ def test_greedy_tokens_alone_and_batched_are_the_same(family_model):
 def test_decode_graphs_are_captured_in_the_mode_generate_runs_in(tmp_path):
     """Graphs bake the mode in at capture: generate inside batch_invariant() after a setup outside
     it captures them again, and a prompt's greedy tokens alone and batched then match, in bf16."""
-    from helpers import FAMILIES, randomize_
-
-    from moe_triton.models import load_model
-
-    make, seed = FAMILIES["qwen3_moe"]
-    torch.manual_seed(0)
-    randomize_(make().eval(), seed=seed).save_pretrained(tmp_path)
-    model = load_model(tmp_path, dtype=torch.bfloat16, device="cuda")
-    model.setup(max_batch=4, max_seq=24)
+    model = tiny_model("qwen3_moe", tmp_path, torch.bfloat16, "cuda")
     assert model.graphs is not None and not model.graphs_batch_invariant
     ids = prompt(3, 6, seed=2).cuda()
     with batch_invariant():
