@@ -8,7 +8,7 @@ checks, reduce-overhead and the transformers generate benchmark run on the H200 
 import pytest
 import torch
 import torch._dynamo
-from helpers import assert_close
+from helpers import assert_close, copy_experts_
 from torch._dynamo.utils import counters
 
 from moe_triton import (
@@ -49,13 +49,9 @@ def make_layer(shared=False, fmt=WeightFormat(), routing=RoutingSpec(K, renormal
     native = ExpertWeights(torch.randn(E, 2 * I, H, generator=g) / H**0.5,
                            torch.randn(E, H, I, generator=g) / I**0.5)
     weights = native if fmt.fp8 is None else native.to_format(fmt)
+    copy_experts_(layer, weights)
     with torch.no_grad():
         layer.gate_weight.copy_(torch.randn(E, H, generator=g))
-        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
-                            ("gate_up_proj_scale", "w13_scale"),
-                            ("down_proj_scale", "w2_scale")):
-            if getattr(layer, name) is not None:
-                getattr(layer, name).copy_(getattr(weights, field))
         if layer.e_score_correction_bias is not None:
             layer.e_score_correction_bias.copy_(torch.rand(E, generator=g) * 0.3)
     layer.prepare_weights()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_harness import SUBPROCESS_ENV, Case, rank_pools
-from helpers import assert_close, random_expert_weights, random_ids
+from helpers import assert_close, copy_experts_, random_expert_weights, random_ids
 
 from moe_triton import (
     Activation,
@@ -251,10 +251,7 @@ def test_fused_moe_cuts_fp8_scales_when_it_loads_a_full_state_dict(ep, tp):
     full = FusedMoE(4, 2, 32, 48, weight_format=fmt, placement=Placement("torch"),
                     dtype=torch.float16)
     experts = fp8_experts(fmt, 4, 32, 48)
-    with torch.no_grad():
-        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
-                            ("gate_up_proj_scale", "w13_scale"), ("down_proj_scale", "w2_scale")):
-            getattr(full, name).copy_(getattr(experts, field))
+    copy_experts_(full, experts)
     for rank in range(2):
         groups = ParallelGroups(spec, rank, None, None, None)  # loading needs no collective
         sharded = FusedMoE(4, 2, 32, 48, weight_format=fmt,

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import copy_experts_
 
 from moe_triton import ExpertWeights, Fp8Scaling, WeightFormat
 from moe_triton.runners.padding import pad_expert_weights
@@ -486,10 +487,8 @@ def test_mxfp4_experts_run_on_the_torch_reference_and_refuse_the_triton_kernels(
     assert layer.gate_up_proj.dtype == torch.uint8 and not layer.gate_up_proj.requires_grad
     auto = FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4())
     assert auto.backend == "torch" and "MXFP4" in auto.resolution.reason
+    copy_experts_(layer, weights)
     with torch.no_grad():
-        for name, field in (("gate_up_proj", "w13"), ("down_proj", "w2"),
-                            ("gate_up_proj_scale", "w13_scale"), ("down_proj_scale", "w2_scale")):
-            getattr(layer, name).copy_(getattr(weights, field))
         layer.gate_weight.normal_()
     x = torch.randn(5, 64)
     ids, topk_weights = route_torch(x @ layer.gate_weight.T, layer.routing)
