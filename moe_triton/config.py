@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .expand import LayoutKind
+from .weights import MXFP4_DTYPE, MXFP4_GROUP
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,13 @@ def _for_element_size(config: GemmConfig, element_size: int) -> GemmConfig:
 def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
                   intermediate_size: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                   down_split: int | None = None, fp8_group: int = 128) -> MoEConfig:
-    """Tiles for weights in `dtype` (FP8: C steps within `fp8_group`, the blocks' width);
-    `down_split` fixes the decode down GEMM's C slices (sweeps)."""
+    """Tiles for weights in `dtype` (FP8: C steps within `fp8_group`, the blocks' width; uint8:
+    MXFP4, whose tiles are bf16's, expanded in registers, in whole 32-value groups); `down_split`
+    fixes the decode down GEMM's C slices (sweeps)."""
+    if dtype == MXFP4_DTYPE:
+        config = choose_config(num_tokens, top_k, num_experts, hidden_size, intermediate_size,
+                               device, torch.bfloat16, down_split)
+        return replace(config, up=_whole_groups(config.up), down=_whole_groups(config.down))
     num_pairs = num_tokens * top_k
     # Skip the sort when pairs rarely share an expert: one token's K experts are distinct, and
     # P^2 <= E keeps the expected number of shared experts under one half.
@@ -231,6 +237,10 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     else:
         up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
     return MoEConfig(up, down, layout)
+
+
+def _whole_groups(config: GemmConfig) -> GemmConfig:
+    return replace(config, block_c=max(config.block_c, MXFP4_GROUP))
 
 
 def decode_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,

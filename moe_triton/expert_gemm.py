@@ -1,19 +1,21 @@
 """Stage 3, expert GEMM: out[r] = a[row(r)] @ w[expert(r)].T for each row r in use, shape (R, N).
 
 w has transformers' layout (E, N, C), C the contraction (K is top-k); strides are taken as given.
-Operands are bf16/fp16 (fp32 for tests) or FP8 e4m3 with float32 scales (`ScaleAlongC`); float32
-accumulation. Fusions are data: the gather (row r reads token sorted_pair_ids[r] // K), the gated
-activation epilogue (gate columns n and up columns I + n side by side: the [R, 2I] intermediate is
-never written), an FP8 output quantized per (row, BLOCK_N columns), and split-C (float32 partials
-(S, R, N) that finalize sums in slice order, bit-stable; never the first GEMM, whose activation
-needs the whole sum and which measured slower split: docs/PERFORMANCE.md). NaN in an FP8 operand
-or scale reaches the output as in the float32 reference. Padding rows are never written (read as
-garbage only through a TMA descriptor, and masked at the store). A grid has one program per tile
-of the worst case, those past the rows in use exiting at once; the persistent form has a fixed
-number walk the tiles of the rows in use, counted on the device (measured slower on SM90 with
-Triton 3.6, kept for the schedule it offers: docs/PERFORMANCE.md, issue 27). At decode the second
-GEMM launches as a programmatic dependent (PDL) of the first: its launch overlaps the first's
-tail, and it waits (griddepcontrol) before reading the first's output.
+Operands are bf16/fp16 (fp32 for tests), FP8 e4m3 with float32 scales (`ScaleAlongC`), or MXFP4
+weights beside float activations (W4A16: each weight tile expanded to a's dtype in registers, no
+dequantized copy in memory); float32 accumulation. Fusions are data: per-expert biases, the gather
+(row r reads token sorted_pair_ids[r] // K), the gated activation epilogue (gate columns n and up
+columns I + n side by side: the [R, 2I] intermediate is never written), an FP8 output quantized per
+(row, BLOCK_N columns), and split-C (float32 partials (S, R, N) that finalize sums in slice order,
+bit-stable; never the first GEMM, whose activation needs the whole sum and which measured slower
+split: docs/PERFORMANCE.md). NaN in an FP8 operand or scale reaches the output as in the float32
+reference. Padding rows are never written (read as garbage only through a TMA descriptor, and masked
+at the store). A grid has one program per tile of the worst case, those past the rows in use exiting
+at once; the persistent form has a fixed number walk the tiles of the rows in use, counted on the
+device (measured slower on SM90 with Triton 3.6, kept for the schedule it offers:
+docs/PERFORMANCE.md, issue 27). At decode the second GEMM launches as a programmatic dependent (PDL)
+of the first: its launch overlaps the first's tail, and it waits (griddepcontrol) before reading the
+first's output.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from .expand import ExpertLayout, LayoutKind
 from .launch import BoundLaunch, interpreter_serialized
 from .platform import gdc_launch_dependents, gdc_wait, interpreter_enabled
 from .quantize import fp8_scale, nan_max, quantize_tile
-from .weights import FP8_DTYPE
+from .weights import FLOAT_DTYPES, FP8_DTYPE, MXFP4_DTYPE, MXFP4_GROUP
 
 
 class ScaleAlongC(enum.Enum):  # where a scale applies, by whether it changes along C
@@ -73,14 +75,28 @@ class Fp8Scales:
                     W_SCALAR=(per_tile and w_along_c is ScaleAlongC.PER_STEP
                               and w_block_n % block_n == 0),
                     A_GROUP=self.a_group, W_BLOCK_N=w_block_n, W_BLOCK_C=w_block_c,
-                    NAN_BITS=interpreter_enabled(), w_scale_up_offset=self.w_up_offset,
+                    NAN_BITS=interpreter_enabled(), W_FP4=False,
+                    w_scale_up_offset=self.w_up_offset,
                     stride_as_m=a_strides[0], stride_as_g=a_strides[1],
                     stride_ws_e=w_strides[0], stride_ws_n=w_strides[1], stride_ws_c=w_strides[2])
 
 
+@dataclass(frozen=True, eq=False)
+class Mxfp4Scales:
+    """The E8M0 bytes that scale one GEMM's MXFP4 weights (weights.py): w [E, N_w, C / 32], one
+    per 32 contraction values of an output row; activations unscaled (W4A16)."""
+    w: torch.Tensor
+    w_up_offset: int = 0  # w's scale rows before the up half's (gated: the gate's I rows)
+
+    def kernel_args(self, c: int, block_n: int, block_c: int, per_tile: bool = False) -> dict:
+        return UNSCALED | dict(W_FP4=True, w_scale_up_offset=self.w_up_offset,
+                               stride_ws_e=self.w.stride(0), stride_ws_n=self.w.stride(1),
+                               stride_ws_c=self.w.stride(2))
+
+
 UNSCALED = dict(A_SCALE=0, W_SCALE=0, W_SCALAR=False, A_GROUP=1, W_BLOCK_N=1, W_BLOCK_C=1,
-                NAN_BITS=False, w_scale_up_offset=0, stride_as_m=0, stride_as_g=0, stride_ws_e=0,
-                stride_ws_n=0, stride_ws_c=0)
+                NAN_BITS=False, W_FP4=False, w_scale_up_offset=0, stride_as_m=0, stride_as_g=0,
+                stride_ws_e=0, stride_ws_n=0, stride_ws_c=0)
 NO_EPILOGUE = dict(ACT_KIND=-1, ACT_LIMIT=0.0, ACT_ALPHA=0.0)
 
 
@@ -130,15 +146,34 @@ def _e4m3_nan(tile, axis: tl.constexpr):
     return tl.max(((tile.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F).to(tl.int32), axis=axis)
 
 
+@triton.jit
+def _mxfp4_tile(packed, e8m0, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """e2m1 pairs [BLOCK_N, BLOCK_C / 2] (the even index low) and E8M0 bytes [BLOCK_N, BLOCK_C / 32]
+    -> weights [BLOCK_C, BLOCK_N] in `dtype`, exact (a power of two times e2m1 fits bf16 and fp16
+    at a checkpoint's scales); a scale byte of 255 gives NaN, of 0 (2^-127) gives zeros."""
+    pairs = packed.to(tl.int32)
+    codes = tl.join(pairs & 0xF, pairs >> 4).reshape(BLOCK_N, BLOCK_C)  # [BN, BC]
+    magnitude = codes & 7  # (e1 e0 m): 0, 0.5 (subnormal), then 2^(e - 1) (1 + m / 2)
+    # as float16 bits: the normal codes' exponent rebiased by 14, the two subnormal ones direct
+    bits = tl.where(magnitude < 2, magnitude * 0x3800, (magnitude << 9) + 0x3800)
+    bits = bits | ((codes & 8) << 12)  # the sign
+    values = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, BC]
+    exponent = e8m0.to(tl.int32)
+    scale = ((exponent << 23) | ((exponent == 255).to(tl.int32) << 22)).to(tl.float32,
+                                                                           bitcast=True)
+    values = values.reshape(BLOCK_N, BLOCK_C // 32, 32) * scale[:, :, None]
+    return values.reshape(BLOCK_N, BLOCK_C).to(dtype).T
+
+
 @interpreter_serialized
 @triton.jit
 def _expert_gemm_kernel(
     a_ptr, a_desc, w_ptr, w_desc, out_ptr,
     sorted_pair_ids_ptr, block_expert_ptr, num_rows_ptr, topk_ids_ptr,
-    a_scale_ptr, w_scale_ptr, out_scale_ptr,
+    a_scale_ptr, w_scale_ptr, out_scale_ptr, bias_ptr,
     N, C, E, num_pairs, num_m_blocks, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
-    stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
+    stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m, stride_b_e,
     A_DESC: tl.constexpr,  # row-space a through a TMA descriptor over (R, C)
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
     PERSISTENT: tl.constexpr,  # the grid's programs walk the tiles of the rows in use (SORTED)
@@ -155,6 +190,8 @@ def _expert_gemm_kernel(
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr,  # the weight block (W_SCALE per or in a step)
     W_SCALAR: tl.constexpr,  # PER_STEP weight scales: every tile lies in one weight block
     OUT_FP8: tl.constexpr,  # quantize the output tile per row, one scale per (row, BLOCK_N columns)
+    W_FP4: tl.constexpr,  # MXFP4 weights, expanded to a's dtype in registers (W4A16)
+    HAS_BIAS: tl.constexpr,  # add bias[expert] (gate columns, up at N) before the epilogue
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -171,13 +208,13 @@ def _expert_gemm_kernel(
             _gemm_tile(
                 pid_m, pid_n, rows, tl.load(sorted_pair_ids_ptr + rows), expert,
                 a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
-                N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
+                bias_ptr, N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
                 stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
                 stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n,
-                stride_ws_c, stride_os_m,
+                stride_ws_c, stride_os_m, stride_b_e,
                 A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
-                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
-                IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, W_FP4, HAS_BIAS,
+                ACT_LIMIT, ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
     else:
         if TRIGGER:
             gdc_launch_dependents()
@@ -199,13 +236,13 @@ def _expert_gemm_kernel(
         _gemm_tile(
             pid_m, pid_n, rows, pair, expert,
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
-            N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
+            bias_ptr, N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
             stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
             stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c,
-            stride_os_m,
+            stride_os_m, stride_b_e,
             A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
-            A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, ACT_LIMIT, ACT_ALPHA,
-            IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+            A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, W_FP4, HAS_BIAS,
+            ACT_LIMIT, ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
 
 
 @triton.jit
@@ -223,15 +260,15 @@ def _tile_coordinates(tile, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
 @triton.jit
 def _gemm_tile(
     pid_m, pid_n, rows, pair, expert,
-    a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr, bias_ptr,
     N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
     stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m, stride_out_split,
-    stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m,
+    stride_as_m, stride_as_g, stride_ws_e, stride_ws_n, stride_ws_c, stride_os_m, stride_b_e,
     A_DESC: tl.constexpr, W_DESC: tl.constexpr, GATHER_TOP_K: tl.constexpr,
     FUSED_GATE: tl.constexpr, ACT_KIND: tl.constexpr, SPLIT_C: tl.constexpr,
     A_SCALE: tl.constexpr, W_SCALE: tl.constexpr, A_GROUP: tl.constexpr, NAN_BITS: tl.constexpr,
     W_BLOCK_N: tl.constexpr, W_BLOCK_C: tl.constexpr, W_SCALAR: tl.constexpr,
-    OUT_FP8: tl.constexpr,
+    OUT_FP8: tl.constexpr, W_FP4: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACT_LIMIT: tl.constexpr, ACT_ALPHA: tl.constexpr, IEEE_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -250,8 +287,16 @@ def _gemm_tile(
     offs_c = tl.arange(0, BLOCK_C)
     c_start = first_step * BLOCK_C
     a_tile = a_ptr + a_rows[:, None] * stride_a_m + (c_start + offs_c)[None, :] * stride_a_c
-    w_tile = (w_ptr + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n
-              + (c_start + offs_c)[:, None] * stride_w_c)
+    if W_FP4:  # packed pairs [BLOCK_N, BLOCK_C / 2] and their E8M0 bytes [BLOCK_N, BLOCK_C / 32]
+        offs_pair = tl.arange(0, BLOCK_C // 2)
+        offs_group = tl.arange(0, BLOCK_C // 32)
+        w_tile = (w_ptr + expert * stride_w_e + offs_n[:, None].to(tl.int64) * stride_w_n
+                  + (c_start // 2 + offs_pair)[None, :] * stride_w_c)
+        e8m0_tile = (w_scale_ptr + expert * stride_ws_e + offs_n[:, None] * stride_ws_n
+                     + (c_start // 32 + offs_group)[None, :] * stride_ws_c)
+    else:
+        w_tile = (w_ptr + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n
+                  + (c_start + offs_c)[:, None] * stride_w_c)
     a_scale_row = a_scale_ptr + a_rows * stride_as_m  # [BLOCK_M]
     w_scale_rows = (w_scale_ptr + expert * stride_ws_e
                     + (offs_n // W_BLOCK_N) * stride_ws_n)  # [BLOCK_N]
@@ -306,7 +351,16 @@ def _gemm_tile(
             if FUSED_GATE:
                 w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=w_mask,
                                      other=0.0)
-        if W_DESC:
+        if W_FP4:  # C is a multiple of 32: the tail is whole pairs and whole groups
+            pair_mask = n_ok[:, None] & (offs_pair < (C - c_first) // 2)[None, :]
+            group_mask = n_ok[:, None] & (offs_group < (C - c_first) // 32)[None, :]
+            if W_DESC:
+                packed = w_desc.load([w_row, c_first // 2])
+            else:
+                packed = tl.load(w_tile, mask=pair_mask, other=0)
+            e8m0 = tl.load(e8m0_tile, mask=group_mask, other=0)
+            w = _mxfp4_tile(packed, e8m0, a.dtype, BLOCK_N, BLOCK_C)
+        elif W_DESC:
             w = w_desc.load([w_row, c_first]).T
         else:
             w = tl.load(w_tile, mask=w_mask, other=0.0)
@@ -315,7 +369,15 @@ def _gemm_tile(
             nan_rows = nan_rows | _e4m3_nan(a, 1)
             nan_cols = nan_cols | _e4m3_nan(w, 0)
         if FUSED_GATE:
-            if W_DESC:
+            if W_FP4:
+                if W_DESC:
+                    packed_up = w_desc.load([w_row + N, c_first // 2])
+                else:
+                    packed_up = tl.load(w_tile + up_offset, mask=pair_mask, other=0)
+                e8m0_up = tl.load(e8m0_tile + w_scale_up_offset * stride_ws_n, mask=group_mask,
+                                  other=0)
+                w_up = _mxfp4_tile(packed_up, e8m0_up, a.dtype, BLOCK_N, BLOCK_C)
+            elif W_DESC:
                 w_up = w_desc.load([w_row + N, c_first]).T
             else:
                 w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
@@ -324,7 +386,11 @@ def _gemm_tile(
             if NAN_BITS:
                 nan_cols_up = nan_cols_up | _e4m3_nan(w_up, 0)
         a_tile += BLOCK_C * stride_a_c
-        w_tile += BLOCK_C * stride_w_c
+        if W_FP4:
+            w_tile += BLOCK_C // 2 * stride_w_c
+            e8m0_tile += BLOCK_C // 32 * stride_ws_c
+        else:
+            w_tile += BLOCK_C * stride_w_c
 
     if NAN_BITS:  # the interpreter's dot reads e4m3 NaN as 480: restore a GPU's NaN
         acc = tl.where((nan_rows[:, None] | nan_cols[None, :]) > 0, float("nan"), acc)
@@ -339,6 +405,12 @@ def _gemm_tile(
         if FUSED_GATE:
             acc_up *= tl.load(w_scale_rows + w_scale_up_offset * stride_ws_n, mask=n_ok,
                               other=0.0)[None, :]
+    if HAS_BIAS:
+        if tl.program_id(1) == 0:  # split-C: the first slice's partial carries the bias
+            bias = bias_ptr + expert * stride_b_e + offs_n
+            acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if FUSED_GATE:
+                acc_up += tl.load(bias + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ACT_KIND >= 0:
         acc = _apply_activation(acc, acc_up, ACT_KIND, ACT_LIMIT, ACT_ALPHA)
     out = (out_ptr + tl.program_id(1) * stride_out_split + rows[:, None].to(tl.int64) * stride_out_m
@@ -377,7 +449,13 @@ def takes_descriptor(t: torch.Tensor) -> bool:
     return t.is_contiguous() and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
-def _check_scales(scales: Fp8Scales, a: torch.Tensor, w: torch.Tensor) -> None:
+def _check_scales(scales: Fp8Scales | Mxfp4Scales, a: torch.Tensor, w: torch.Tensor) -> None:
+    if isinstance(scales, Mxfp4Scales):
+        if w.dtype != MXFP4_DTYPE or a.dtype not in FLOAT_DTYPES or a.shape[1] % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 scales were given but a is {a.dtype} with C={a.shape[1]} "
+                             f"and w is {w.dtype}: w must be packed {MXFP4_DTYPE} and a float, "
+                             f"C a multiple of {MXFP4_GROUP}")
+        return
     if a.dtype != FP8_DTYPE or w.dtype != FP8_DTYPE:
         raise ValueError(f"FP8 scales were given but a is {a.dtype} and w is {w.dtype}; "
                          f"both must be {FP8_DTYPE}")
@@ -394,20 +472,21 @@ class ExpertGemmPlan:
     descriptor: bool  # weights through a TMA descriptor
     a_descriptor: bool  # row-space a through a TMA descriptor
     launch: BoundLaunch | None  # None: no row blocks or no output columns, nothing to compute
+    packing: int = 1  # weight values per stored element along C (MXFP4: 2)
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, layout: ExpertLayout,
                  a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None):
-        """(out, out_scales), out_scales None unless FP8 out; a_scale / w_scale as planned."""
+                 out: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        """(out, out_scales), out_scales None unless FP8 out; scales and bias as planned."""
         out, out_scales = self.outputs(a.device, out)
         if self.launch is not None:
-            w_desc = (weight_descriptor(w, (self.config.block_n, self.config.block_c))
-                      if self.descriptor else w)
+            block = (self.config.block_n, self.config.block_c // self.packing)
+            w_desc = weight_descriptor(w, block) if self.descriptor else w
             # a is fresh each call: its descriptor is too (a host object, encoded at launch)
             a_desc = (TensorDescriptor.from_tensor(a, [self.config.block_m, self.config.block_c])
                       if self.a_descriptor else a)
             self.launch(**_gemm_tensors(a, a_desc, w, w_desc, layout, a_scale, w_scale, out,
-                                        out_scales))
+                                        out_scales, bias))
         return out, out_scales
 
     def outputs(self, device, out: torch.Tensor | None = None):
@@ -423,15 +502,16 @@ class ExpertGemmPlan:
 
 
 def _gemm_tensors(a, a_desc, w, w_desc, layout: ExpertLayout, a_scale, w_scale, out,
-                  out_scales) -> dict:
+                  out_scales, bias) -> dict:
     sorted_pair_ids, block_expert, num_rows = layout.block_tensors()
-    if a_scale is None:  # unread without FP8
-        a_scale, w_scale = out, out
+    unread = out  # the pointer a kernel without that tensor is given
     return dict(a_ptr=a, a_desc=a_desc, w_ptr=w, w_desc=w_desc, out_ptr=out,
                 sorted_pair_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert,
-                num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids, a_scale_ptr=a_scale,
-                w_scale_ptr=w_scale,
-                out_scale_ptr=out_scales if out_scales is not None else out)
+                num_rows_ptr=num_rows, topk_ids_ptr=layout.topk_ids,
+                a_scale_ptr=unread if a_scale is None else a_scale,
+                w_scale_ptr=unread if w_scale is None else w_scale,
+                out_scale_ptr=unread if out_scales is None else out_scales,
+                bias_ptr=unread if bias is None else bias)
 
 
 def plan_expert_gemm(
@@ -442,13 +522,15 @@ def plan_expert_gemm(
     *,
     gather: bool,
     activation: Activation | None = None,
-    scales: Fp8Scales | None = None,
+    scales: Fp8Scales | Mxfp4Scales | None = None,
     out_dtype: torch.dtype | None = None,
     trigger: bool = False,
     dependent: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> ExpertGemmPlan:
     """trigger: the next kernel is a PDL dependent; dependent: this one is (platform.py's
-    dependent_launch must allow both)."""
+    dependent_launch must allow both). bias [E, N] (any float dtype) is added to each row's sum
+    before the activation; with split-C, to the first slice's partial."""
     if config.block_m != layout.block_m:
         raise ValueError(f"config.block_m={config.block_m} must equal the layout's "
                          f"block_m={layout.block_m}")
@@ -457,7 +539,13 @@ def plan_expert_gemm(
                          "or an FP8 output needs the whole sum: split only the second GEMM")
     if scales is not None:
         _check_scales(scales, a, w)
+    fp4 = isinstance(scales, Mxfp4Scales)
+    if fp4 and config.block_c % MXFP4_GROUP:
+        raise ValueError(f"config.block_c={config.block_c}: an MXFP4 C step holds whole "
+                         f"{MXFP4_GROUP}-value scale groups (block_c a multiple of {MXFP4_GROUP})")
     E, N, C = w.shape
+    packing = 2 if fp4 else 1
+    C *= packing
     split_c = config.split_c
     gated = activation is not None and activation.gated
     n_out = N // 2 if gated else N
@@ -474,7 +562,7 @@ def plan_expert_gemm(
     a_descriptor = config.tma_activations and not gather and sorted_layout and takes_descriptor(a)
     persistent = config.persistent_programs > 0 and sorted_layout
     plan = functools.partial(ExpertGemmPlan, out_shape, out_dtype, out_scales_shape, config,
-                             descriptor, a_descriptor)
+                             descriptor, a_descriptor, packing=packing)
     if num_m_blocks == 0 or n_out == 0:
         return plan(None)
     fixed = dict(
@@ -484,11 +572,12 @@ def plan_expert_gemm(
         stride_w_e=w.stride(0), stride_w_n=w.stride(1), stride_w_c=w.stride(2),
         stride_out_m=out_strides[1], stride_out_split=out_strides[0],
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
+        stride_b_e=bias.stride(0) if bias is not None else 0, HAS_BIAS=bias is not None,
         A_DESC=a_descriptor, W_DESC=descriptor, PERSISTENT=persistent,
         TRIGGER=trigger and not persistent, DEPENDENT=dependent and not persistent,
         PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
         GATHER_TOP_K=layout.top_k if gather else 0,
-        FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=w.dtype == torch.float32,
+        FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=a.dtype == torch.float32,
         **(scales.kernel_args(C, config.block_n, config.block_c, config.scale_per_tile)
            if scales is not None else UNSCALED),
         **(activation.kernel_args() if activation is not None else NO_EPILOGUE),
@@ -508,22 +597,25 @@ def expert_gemm(
     *,
     gather: bool,
     activation: Activation | None = None,
-    scales: Fp8Scales | None = None,
+    scales: Fp8Scales | Mxfp4Scales | None = None,
     out_dtype: torch.dtype | None = None,
     out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ):
-    """a (T, C) if `gather` else (R, C), w (E, N, C) -> (R, N), or (R, N / 2) when gated.
-    Shapes are checked by the caller (pipeline.run_experts). out_dtype defaults to a's (FP8: bf16);
-    float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N)); split_c > 1: float32 (S, R, N)."""
+    """a (T, C) if `gather` else (R, C), w (E, N, C) -> (R, N), or (R, N / 2) when gated; MXFP4
+    w is packed (E, N, C / 2). Shapes are checked by the caller (pipeline.run_experts). out_dtype
+    defaults to a's (FP8: bf16); float8_e4m3fn returns (out, out_scales (R, N_out / BLOCK_N));
+    split_c > 1: float32 (S, R, N). bias (E, N) joins each row's sum before the activation."""
     plan = plan_expert_gemm(a, w, layout, config, gather=gather, activation=activation,
-                            scales=scales, out_dtype=out_dtype)
+                            scales=scales, out_dtype=out_dtype, bias=bias)
     if out is not None and (tuple(out.shape) != plan.out_shape or out.dtype != plan.out_dtype
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous {plan.out_dtype} tensor of shape "
                          f"{plan.out_shape}, got {out.dtype} {tuple(out.shape)} with strides "
                          f"{out.stride()}")
-    out, out_scales = plan(a, w, layout, *((scales.a, scales.w) if scales is not None else ()),
-                           out=out)
+    a_scale = scales.a if isinstance(scales, Fp8Scales) else None
+    out, out_scales = plan(a, w, layout, a_scale, None if scales is None else scales.w, out=out,
+                           bias=bias)
     return (out, out_scales) if out_scales is not None else out
 
 

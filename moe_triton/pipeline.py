@@ -11,7 +11,7 @@ from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, INVARIANT_TOKENS, MoEConfig, choose_config
 from .decode import DecodePlan, plan_decode_experts
 from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, per_pair_layout, plan_expand
-from .expert_gemm import ExpertGemmPlan, Fp8Scales, plan_expert_gemm
+from .expert_gemm import ExpertGemmPlan, Fp8Scales, Mxfp4Scales, plan_expert_gemm
 from .finalize import FinalizePlan, plan_finalize
 from .invariance import batch_invariant_enabled
 from .launch import PlanCache, register_op
@@ -46,14 +46,10 @@ def check_experts_args(hidden_states, weights: ExpertWeights, topk_ids,
                          f"use one of {FLOAT_DTYPES}")
     T, H = hidden_states.shape
     device, dtype = hidden_states.device, hidden_states.dtype
-    if weights.format.fp4:
-        raise ValueError("MXFP4 experts have no Triton kernels yet: run them on the torch "
-                         "reference (Placement('torch'), backend='torch'), or dequantize them "
-                         "(ExpertWeights.dequantized())")
     if weights.format.fp8 is not None and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"hidden_states is {dtype}; FP8 experts take bfloat16 or float16 "
                          "activations (their output dtype): cast hidden_states")
-    if (weights.format.fp8 is None and weights.dtype != dtype) or weights.device != device:
+    if (not weights.format.quantized and weights.dtype != dtype) or weights.device != device:
         raise ValueError(f"the expert weights are {weights.dtype} on {weights.device} but "
                          f"hidden_states is {dtype} on {device}; "
                          "cast/move the weights (w13, w2) to match")
@@ -128,8 +124,9 @@ def run_experts(
         _refuse_eager_tools(config, out)
         return torch.ops.moe_triton.experts(hidden_states, *_weights_fields(weights), topk_ids,
                                             topk_weights, *_activation_fields(activation))
-    if checks.grad_needed(hidden_states, topk_weights, getattr(weights, "w13", None),
-                          getattr(weights, "w2", None)):
+    if checks.grad_needed(hidden_states, topk_weights,
+                          *(getattr(weights, name, None)
+                            for name in ("w13", "w2", "w13_bias", "w2_bias"))):
         return _experts_with_grad(hidden_states, weights, topk_ids, topk_weights, activation,
                                   config, out)
     plan = _plan(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
@@ -171,6 +168,10 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
     config = config or default_config(T, K, weights, hidden_states.device)
     if weights.format.fp8 is not None:
         _check_fp8_config(config, hidden_states.device)
+    if config.decode is not None and (weights.format.fp4 or weights.biased):
+        raise ValueError("config.decode (the opt-in decode kernel) runs unbiased bf16/fp16 and "
+                         "FP8 experts; for MXFP4 or biased experts pass a config without decode "
+                         "(choose_config's)")
     return LayerPlan.build(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
 
 
@@ -212,8 +213,10 @@ class LayerPlan:
         if self.quantize is not None:
             x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
         # [R, I], [R, I / BLOCK_N]
-        h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale)
-        y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale)  # [R, H] or [S, R, H]
+        h, h_scales = self.up(x, weights.w13, layout, x_scales, weights.w13_scale,
+                              bias=weights.w13_bias)
+        y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale,
+                         bias=weights.w2_bias)  # [R, H] or [S, R, H]
         return self.finalize(y, topk_weights, layout, out)  # [T, H]
 
     def _through_decode_kernel(self, hidden_states, weights, layout, topk_ids, topk_weights, out):
@@ -239,21 +242,24 @@ class LayerPlan:
                                                              layout, activation, config, out)
             return cls(T, H, expand, quantize, None, None, decode, finalize)
         fp8 = weights.format.fp8 is not None
-        x, quantize, up_scales = hidden_states, None, None
+        x, quantize, up_scales, down_scales = hidden_states, None, None, None
         if fp8:
             quantize, x, up_scales = _plan_quantize(hidden_states, weights)
+        if weights.format.fp4:  # W4A16: activations as they are, the weights' E8M0 bytes
+            up_scales = Mxfp4Scales(weights.w13_scale, weights.w13_scale_up_offset)
+            down_scales = Mxfp4Scales(weights.w2_scale)
         # decode: down and finalize launch as PDL dependents (config.down.dependent)
         pdl = config.down.dependent and dependent_launch(hidden_states.device)
         up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
                               scales=up_scales, out_dtype=FP8_DTYPE if fp8 else dtype,
-                              trigger=pdl)
+                              trigger=pdl, bias=weights.w13_bias)
         h, h_scales = up.outputs("meta")
-        down_scales = None
         if fp8:  # the intermediate: one scale per row and up.block_n columns
             down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale,
                                     weights.format.block)
         down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False,
-                                scales=down_scales, out_dtype=dtype, trigger=pdl, dependent=pdl)
+                                scales=down_scales, out_dtype=dtype, trigger=pdl, dependent=pdl,
+                                bias=weights.w2_bias)
         y, _ = down.outputs("meta")
         finalize = plan_finalize(y, topk_weights, layout, dtype, out, dependent=pdl)
         return cls(T, H, expand, quantize, up, down, None, finalize)
@@ -312,12 +318,16 @@ _FP8 = [None, *Fp8Scaling]
 
 def _weights_fields(weights: ExpertWeights) -> tuple:
     return (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale, weights.input_scale,
-            weights.gated, *_format_fields(weights.format))
+            weights.w13_bias, weights.w2_bias, weights.gated, *_format_fields(weights.format))
 
 
 def _format_fields(fmt: WeightFormat) -> tuple:
     block_n, block_c = fmt.block or (0, 0)
-    return _FP8.index(fmt.fp8), block_n, block_c, fmt.static_input
+    return _FP8.index(fmt.fp8), block_n, block_c, fmt.static_input, fmt.fp4
+
+
+def _format(fp8: int, block_n: int, block_c: int, static_input: bool, fp4: bool) -> WeightFormat:
+    return WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input, fp4)
 
 
 def _refuse_eager_tools(config, out) -> None:
@@ -334,64 +344,78 @@ def _experts_fake(hidden_states, *args):
     return torch.empty_like(hidden_states, memory_format=torch.contiguous_format)
 
 
+# the op's inputs that take a gradient, by position: x, w13, w2, w13_bias, w2_bias, topk_weights
+_GRAD_INPUTS = (0, 1, 2, 6, 7, 15)
+
+
 def _experts_setup_context(ctx, inputs, output):
-    (hidden_states, w13, w2, w13_scale, w2_scale, _, gated, fp8, block_n, block_c, _, ids, weights,
-     *act) = inputs
-    ctx.save_for_backward(hidden_states, w13, w2, w13_scale, w2_scale, ids, weights)
-    ctx.fields = (gated, fp8, block_n, block_c, *act)
+    (hidden_states, w13, w2, w13_scale, w2_scale, _, w13_bias, w2_bias, gated, fp8, block_n,
+     block_c, _, fp4, ids, weights, *act) = inputs
+    ctx.save_for_backward(hidden_states, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, ids,
+                          weights)
+    ctx.fields = (gated, fp8, block_n, block_c, fp4, *act)
 
 
 def _experts_backward(ctx, grad_out):
-    hidden_states, w13, w2, w13_scale, w2_scale, ids, weights = ctx.saved_tensors
-    # inputs 0, 1, 2, 12
-    x_needed, w13_needed, w2_needed, *_, weights_needed = ctx.needs_input_grad[:13]
-    fp8 = ctx.fields[1] != 0  # e4m3 weights and their scales get no gradient
-    wanted = [x_needed, w13_needed and not fp8, w2_needed and not fp8, weights_needed]
+    hidden_states, w13, w2, w13_scale, w2_scale, w13_bias, w2_bias, ids, weights = ctx.saved_tensors
+    needed = [ctx.needs_input_grad[i] for i in _GRAD_INPUTS]
+    quantized = ctx.fields[1] != 0 or ctx.fields[4]  # e4m3 / e2m1 weights get no gradient
+    wanted = [need and not (quantized and i in (1, 2)) for i, need in zip(_GRAD_INPUTS, needed,
+                                                                          strict=True)]
     grads = torch.ops.moe_triton.experts_backward(grad_out, hidden_states, w13, w2, w13_scale,
-                                                  w2_scale, ids, weights, *ctx.fields, wanted)
-    dx, dw13, dw2, dweights = (grad if want else None
-                               for grad, want in zip(grads, wanted, strict=True))
-    return (dx, dw13, dw2, None, None, None, None, None, None, None, None, None, dweights,
-            None, None, None)
+                                                  w2_scale, w13_bias, w2_bias, ids, weights,
+                                                  *ctx.fields, wanted)
+    by_input = dict(zip(_GRAD_INPUTS, (grad if want else None
+                                       for grad, want in zip(grads, wanted, strict=True)),
+                        strict=True))
+    return tuple(by_input.get(i) for i in range(19))
 
 
 @register_op("experts", _experts_fake, backward=_experts_backward,
              setup_context=_experts_setup_context)
 def _experts_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-                input_scale: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
-                block_c: int, static_input: bool, topk_ids: torch.Tensor,
+                input_scale: torch.Tensor | None, w13_bias: torch.Tensor | None,
+                w2_bias: torch.Tensor | None, gated: bool, fp8: int, block_n: int,
+                block_c: int, static_input: bool, fp4: bool, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, activation: int, swiglu_limit: float,
                 swiglu_alpha: float) -> torch.Tensor:
-    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None, static_input)
-    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)
+    weights = ExpertWeights(w13, w2, gated, _format(fp8, block_n, block_c, static_input, fp4),
+                            w13_scale, w2_scale, input_scale, w13_bias, w2_bias)
     act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
     return run_experts(hidden_states, weights, topk_ids, topk_weights, activation=act)
 
 
-def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, topk_ids,
-                           topk_weights, *args):
+def _experts_backward_fake(grad_out, hidden_states, w13, w2, w13_scale, w2_scale, w13_bias,
+                           w2_bias, topk_ids, topk_weights, *args):
     wanted = args[-1]
     return tuple(t.new_empty(t.shape) if want else grad_out.new_empty(0)
-                 for t, want in zip((hidden_states, w13, w2, topk_weights), wanted, strict=True))
+                 for t, want in zip((hidden_states, w13, w2, w13_bias, w2_bias, topk_weights),
+                                    wanted, strict=True))
 
 
 @register_op("experts_backward", _experts_backward_fake)
 def _experts_backward_op(grad_out: torch.Tensor, hidden_states: torch.Tensor, w13: torch.Tensor,
                          w2: torch.Tensor, w13_scale: torch.Tensor | None,
-                         w2_scale: torch.Tensor | None, topk_ids: torch.Tensor,
+                         w2_scale: torch.Tensor | None, w13_bias: torch.Tensor | None,
+                         w2_bias: torch.Tensor | None, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, gated: bool, fp8: int, block_n: int,
-                         block_c: int, activation: int, swiglu_limit: float, swiglu_alpha: float,
-                         wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                      torch.Tensor]:
-    """(d hidden_states, d w13, d w2, d topk_weights); an empty tensor where not wanted."""
+                         block_c: int, fp4: bool, activation: int, swiglu_limit: float,
+                         swiglu_alpha: float, wanted: list[bool]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                    torch.Tensor, torch.Tensor]:
+    """(d hidden_states, d w13, d w2, d w13_bias, d w2_bias, d topk_weights); an empty tensor
+    where not wanted."""
     # the input scale plays no part
-    fmt = WeightFormat(_FP8[fp8], (block_n, block_c) if block_n else None)
-    weights = ExpertWeights(w13, w2, gated, fmt, w13_scale, w2_scale)
+    weights = ExpertWeights(w13, w2, gated, _format(fp8, block_n, block_c, False, fp4),
+                            w13_scale, w2_scale, w13_bias=w13_bias, w2_bias=w2_bias)
     act = Activation(ActivationKind(activation), swiglu_limit, swiglu_alpha)
-    grads = fused_experts_backward_torch(grad_out, hidden_states, weights, topk_ids, topk_weights,
-                                         activation=act, needs=tuple(wanted))
-    return tuple(grad if grad is not None else grad_out.new_empty(0) for grad in grads)
+    x_w, w13_w, w2_w, b13_w, b2_w, tw_w = wanted
+    dx, dw13, dw2, dtw, db13, db2 = fused_experts_backward_torch(
+        grad_out, hidden_states, weights, topk_ids, topk_weights, activation=act,
+        needs=(x_w, w13_w, w2_w, tw_w, b13_w, b2_w))
+    return tuple(grad if grad is not None else grad_out.new_empty(0)
+                 for grad in (dx, dw13, dw2, db13, db2, dtw))
 
 
 def _check_fp8_config(config: MoEConfig, device: torch.device) -> None:
@@ -416,7 +440,7 @@ def fused_experts(
     """`run_experts` on w13 (E, 2I, H) [gate; up], or (E, I, H) non-gated, and w2 (E, H, I)."""
     if torch.compiler.is_compiling():  # the op takes plain data: no ExpertWeights in the graph
         _refuse_eager_tools(config, out)
-        return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None,
+        return torch.ops.moe_triton.experts(hidden_states, w13, w2, None, None, None, None, None,
                                             activation.gated, *_format_fields(NATIVE), topk_ids,
                                             topk_weights, *_activation_fields(activation))
     check_specs(activation, config)

@@ -16,6 +16,8 @@ def fused_experts_torch(
     topk_weights: torch.Tensor,  # [T, K]
     *,
     activation: Activation = SILU_AND_MUL,
+    w13_bias: torch.Tensor | None = None,  # [E, 2I] or [E, I]: added before the activation
+    w2_bias: torch.Tensor | None = None,  # [E, H]: added before the routing weight
 ) -> torch.Tensor:
     x = hidden_states.float()
     out = torch.zeros_like(x)  # [T, H]
@@ -23,8 +25,12 @@ def fused_experts_torch(
         tokens, slots = torch.nonzero(topk_ids == e, as_tuple=True)
         if tokens.numel() == 0:
             continue
-        h = activation_torch(x[tokens] @ w13[e].float().T, activation)  # [n, I]
-        y = h @ w2[e].float().T  # [n, H]
+        gate_up = x[tokens] @ w13[e].float().T  # [n, 2I]
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e].float()
+        y = activation_torch(gate_up, activation) @ w2[e].float().T  # [n, H]
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots].float().unsqueeze(-1))
     return out
 
@@ -37,18 +43,22 @@ def fused_experts_backward_torch(
     topk_weights: torch.Tensor,  # [T, K]
     *,
     activation: Activation = SILU_AND_MUL,
-    needs: tuple[bool, bool, bool, bool] = (True, True, True, True),
+    needs: tuple[bool, ...] = (True,) * 6,
 ) -> tuple[torch.Tensor | None, ...]:
-    """(dx, dw13, dw2, d topk_weights) in the inputs' dtypes, None where `needs` says no; FP8
-    weights: through their dequantized values, no gradient (activation quantization: identity)."""
+    """(dx, dw13, dw2, d topk_weights, d w13_bias, d w2_bias) in the inputs' dtypes, None where
+    `needs` says no or there is no such tensor; quantized (FP8, MXFP4) weights: through their
+    dequantized values, no gradient (activation quantization: identity)."""
     T, K = topk_ids.shape
     E = weights.num_experts
     x, dout = hidden_states.float(), grad_out.float()  # [T, H]
     dx = torch.zeros_like(x, memory_format=torch.contiguous_format) if needs[0] else None  # [T, H]
-    native = weights.format.fp8 is None
+    native = not weights.format.quantized
     dw13 = weights.w13.new_zeros(weights.w13.shape) if needs[1] and native else None  # [E, 2I, H]
     dw2 = weights.w2.new_zeros(weights.w2.shape) if needs[2] and native else None  # [E, H, I]
     dscale = x.new_zeros(T, K) if needs[3] else None  # [T, K]
+    b13, b2 = weights.w13_bias, weights.w2_bias
+    db13 = x.new_zeros(b13.shape) if needs[4] and b13 is not None else None  # [E, 2I]
+    db2 = x.new_zeros(b2.shape) if needs[5] and b2 is not None else None  # [E, H]
     ids = topk_ids.reshape(-1).long()  # [T * K]
     expert = torch.where((ids >= 0) & (ids < E), ids, E)  # [T * K], E: filtered
     pairs = torch.argsort(expert, stable=True)  # [T * K], grouped by expert, filtered last
@@ -63,17 +73,25 @@ def fused_experts_backward_torch(
             w13, w2 = (w[0] for w in weights.expert(e).dequantized())  # [2I, H], [H, I] float32
         xe = x[tokens]  # [n, H]
         gate_up = xe @ w13.T  # [n, 2I]
+        if b13 is not None:
+            gate_up = gate_up + b13[e].float()
         h = activation_torch(gate_up, activation)  # [n, I]
         de = dout[tokens]  # [n, H]
         if dscale is not None:
-            dscale[tokens, slots] = (de * (h @ w2.T)).sum(dim=1)  # [n]
+            y = h @ w2.T if b2 is None else h @ w2.T + b2[e].float()  # [n, H]
+            dscale[tokens, slots] = (de * y).sum(dim=1)  # [n]
         dy = de * topk_weights[tokens, slots].float()[:, None]  # [n, H]
         if dw2 is not None:
             dw2[e] = dy.T @ h  # [H, I]
+        if db2 is not None:
+            db2[e] = dy.sum(dim=0)  # [H]
         dgate_up = activation_backward_torch(gate_up, dy @ w2, activation)  # [n, 2I]
         if dw13 is not None:
             dw13[e] = dgate_up.T @ xe  # [2I, H]
+        if db13 is not None:
+            db13[e] = dgate_up.sum(dim=0)  # [2I]
         if dx is not None:
             dx.index_add_(0, tokens, dgate_up @ w13)  # [n, H]
     return (None if dx is None else dx.to(hidden_states.dtype), dw13, dw2,
-            None if dscale is None else dscale.to(topk_weights.dtype))
+            None if dscale is None else dscale.to(topk_weights.dtype),
+            None if db13 is None else db13.to(b13.dtype), None if db2 is None else db2.to(b2.dtype))

@@ -192,6 +192,10 @@ class ExpertWeights:
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None  # FP8 static activations: a float32 scalar
+    # added before the activation (gate, then up) and before the routing weight (gpt-oss), any
+    # float dtype, every format
+    w13_bias: torch.Tensor | None = None  # [E, 2I] gated ([gate; up]), [E, I] non-gated
+    w2_bias: torch.Tensor | None = None  # [E, H]
 
     def __post_init__(self):
         if self.format is None:
@@ -219,6 +223,7 @@ class ExpertWeights:
             self._check_native()
         else:
             self._check_fp8()
+        self._check_biases()
 
     def _check_native(self):
         if self.w13.dtype not in FLOAT_DTYPES or self.w2.dtype != self.w13.dtype:
@@ -266,6 +271,21 @@ class ExpertWeights:
             raise ValueError("input_scale was given but the format quantizes activations "
                              "dynamically; use WeightFormat.fp8_tensor(static_input=True)")
 
+    def _check_biases(self):
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        for name, shape in (("w13_bias", (E, self.halves * I)), ("w2_bias", (E, H))):
+            bias = getattr(self, name)
+            if bias is None:
+                continue
+            if not isinstance(bias, torch.Tensor) or bias.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"{name} must be a float tensor ({FLOAT_DTYPES}) of shape "
+                                 f"{shape}, got {_describe(bias)}")
+            self._check_stored(name, bias.dtype, shape, f"experts (E={E}, H={H}, I={I})")
+
+    @property
+    def biased(self) -> bool:
+        return self.w13_bias is not None or self.w2_bias is not None
+
     def _check_stored(self, name: str, dtype: torch.dtype, shape: tuple[int, ...],
                       what: str) -> None:
         """Field `name` is a `dtype` tensor of `shape` on the weights' device."""
@@ -305,7 +325,7 @@ class ExpertWeights:
         """What checks and launch arguments depend on: one signature, the same plans."""
         return (self.gated, self.format,
                 *(tensor_signature(t) for t in (self.w13, self.w2, self.w13_scale, self.w2_scale,
-                                                self.input_scale)))
+                                                self.input_scale, self.w13_bias, self.w2_bias)))
 
     @property
     def w13_scale_up_offset(self) -> int:
@@ -351,7 +371,7 @@ class ExpertWeights:
             (w13, s13), (w2, s2) = (map(torch.cat, zip(*(quantize_mxfp4(w) for w in t.split(1)),
                                                       strict=True))
                                     for t in (self.w13, self.w2))
-            return ExpertWeights(w13, w2, self.gated, fmt, s13, s2)
+            return ExpertWeights(w13, w2, self.gated, fmt, s13, s2, **self._biases())
         if fmt.static_input:
             raise ValueError("a static input scale comes from calibration, not from the weights: "
                              "quantize with WeightFormat.fp8_tensor() and pass input_scale to "
@@ -361,7 +381,10 @@ class ExpertWeights:
                        strict=True)
         w2, s2 = zip(*(_quantize(w.float(), fmt, 1) for w in self.w2.split(1)), strict=True)
         return ExpertWeights(torch.cat(w13), torch.cat(w2), self.gated, fmt, torch.cat(s13),
-                             torch.cat(s2))
+                             torch.cat(s2), **self._biases())
+
+    def _biases(self) -> dict:
+        return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias)
 
     def expert(self, index: int) -> ExpertWeights:
         return self.select_experts(slice(index, index + 1))
@@ -379,7 +402,8 @@ class ExpertWeights:
         elif not isinstance(index, slice):
             raise ValueError("select_experts takes a slice or a 1-D integer tensor, "
                              f"got {type(index).__name__}")
-        tensors = {n: getattr(self, n) for n in ("w13", "w2", "w13_scale", "w2_scale")}
+        tensors = {n: getattr(self, n) for n in ("w13", "w2", "w13_scale", "w2_scale",
+                                                  "w13_bias", "w2_bias")}
         return replace(self, **{n: t[index] for n, t in tensors.items() if t is not None})
 
     def narrow_intermediate(self, start: int, length: int, lead: int = 0) -> ExpertWeights:
@@ -405,7 +429,8 @@ class ExpertWeights:
             lo, hi = first // step, -(-stop // step)
             chunks = getattr(self, name).chunk(parts, dim)
             fields[name] = torch.cat([c.narrow(dim, lo, hi - lo) for c in chunks], dim)  # a copy
-            if lead and name in ("w13", "w2"):  # e4m3 zeroed as bytes: zero bytes are +0.0
+            # e4m3 zeroed as bytes: zero bytes are +0.0
+            if lead and name in ("w13", "w2", "w13_bias"):
                 cut = fields[name]
                 cut = cut.view(torch.uint8) if cut.dtype == FP8_DTYPE else cut
                 for part in cut.chunk(parts, dim):
@@ -427,7 +452,8 @@ class ExpertWeights:
         fields = {}
         for name, (dim, parts, step) in self._intermediate_axes().items():
             # zero weights (zero bytes: +0.0 in e4m3 and e2m1 alike) under scales of 1
-            fill = 0.0 if name in ("w13", "w2") else 127 if self.format.fp4 else 1.0
+            fill = 1.0 if name.endswith("scale") else 0.0
+            fill = 127 if self.format.fp4 and fill else fill
             chunks = getattr(self, name).chunk(parts, dim)
             size = -(-padded // step)
             fields[name] = torch.cat([_pad_end(c, dim, size, fill) for c in chunks], dim)
@@ -436,6 +462,8 @@ class ExpertWeights:
     def _intermediate_axes(self) -> dict[str, tuple[int, int, int]]:
         """Each tensor with an I axis -> (dim, projections stacked on it, I columns per entry)."""
         axes = {"w13": (1, self.halves, 1), "w2": (2, 1, self.format.packing)}
+        if self.w13_bias is not None:
+            axes["w13_bias"] = (1, self.halves, 1)
         if self.format.fp4:  # w13's scales per row, w2's per 32 of I
             axes |= {"w13_scale": (1, self.halves, 1), "w2_scale": (2, 1, MXFP4_GROUP)}
         elif self.format.block is not None:
@@ -448,10 +476,12 @@ class ExpertWeights:
     @classmethod
     def from_checkpoint(cls, w13: torch.Tensor | Sequence[torch.Tensor], w2: torch.Tensor,
                         fmt: WeightFormat, w13_scale=None, w2_scale=None, input_scale=None,
-                        gated: bool = True, interleaved: bool = False) -> ExpertWeights:
+                        gated: bool = True, interleaved: bool = False, w13_bias=None,
+                        w2_bias=None) -> ExpertWeights:
         """Experts as stored: w13 whole or as (gate, up), scales as `checkpoint_scale` takes.
         `interleaved`: w13's rows are [g0, u0, g1, u1, ...] (gpt-oss; transformers'
-        is_concatenated=False), reordered once here into [gate; up], each row's scales with it."""
+        is_concatenated=False), reordered once here into [gate; up], each row's scales and bias
+        with it."""
         if interleaved and (not gated or fmt.fp8 not in (None, Fp8Scaling.CHANNEL)):
             raise ValueError("interleaved=True reorders gated w13 rows [g0, u0, g1, u1, ...] with "
                              "their per-row scales: it takes gated experts, unquantized, MXFP4 or "
@@ -468,8 +498,9 @@ class ExpertWeights:
             w2_scale = fmt.checkpoint_scale(w2_scale, *w2.shape[1:])
             input_scale = fmt.checkpoint_input_scale(input_scale)
         if interleaved:
-            w13, w13_scale = (_gate_rows_first(t) for t in (w13, w13_scale))
-        return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale)  # checks what is wrong
+            w13, w13_scale, w13_bias = (_gate_rows_first(t) for t in (w13, w13_scale, w13_bias))
+        return cls(w13, w2, gated, fmt, w13_scale, w2_scale, input_scale, w13_bias,
+                   w2_bias)  # checks what is wrong
 
 
 def _gate_rows_first(t):

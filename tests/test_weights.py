@@ -475,30 +475,30 @@ def test_bad_mxfp4_weights_name_the_tensor(changes, match):
         mxfp4_experts(**changes)
 
 
-def test_mxfp4_experts_run_on_the_torch_reference_and_refuse_the_triton_kernels():
-    """Until the MXFP4 kernels exist: the layer on backend='torch' computes the dequantized
-    weights' experts; the Triton backend and run_experts refuse before anything runs."""
+def test_mxfp4_layer_runs_on_both_backends_as_the_dequantized_weights_do():
+    """The layer on the Triton kernels (interpreted, float32) and on backend='torch' computes the
+    dequantized weights' experts; auto picks the torch reference on a CPU, as for FP8."""
     from moe_triton import FusedMoE, Placement, RoutingSpec, fused_experts_torch, run_experts
     from moe_triton.routing import route_torch
 
     weights = mxfp4_experts()
-    layer = FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4(),
-                     placement=Placement("torch"))
-    assert layer.gate_up_proj.dtype == torch.uint8 and not layer.gate_up_proj.requires_grad
     auto = FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4())
-    assert auto.backend == "torch" and "MXFP4" in auto.resolution.reason
-    copy_experts_(layer, weights)
-    with torch.no_grad():
-        layer.gate_weight.normal_()
+    assert auto.backend == "torch" and "mxfp4" in auto.resolution.reason
     x = torch.randn(5, 64)
-    ids, topk_weights = route_torch(x @ layer.gate_weight.T, layer.routing)
-    expected = fused_experts_torch(x, *weights.dequantized(), ids, topk_weights)
-    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)  # float32 both ways
-    with pytest.raises(ValueError, match="does not run mxfp4"):
-        FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4(),
-                 placement=Placement("triton"))
-    with pytest.raises(ValueError, match="MXFP4 experts have no Triton kernels yet"):
-        run_experts(x, weights, ids, topk_weights)
+    for placement in ("torch", "triton"):
+        layer = FusedMoE(2, 1, 64, 64, routing=RoutingSpec(1), weight_format=WeightFormat.mxfp4(),
+                         placement=Placement(placement))
+        assert layer.gate_up_proj.dtype == torch.uint8 and not layer.gate_up_proj.requires_grad
+        copy_experts_(layer, weights)
+        with torch.no_grad():
+            layer.gate_weight.copy_(torch.arange(128.0).reshape(2, 64).cos())
+        ids, topk_weights = route_torch(x @ layer.gate_weight.T, layer.routing)
+        expected = fused_experts_torch(x, *weights.dequantized(), ids, topk_weights)
+        # float32 both ways: sums rounded in another order, relative to the largest output
+        atol = 1e-6 * expected.abs().max().item()
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=atol)
+    torch.testing.assert_close(run_experts(x, weights, ids, topk_weights), expected, rtol=1e-5,
+                               atol=atol)
 
 
 def test_mxfp4_pads_and_narrows_on_whole_groups_as_the_dequantized_weights_do():

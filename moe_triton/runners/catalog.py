@@ -25,7 +25,7 @@ _BF16_OR_NVFP4 = frozenset({QuantFormat.NONE, QuantFormat.NVFP4})
 # Ours take (topk_ids, topk_weights) after any dispatch: every all-to-all and outer LoRA fit.
 _OURS = dict(sms=None, flashinfer=False, expert_formats=None, all_to_all=None, lora=True,
              dtypes=_FLOATS, activations=None, intermediate_multiple=1, hidden_multiple=1,
-             fused_router=False, weight_formats=frozenset({None, *Fp8Scaling}))
+             fused_router=False, weight_formats=frozenset({None, *Fp8Scaling}), fp4=True)
 _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloat16,),
                    activations=frozenset({ActivationKind.SILU_AND_MUL, ActivationKind.RELU2}),
                    all_to_all=frozenset({None}))
@@ -34,7 +34,7 @@ SPECS: dict[str, BackendSpec] = {spec.backend: spec for spec in (
     BackendSpec(ExpertBackend.TRITON, on_cpu="interpreter", runner=TritonRunner, fp8_min_sm=89,
                 interpreter_dtypes=INTERPRETER_DOT_DTYPES, **_OURS),
     BackendSpec(ExpertBackend.TORCH, on_cpu="always", runner=TorchRunner, fp8_dtypes=_FLOATS,
-                fp4=True, **_OURS),
+                **_OURS),
     BackendSpec(ExpertBackend.FLASHINFER_TRTLLM, _TRTLLM_SMS, expert_formats=_BF16_OR_NVFP4,
                 intermediate_multiple=128, hidden_multiple=128, fused_router=True,
                 runner=TrtllmRunner, **_FLASHINFER),

@@ -54,13 +54,10 @@ def parse_backend(backend: str) -> str:
 def default_candidates(platform: Platform,
                        layer: LayerTraits | None = None) -> list[tuple[ExpertBackend, str]]:
     """The defaults for this platform and layer, best first, each with why."""
-    if layer is not None and layer.format.fp4:
-        return [(ExpertBackend.TORCH, "MXFP4 experts: the float32 torch reference on the "
-                                      "dequantized weights (no MXFP4 kernels yet)")]
     if platform.device_type == "cuda":
         return [(ExpertBackend.TRITON,
                  "no rule pins another backend: the Triton pipeline on a CUDA GPU")]
-    if layer is not None and layer.format.fp8 is not None:
+    if layer is not None and layer.format.quantized:
         return [(ExpertBackend.TORCH,
                  f"CPU with {layer.format} experts: the float32 torch reference, dequantized")]
     if platform.interpreter:

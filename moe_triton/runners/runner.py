@@ -93,7 +93,7 @@ class TritonRunner(ExpertsRunner):
 
 
 class TorchRunner(ExpertsRunner):
-    """The float32 reference, routing included; FP8 weights dequantized, activations not."""
+    """The float32 reference, routing included; quantized weights dequantized, activations not."""
 
     batch_dependence = ("per-expert torch matmuls round a row by how many rows share its expert "
                         "(BLAS picks kernels by the row count)")
@@ -103,10 +103,11 @@ class TorchRunner(ExpertsRunner):
 
     def experts(self, hidden_states, weights, topk_ids, topk_weights):
         w13, w2 = weights.dequantized()
-        if weights.format.fp8 is not None:  # as on triton: no gradient for e4m3 weights, scales
+        if weights.format.quantized:  # as on triton: no gradient for quantized weights, scales
             w13, w2 = w13.detach(), w2.detach()
         out = fused_experts_torch(hidden_states, w13, w2, topk_ids, topk_weights,
-                                  activation=self.activation)  # [T, H] float32
+                                  activation=self.activation, w13_bias=weights.w13_bias,
+                                  w2_bias=weights.w2_bias)  # [T, H] float32
         return out.to(hidden_states.dtype)
 
 

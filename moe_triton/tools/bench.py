@@ -33,16 +33,19 @@ MIXTRAL_8X7B = LayerShape("Mixtral-8x7B", 8, 2, 4096, 14336)
 DEEPSEEK_V3 = LayerShape("DeepSeek-V3", 256, 8, 7168, 2048)
 E64_K4 = LayerShape("E64-K4", 64, 4, 4096, 1536)
 GRID_SHAPES = {shape.name: shape for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4)}
+# gpt-oss's expert layers (MXFP4 in their checkpoints; biases, clamped swiglu)
+GPT_OSS_120B = LayerShape("gpt-oss-120b", 128, 4, 2880, 2880)
+GPT_OSS_20B = LayerShape("gpt-oss-20b", 32, 4, 2880, 2880)
 
 
-def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: int = 2,
+def layer_bytes(shape: LayerShape, topk_ids: torch.Tensor, dtype_bytes: float = 2,
                 scale_bytes: int = 0) -> int:
     """Fewest bytes moved: each hit expert's weights once (+ `scale_bytes`), bf16 in and out."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size
     ids = topk_ids[(topk_ids >= 0) & (topk_ids < E)]
     experts_hit = int(torch.unique(ids).numel())
     T = topk_ids.shape[0]
-    return experts_hit * (3 * H * I * dtype_bytes + scale_bytes) + 2 * T * H * 2
+    return int(experts_hit * (3 * H * I * dtype_bytes + scale_bytes)) + 2 * T * H * 2
 
 
 def layer_flops(shape: LayerShape, num_tokens: int) -> int:
