@@ -195,6 +195,9 @@ def from_transformers(block: nn.Module, backend: str = "auto",
     if experts_activation(block.experts) != spec.activation:
         raise ValueError(f"{name}: its experts apply {experts_activation(block.experts)} but its "
                          f"config gives {spec.activation}: build the block from its config")
+    if getattr(block.experts, "has_bias", False):
+        raise ValueError(f"{name}: its experts have biases, which FusedMoE does not hold yet; "
+                         "run the transformers model with experts_implementation='moe_triton'")
     w13, w2 = experts_tensors(block.experts)
     present = {"shared_experts": spec.shared_intermediate_size > 0,
                "expert_input_proj": spec.latent_size is not None,

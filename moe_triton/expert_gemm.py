@@ -147,22 +147,71 @@ def _e4m3_nan(tile, axis: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_tile(packed, e8m0, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
-    """e2m1 pairs [BLOCK_N, BLOCK_C / 2] (the even index low) and E8M0 bytes [BLOCK_N, BLOCK_C / 32]
-    -> weights [BLOCK_C, BLOCK_N] in `dtype`, exact (a power of two times e2m1 fits bf16 and fp16
-    at a checkpoint's scales); a scale byte of 255 gives NaN, of 0 (2^-127) gives zeros."""
-    pairs = packed.to(tl.int32)
-    codes = tl.join(pairs & 0xF, pairs >> 4).reshape(BLOCK_N, BLOCK_C)  # [BN, BC]
-    magnitude = codes & 7  # (e1 e0 m): 0, 0.5 (subnormal), then 2^(e - 1) (1 + m / 2)
-    # as float16 bits: the normal codes' exponent rebiased by 14, the two subnormal ones direct
-    bits = tl.where(magnitude < 2, magnitude * 0x3800, (magnitude << 9) + 0x3800)
-    bits = bits | ((codes & 8) << 12)  # the sign
-    values = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)  # [BN, BC]
+def _mxfp4_scale(e8m0):
+    """E8M0 bytes -> float32 2^(s - 127) times the 2^14 that _mxfp4_values leaves out; 255 is
+    NaN (OCP MX), bytes above 240 (2^113) saturate, 0 (2^-127) is exact."""
     exponent = e8m0.to(tl.int32)
-    scale = ((exponent << 23) | ((exponent == 255).to(tl.int32) << 22)).to(tl.float32,
-                                                                           bitcast=True)
-    values = values.reshape(BLOCK_N, BLOCK_C // 32, 32) * scale[:, :, None]
-    return values.reshape(BLOCK_N, BLOCK_C).to(dtype).T
+    scale = ((tl.minimum(exponent, 240) + 14) << 23).to(tl.float32, bitcast=True)
+    return tl.where(exponent == 255, float("nan"), scale)
+
+
+@triton.jit
+def _mxfp4_values(codes, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """e2m1 codes [BLOCK_N, BLOCK_C / 2] (one nibble a byte: every other C) and their groups'
+    scales [BLOCK_N, BLOCK_C / 32] -> weights in `dtype`, exact (a power of two times e2m1 fits
+    bf16 and fp16 at a checkpoint's scales)."""
+    # e2m1 (s, e1 e0, m) as float16 bits (s, 000 e1 e0, m 000000000) is its value times 2^-14,
+    # the two subnormal codes included: an integer shift and an or per value
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    values = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    values = values.reshape(BLOCK_N, BLOCK_C // 32, 16) * scale[:, :, None]  # 16 codes a group
+    return values.reshape(BLOCK_N, BLOCK_C // 2).to(dtype)
+
+
+@triton.jit
+def _mxfp4_dot(packed, e8m0, a_even_t, a_odd_t, acc, IEEE_FP32: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """acc + w @ a^T over one C step, as the even C's (low nibbles) plus the odd C's (high): the
+    contraction split instead of interleaving the nibbles (measured 10% faster at one token)."""
+    pairs = packed.to(tl.int32)  # [BN, BC / 2]
+    scale = _mxfp4_scale(e8m0)
+    dtype = a_even_t.dtype
+    acc = _dot(_mxfp4_values(pairs & 0xF, scale, dtype, BLOCK_N, BLOCK_C), a_even_t, acc,
+               IEEE_FP32)
+    return _dot(_mxfp4_values(pairs >> 4, scale, dtype, BLOCK_N, BLOCK_C), a_odd_t, acc,
+                IEEE_FP32)
+
+
+@triton.jit
+def _mxfp4_step(a, w_desc, w_tile, e8m0_tile, acc, acc_up, w_row, c_first, N, C, n_ok, up_offset,
+                e8m0_up_offset, W_DESC: tl.constexpr, FUSED_GATE: tl.constexpr,
+                IEEE_FP32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """acc^T + w @ a^T for one C step of MXFP4 weights: the expanded tile is the MMA's first
+    operand, which Hopper's wgmma reads from registers (the second it reads only from shared
+    memory); a decode tile's few rows then sit in the MMA's narrow N, not its 64-row M."""
+    offs_pair = tl.arange(0, BLOCK_C // 2)
+    offs_group = tl.arange(0, BLOCK_C // 32)
+    # C is a multiple of 32: a tail is whole pairs and whole groups
+    pair_mask = n_ok[:, None] & (offs_pair < (C - c_first) // 2)[None, :]
+    group_mask = n_ok[:, None] & (offs_group < (C - c_first) // 32)[None, :]
+    a_even, a_odd = tl.split(a.reshape(a.shape[0], BLOCK_C // 2, 2))  # [BM, BC / 2] each
+    a_even_t, a_odd_t = tl.trans(a_even), tl.trans(a_odd)
+    if W_DESC:
+        packed = w_desc.load([w_row, c_first // 2])
+    else:
+        packed = tl.load(w_tile, mask=pair_mask, other=0)
+    e8m0 = tl.load(e8m0_tile, mask=group_mask, other=0)
+    acc = _mxfp4_dot(packed, e8m0, a_even_t, a_odd_t, acc, IEEE_FP32, BLOCK_N, BLOCK_C)
+    if FUSED_GATE:
+        if W_DESC:
+            packed_up = w_desc.load([w_row + N, c_first // 2])
+        else:
+            packed_up = tl.load(w_tile + up_offset, mask=pair_mask, other=0)
+        e8m0_up = tl.load(e8m0_tile + e8m0_up_offset, mask=group_mask, other=0)
+        acc_up = _mxfp4_dot(packed_up, e8m0_up, a_even_t, a_odd_t, acc_up, IEEE_FP32, BLOCK_N,
+                            BLOCK_C)
+    return acc, acc_up
 
 
 @interpreter_serialized
@@ -288,12 +337,10 @@ def _gemm_tile(
     c_start = first_step * BLOCK_C
     a_tile = a_ptr + a_rows[:, None] * stride_a_m + (c_start + offs_c)[None, :] * stride_a_c
     if W_FP4:  # packed pairs [BLOCK_N, BLOCK_C / 2] and their E8M0 bytes [BLOCK_N, BLOCK_C / 32]
-        offs_pair = tl.arange(0, BLOCK_C // 2)
-        offs_group = tl.arange(0, BLOCK_C // 32)
         w_tile = (w_ptr + expert * stride_w_e + offs_n[:, None].to(tl.int64) * stride_w_n
-                  + (c_start // 2 + offs_pair)[None, :] * stride_w_c)
+                  + (c_start // 2 + tl.arange(0, BLOCK_C // 2))[None, :] * stride_w_c)
         e8m0_tile = (w_scale_ptr + expert * stride_ws_e + offs_n[:, None] * stride_ws_n
-                     + (c_start // 32 + offs_group)[None, :] * stride_ws_c)
+                     + (c_start // 32 + tl.arange(0, BLOCK_C // 32))[None, :] * stride_ws_c)
     else:
         w_tile = (w_ptr + expert * stride_w_e + offs_n[None, :].to(tl.int64) * stride_w_n
                   + (c_start + offs_c)[:, None] * stride_w_c)
@@ -303,8 +350,12 @@ def _gemm_tile(
     w_scale_tile = w_scale_ptr + expert * stride_ws_e + (pid_n * BLOCK_N // W_BLOCK_N) * stride_ws_n
     n_ok = offs_n < N
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if W_FP4:  # transposed until the epilogue (_mxfp4_step)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     nan_rows = tl.zeros([BLOCK_M], dtype=tl.int32)  # NAN_BITS: rows of a / columns of w with NaN
     nan_cols = tl.zeros([BLOCK_N], dtype=tl.int32)
     nan_cols_up = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -351,33 +402,21 @@ def _gemm_tile(
             if FUSED_GATE:
                 w_up_scale = tl.load(w_scales + w_scale_up_offset * stride_ws_n, mask=w_mask,
                                      other=0.0)
-        if W_FP4:  # C is a multiple of 32: the tail is whole pairs and whole groups
-            pair_mask = n_ok[:, None] & (offs_pair < (C - c_first) // 2)[None, :]
-            group_mask = n_ok[:, None] & (offs_group < (C - c_first) // 32)[None, :]
-            if W_DESC:
-                packed = w_desc.load([w_row, c_first // 2])
-            else:
-                packed = tl.load(w_tile, mask=pair_mask, other=0)
-            e8m0 = tl.load(e8m0_tile, mask=group_mask, other=0)
-            w = _mxfp4_tile(packed, e8m0, a.dtype, BLOCK_N, BLOCK_C)
-        elif W_DESC:
-            w = w_desc.load([w_row, c_first]).T
+        if W_FP4:
+            acc, acc_up = _mxfp4_step(a, w_desc, w_tile, e8m0_tile, acc, acc_up, w_row, c_first,
+                                      N, C, n_ok, up_offset, w_scale_up_offset * stride_ws_n,
+                                      W_DESC, FUSED_GATE, IEEE_FP32, BLOCK_N, BLOCK_C)
         else:
-            w = tl.load(w_tile, mask=w_mask, other=0.0)
-        acc = _step(a, w, acc, a_scale, w_scale, A_SCALE, W_SCALE, W_SCALAR, IEEE_FP32)
-        if NAN_BITS:
-            nan_rows = nan_rows | _e4m3_nan(a, 1)
-            nan_cols = nan_cols | _e4m3_nan(w, 0)
-        if FUSED_GATE:
-            if W_FP4:
-                if W_DESC:
-                    packed_up = w_desc.load([w_row + N, c_first // 2])
-                else:
-                    packed_up = tl.load(w_tile + up_offset, mask=pair_mask, other=0)
-                e8m0_up = tl.load(e8m0_tile + w_scale_up_offset * stride_ws_n, mask=group_mask,
-                                  other=0)
-                w_up = _mxfp4_tile(packed_up, e8m0_up, a.dtype, BLOCK_N, BLOCK_C)
-            elif W_DESC:
+            if W_DESC:
+                w = w_desc.load([w_row, c_first]).T
+            else:
+                w = tl.load(w_tile, mask=w_mask, other=0.0)
+            acc = _step(a, w, acc, a_scale, w_scale, A_SCALE, W_SCALE, W_SCALAR, IEEE_FP32)
+            if NAN_BITS:
+                nan_rows = nan_rows | _e4m3_nan(a, 1)
+                nan_cols = nan_cols | _e4m3_nan(w, 0)
+        if FUSED_GATE and not W_FP4:
+            if W_DESC:
                 w_up = w_desc.load([w_row + N, c_first]).T
             else:
                 w_up = tl.load(w_tile + up_offset, mask=w_mask, other=0.0)
@@ -392,6 +431,9 @@ def _gemm_tile(
         else:
             w_tile += BLOCK_C * stride_w_c
 
+    if W_FP4:
+        acc = tl.trans(acc)  # [BM, BN]
+        acc_up = tl.trans(acc_up)
     if NAN_BITS:  # the interpreter's dot reads e4m3 NaN as 480: restore a GPU's NaN
         acc = tl.where((nan_rows[:, None] | nan_cols[None, :]) > 0, float("nan"), acc)
         acc_up = tl.where((nan_rows[:, None] | nan_cols_up[None, :]) > 0, float("nan"), acc_up)

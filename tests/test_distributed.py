@@ -243,6 +243,26 @@ def test_fp8_tp_shards_on_triton_sum_to_the_unsharded_fp8_layer():
     assert_close(total, run_experts(x, full, ids, weights).float(), torch.float16, scale=2)
 
 
+@pytest.mark.parametrize("ep,tp", [(1, 2), (2, 2)])
+def test_biased_mxfp4_shards_on_triton_sum_to_the_unsharded_layer(ep, tp):
+    """Shards cut packed weights and scales on whole 32-value groups (I/tp = 32 here); one TP
+    rank adds the second GEMM's bias, which the TP sum would otherwise count tp times."""
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = random_expert_weights(g, 4, 32, 64)
+    full = ExpertWeights(w13, w2, w13_bias=torch.randn(4, 128, generator=g),
+                         w2_bias=torch.randn(4, 32, generator=g)).to_format(WeightFormat.mxfp4())
+    x, ids, weights = torch.randn(7, 32), random_ids(7, 2, 4, seed=1).int(), torch.rand(7, 2)
+    spec = ParallelSpec(ep, tp)
+    total = torch.zeros(7, 32)
+    for rank in range(spec.world_size):
+        local = localize_ids(ids, spec.coords(rank)[0] * (4 // ep), 4 // ep)
+        total += run_experts(x, shard_expert_weights(full, spec, rank),
+                             *compact_slots(local, weights, 4 // ep))
+    assert_close(total, fused_experts_torch(x, *full.dequantized(), ids, weights,
+                                            w13_bias=full.w13_bias, w2_bias=full.w2_bias),
+                 torch.float32, scale=2)
+
+
 @pytest.mark.parametrize("ep,tp", [(1, 2), (2, 1)])
 def test_fused_moe_cuts_fp8_scales_when_it_loads_a_full_state_dict(ep, tp):
     from moe_triton.parallel import ParallelGroups

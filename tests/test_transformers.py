@@ -334,3 +334,91 @@ def test_drop_in_calls_never_sync_the_host():
                 with no_host_sync():
                     out = experts(x, ids, weights)
                 assert torch.equal(out, expected)
+
+
+# ---- gpt-oss: biased experts, interleaved gate/up, transposed storage, clamped swiglu ------------
+
+def tiny_gpt_oss_config():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"],
+                        max_position_embeddings=131072)  # YaRN's 32 x 4096: no warning
+
+
+def test_gpt_oss_experts_drop_in_matches_their_eager_forward_and_gradients():
+    """GptOssExperts (has_bias, is_concatenated=False, is_transposed=True, alpha/limit) through
+    the ExpertsInterface entry, against its own eager forward: outputs, and the gradients of x,
+    the routing weights and every expert parameter, biases included. float32 on the CPU."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from moe_triton.integrations.transformers import moe_triton_experts_forward
+
+    torch.manual_seed(0)
+    experts = GptOssExperts(tiny_gpt_oss_config())
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(9, 64, requires_grad=True)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2).softmax(-1).requires_grad_()
+    grad_out = torch.randn(9, 64)
+    inputs = [x, weights, *experts.parameters()]
+    outs, grads = {}, {}
+    for impl, forward in (("eager", experts.forward),
+                          ("moe_triton", lambda *a: moe_triton_experts_forward(experts, *a))):
+        outs[impl] = forward(x, ids, weights)
+        grads[impl] = torch.autograd.grad(outs[impl], inputs, grad_out)
+    assert_close(outs["moe_triton"], outs["eager"], torch.float32)
+    for mine, theirs in zip(grads["moe_triton"], grads["eager"], strict=True):
+        assert_close(mine, theirs, torch.float32)
+
+
+def test_gpt_oss_model_with_moe_triton_experts_gives_eager_logits(monkeypatch):
+    from transformers import GptOssForCausalLM
+
+    import moe_triton.integrations.transformers as integration
+
+    calls, real = [], integration.run_experts
+    monkeypatch.setattr(integration, "run_experts",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(1)
+    eager = GptOssForCausalLM(tiny_gpt_oss_config()).eval()
+    with torch.no_grad():
+        for name, p in eager.named_parameters():
+            if "experts" in name or "sinks" in name:
+                p.normal_(0, 0.3)
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = eager(ids).logits
+        eager.set_experts_implementation("moe_triton")
+        assert eager.config._experts_implementation == "moe_triton"
+        actual = eager(ids).logits
+    assert len(calls) == 2  # one per layer: the sliding and the full attention one
+    assert_close(actual, expected, torch.float32, scale=10)
+
+
+@pytest.mark.gpu
+def test_gpt_oss_experts_drop_in_on_the_gpu():
+    """bf16 at a realistic width, against the module's own eager forward (bf16 too)."""
+    from helpers import relative_error
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from moe_triton.integrations.transformers import moe_triton_experts_forward
+
+    config = tiny_gpt_oss_config()
+    config.hidden_size, config.intermediate_size, config.num_local_experts = 1024, 1024, 8
+    torch.manual_seed(0)
+    experts = GptOssExperts(config).cuda().bfloat16()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 1024**-0.5)
+    x = torch.randn(64, 1024, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(64)]).cuda()
+    weights = torch.rand(64, 2, device="cuda").softmax(-1).bfloat16()
+    with torch.no_grad():
+        expected = experts(x, ids, weights)
+        actual = moe_triton_experts_forward(experts, x, ids, weights)
+    assert relative_error(actual, expected) < 1e-2

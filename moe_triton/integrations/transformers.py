@@ -11,7 +11,7 @@ from torch import nn
 
 from ..activation import Activation, ActivationKind
 from ..pipeline import run_experts
-from ..weights import ExpertWeights, Fp8Scaling, WeightFormat
+from ..weights import ExpertWeights, Fp8Scaling, WeightFormat, _gate_rows_first
 
 _ACTIVATION_BY_CLASS = {
     "SiLUActivation": ActivationKind.SILU_AND_MUL,
@@ -27,6 +27,9 @@ _ACTIVATION_BY_CLASS = {
 def experts_activation(experts: nn.Module) -> Activation:
     limit, alpha = getattr(experts, "swiglu_limit", None), getattr(experts, "swiglu_alpha", None)
     if limit is not None and alpha is not None:  # MiniMax-M3 (FP8Experts holds None otherwise)
+        return Activation(ActivationKind.CLAMPED_SWIGLU, float(limit), float(alpha))
+    limit, alpha = getattr(experts, "limit", None), getattr(experts, "alpha", None)
+    if limit is not None and alpha is not None:  # gpt-oss: GptOssExperts._apply_gate
         return Activation(ActivationKind.CLAMPED_SWIGLU, float(limit), float(alpha))
     if (getattr(experts, "gate_softcap", None) is not None
             or getattr(experts, "limit", None) is not None):
@@ -44,19 +47,31 @@ def experts_activation(experts: nn.Module) -> Activation:
 
 
 def experts_tensors(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w13, w2) as (E, N, C); transposed storage becomes a strided view, never a copy."""
-    if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
-        raise ValueError(f"{type(experts).__name__} has expert biases or a post-expert norm, "
-                         "which moe_triton does not implement; "
-                         "use experts_implementation='grouped_mm'")
-    if not getattr(experts, "is_concatenated", True):
-        raise ValueError(f"{type(experts).__name__} interleaves gate and up rows; "
-                         "moe_triton needs [gate; up]")
+    """(w13, w2) as (E, N, C); transposed storage becomes a strided view, never a copy.
+    Interleaved gate/up rows (gpt-oss, is_concatenated=False) are copied once into [gate; up]
+    order, contiguous: a differentiable copy of gate_up_proj beside the module's own (the
+    checkpoint loader reorders at load instead, models/)."""
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(f"{type(experts).__name__} has a post-expert norm, which moe_triton "
+                         "does not implement; use experts_implementation='grouped_mm'")
     w13 = experts.gate_up_proj if getattr(experts, "has_gate", True) else experts.up_proj
     w2 = experts.down_proj
     if getattr(experts, "is_transposed", False):
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    if not getattr(experts, "is_concatenated", True):
+        w13 = _gate_rows_first(w13).contiguous()
     return w13, w2
+
+
+def experts_biases(experts: nn.Module) -> dict[str, torch.Tensor | None]:
+    """ExpertWeights' w13_bias / w2_bias from a module with has_bias (none otherwise)."""
+    if not getattr(experts, "has_bias", False):
+        return dict(w13_bias=None, w2_bias=None)
+    prefix = "gate_up_proj" if getattr(experts, "has_gate", True) else "up_proj"
+    w13_bias = getattr(experts, f"{prefix}_bias")
+    if not getattr(experts, "is_concatenated", True):
+        w13_bias = _gate_rows_first(w13_bias)
+    return dict(w13_bias=w13_bias, w2_bias=experts.down_proj_bias)
 
 
 def moe_triton_experts_forward(experts: nn.Module, hidden_states, top_k_index, top_k_weights):
@@ -102,7 +117,8 @@ def _built(experts: nn.Module, build) -> tuple[Activation, ExpertWeights]:
 
 def _native_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:
     activation = experts_activation(experts)
-    return activation, ExpertWeights(*experts_tensors(experts), gated=activation.gated)
+    return activation, ExpertWeights(*experts_tensors(experts), gated=activation.gated,
+                                     **experts_biases(experts))
 
 
 def _fp8_experts(experts: nn.Module) -> tuple[Activation, ExpertWeights]:

@@ -3,6 +3,8 @@ columns [t * I/tp, + I/tp) of gate and of up, before backend padding. A BLOCK sl
 block gets `block_lead` zero columns in front (each local block is a global one; act(0) * 0 = 0)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..activation import SILU_AND_MUL, Activation
@@ -52,7 +54,10 @@ def shard_expert_weights(weights: ExpertWeights, spec: ParallelSpec, rank: int) 
     first = ep_rank * experts_per_rank
     experts = weights.select_experts(slice(first, first + experts_per_rank))
     lead = block_lead(weights.format, I, spec, rank)
-    return experts.narrow_intermediate(tp_rank * cols_per_rank, cols_per_rank, lead)  # I/tp + lead
+    shard = experts.narrow_intermediate(tp_rank * cols_per_rank, cols_per_rank, lead)  # I/tp + lead
+    if shard.w2_bias is not None and tp_rank > 0:  # the TP all-reduce sums ranks: one adds it
+        shard = replace(shard, w2_bias=torch.zeros_like(shard.w2_bias))
+    return shard
 
 
 def localize_ids(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> torch.Tensor:
