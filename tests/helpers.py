@@ -151,15 +151,16 @@ def tiny_qwen3_moe():
     return Qwen3MoeForCausalLM(config)
 
 
-def tiny_cohere2_moe(strategy="average"):
+def tiny_cohere2_moe(strategy="average",
+                     layer_types=("sliding_attention", "sliding_attention", "full_attention",
+                                  "sliding_attention")):
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
 
     config = Cohere2MoeConfig(vocab_size=97, hidden_size=48, intermediate_size=40,
-                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=12, num_experts=8, num_experts_per_tok=2,
-                              num_shared_experts=1, sliding_window=4,
-                              layer_types=["sliding_attention", "sliding_attention",
-                                           "full_attention", "sliding_attention"],
+                              num_hidden_layers=len(layer_types), num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=12, num_experts=8,
+                              num_experts_per_tok=2, num_shared_experts=1, sliding_window=4,
+                              layer_types=list(layer_types),
                               shared_expert_combination_strategy=strategy, logit_scale=0.5)
     return Cohere2MoeForCausalLM(config)
 

@@ -2,6 +2,8 @@
 batch and inside a shuffled batch with other tokens, for run_experts and FusedMoE (its router
 included); outside it the layer is shown not to be, so the check can fail. Under the interpreter
 in float32 / fp16 / FP8, and on the H200 at the Qwen3 grid shape in bf16 and FP8."""
+from functools import partial
+
 import pytest
 import torch
 from helpers import (
@@ -186,11 +188,15 @@ def tiny_model(family: str, path, dtype: torch.dtype, device):
     """A tiny random checkpoint of `family` written to `path`, loaded back in `dtype` on `device`
     (on the Triton experts: the torch backend's per-expert matmuls take as many rows as the batch
     sends, not invariant), set up for a batch of 4 and 24 positions."""
-    from helpers import FAMILIES, randomize_
+    from helpers import FAMILIES, randomize_, tiny_cohere2_moe
 
     from moe_triton.models import load_model
 
     make, seed = FAMILIES[family]
+    if family == "cohere2_moe":
+        # its sliding and full attention in two layers, not four: each layer is an interpreted
+        # Triton MoE call, and a row's bits alone vs batched hold or break layer by layer
+        make = partial(tiny_cohere2_moe, layer_types=("sliding_attention", "full_attention"))
     torch.manual_seed(0)
     randomize_(make().eval(), seed=seed).save_pretrained(path)
     model = load_model(path, dtype=dtype, device=device)
