@@ -17,7 +17,11 @@ from torch import nn
 from moe_triton import checks
 from moe_triton import platform as platforms
 from moe_triton.context import ModelContext
-from moe_triton.integrations.transformers import experts_activation, experts_tensors
+from moe_triton.integrations.transformers import (
+    experts_activation,
+    experts_biases,
+    experts_tensors,
+)
 from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.platform import Platform
@@ -59,6 +63,7 @@ class TransformersBlock:
 
     spec: Callable[..., MoESpec]  # the family's <family>_moe_spec(config)
     router: str = "gate.weight"
+    router_bias: str | None = None  # where spec.router_bias
     correction_bias: str | None = None  # where routing.correction_bias
     shared_experts: str | None = None  # where spec.shared_intermediate_size
     expert_input_proj: str | None = None  # where spec.latent_size
@@ -195,9 +200,10 @@ def from_transformers(block: nn.Module, backend: str = "auto",
     if experts_activation(block.experts) != spec.activation:
         raise ValueError(f"{name}: its experts apply {experts_activation(block.experts)} but its "
                          f"config gives {spec.activation}: build the block from its config")
-    if getattr(block.experts, "has_bias", False):
-        raise ValueError(f"{name}: its experts have biases, which FusedMoE does not hold yet; "
-                         "run the transformers model with experts_implementation='moe_triton'")
+    has_bias = getattr(block.experts, "has_bias", False)
+    if has_bias != spec.expert_bias:
+        raise ValueError(f"{name}: its experts' has_bias={has_bias} but its config gives "
+                         f"expert_bias={spec.expert_bias}")
     w13, w2 = experts_tensors(block.experts)
     present = {"shared_experts": spec.shared_intermediate_size > 0,
                "expert_input_proj": spec.latent_size is not None,
@@ -211,6 +217,11 @@ def from_transformers(block: nn.Module, backend: str = "auto",
     tensors = {"gate_weight": _attribute(block, entry.router), "gate_up_proj": w13, "down_proj": w2}
     if spec.routing.correction_bias:
         tensors["e_score_correction_bias"] = _attribute(block, entry.correction_bias)
+    if spec.router_bias:
+        tensors["gate_bias"] = _attribute(block, entry.router_bias)
+    if spec.expert_bias:  # interleaved rows' biases reordered with them (experts_tensors' copy)
+        biases = experts_biases(block.experts)
+        tensors |= {"gate_up_proj_bias": biases["w13_bias"], "down_proj_bias": biases["w2_bias"]}
     for slot, tensor in tensors.items():
         held = getattr(layer, slot)
         if tensor.shape != held.shape:

@@ -22,7 +22,8 @@ from .runners.spec import LayerTraits
 from .weights import NATIVE, ExpertWeights, WeightFormat
 
 _EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
-                   "down_proj_scale": "w2_scale", "input_scale": "input_scale"}
+                   "down_proj_scale": "w2_scale", "input_scale": "input_scale",
+                   "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
 
 
 class SharedCombination(enum.Enum):
@@ -42,6 +43,8 @@ class MoESpec:
     shared_intermediate_size: int = 0  # the shared experts' I; 0: none
     shared_combination: SharedCombination = SharedCombination.SUM
     latent_size: int | None = None  # NemotronH: the experts' width, between its projections
+    expert_bias: bool = False  # gpt-oss: biases on both expert projections
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
 
     @property
     def top_k(self) -> int:
@@ -50,7 +53,8 @@ class MoESpec:
     def layer_args(self) -> dict:
         return dict(num_experts=self.num_experts, top_k=self.top_k, hidden_size=self.hidden_size,
                     intermediate_size=self.intermediate_size, routing=self.routing,
-                    activation=self.activation, shared_combination=self.shared_combination)
+                    activation=self.activation, shared_combination=self.shared_combination,
+                    expert_bias=self.expert_bias, router_bias=self.router_bias)
 
 
 class FusedMoE(nn.Module):
@@ -59,8 +63,9 @@ class FusedMoE(nn.Module):
     # a Hub MoE block's tensor names -> this layer's, under its prefix (models/checkpoint.py)
     checkpoint_renames: tuple[tuple[str, str], ...] = (
         (r"^gate\.weight$", "gate_weight"),
+        (r"^gate\.bias$", "gate_bias"),
         (r"^gate\.e_score_correction_bias$", "e_score_correction_bias"),
-        (r"^experts\.(gate_up_proj|down_proj)(_scale|_scale_inv)?$", r"\1\2"),
+        (r"^experts\.(gate_up_proj|down_proj)(_scale|_scale_inv|_bias)?$", r"\1\2"),
         (r"^experts\.input_scale$", "input_scale"),
     )
 
@@ -71,7 +76,8 @@ class FusedMoE(nn.Module):
                  expert_input_proj: nn.Module | None = None,
                  expert_output_proj: nn.Module | None = None,
                  weight_format: WeightFormat | None = None, placement: Placement = Placement(),
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 expert_bias: bool = False, router_bias: bool = False):
         super().__init__()
         checks.positive_ints("FusedMoE", num_experts=num_experts, top_k=top_k,
                              hidden_size=hidden_size, intermediate_size=intermediate_size)
@@ -98,8 +104,11 @@ class FusedMoE(nn.Module):
                                                                   weight_format)
         self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype,
                                                     device=device))
+        self.gate_bias = (nn.Parameter(torch.zeros(num_experts, dtype=dtype, device=device))
+                          if router_bias else None)
         experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate,
-                                      activation.gated, weight_format, dtype, device)
+                                      activation.gated, weight_format, dtype, device,
+                                      biased=expert_bias)
         for name, field in _EXPERT_TENSORS.items():
             tensor = getattr(experts, field)
             # packed MXFP4 bytes cannot require gradients
@@ -108,7 +117,8 @@ class FusedMoE(nn.Module):
         bias = (torch.zeros(num_experts, dtype=torch.float32, device=device)
                 if self.routing.correction_bias else None)
         self.register_buffer("e_score_correction_bias", bias)
-        traits = LayerTraits(expert_in, dtype, activation, self.routing, weight_format)
+        traits = LayerTraits(expert_in, dtype, activation, self.routing, weight_format,
+                             expert_bias)
         platform = placement.platform or platforms.detect_platform(self.gate_up_proj.device)
         self.resolution = resolve(placement.backend, platform, placement.resolution_context(),
                                   traits)
@@ -160,7 +170,7 @@ class FusedMoE(nn.Module):
         """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H);
         `topk_ids` (T, K): run these experts instead of the router's top-k."""
         h = self.expert_input_proj(x) if self.expert_input_proj is not None else x
-        logits = router_logits(x, self.gate_weight, self.routing)  # [T, E]
+        logits = router_logits(x, self.gate_weight, self.routing, self.gate_bias)  # [T, E]
         bias = self.e_score_correction_bias
         tape = self.route_tape
         if topk_ids is None and tape is None:

@@ -218,15 +218,20 @@ def _route_kernel(
         tl.store(tape_ids_ptr + tape_offsets, topk_ids, mask=row_ok & k_ok)
 
 
-def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
-                  spec: RoutingSpec) -> torch.Tensor:
-    """hidden_states (T, H) @ gate_weight (E, H).T -> logits (T, E), float32 if the spec says;
-    batch-invariant mode: by `linear.linear`, whose rows never depend on the others."""
+def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec,
+                  gate_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden_states (T, H) @ gate_weight (E, H).T (+ gate_bias (E,), gpt-oss) -> logits (T, E),
+    float32 if the spec says; batch-invariant mode: by `linear.linear`, whose rows never depend on
+    the others."""
     if spec.router_in_float32:
         x, w = hidden_states.float(), gate_weight.float()
+        b = gate_bias.float() if gate_bias is not None else None
     else:
-        x, w = hidden_states.to(gate_weight.dtype), gate_weight
-    return linear(x, w) if batch_invariant_enabled() else torch.nn.functional.linear(x, w)
+        x, w, b = hidden_states.to(gate_weight.dtype), gate_weight, gate_bias
+    if batch_invariant_enabled():
+        logits = linear(x, w)
+        return logits if b is None else logits + b
+    return torch.nn.functional.linear(x, w, b)
 
 
 def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None,

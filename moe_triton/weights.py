@@ -336,7 +336,9 @@ class ExpertWeights:
 
     @classmethod
     def empty(cls, num_experts: int, hidden_size: int, intermediate_size: int, gated: bool,
-              fmt: WeightFormat, dtype: torch.dtype, device=None) -> ExpertWeights:
+              fmt: WeightFormat, dtype: torch.dtype, device=None,
+              biased: bool = False) -> ExpertWeights:
+        """Uninitialised weights (scales of 1; biases, if `biased`, zero in `dtype`)."""
         halves = 2 if gated else 1
         E, H, I, packing = num_experts, hidden_size, intermediate_size, fmt.packing
         storage = dict(dtype=fmt.storage_dtype(dtype), device=device)
@@ -345,10 +347,12 @@ class ExpertWeights:
         # scales of 1: float32 ones, or the E8M0 byte 127
         one = (dict(fill_value=127, dtype=MXFP4_DTYPE) if fmt.fp4
                else dict(fill_value=1.0, dtype=torch.float32))
+        biases = (dict(w13_bias=torch.zeros(E, halves * I, dtype=dtype, device=device),
+                       w2_bias=torch.zeros(E, H, dtype=dtype, device=device)) if biased else {})
         return cls(torch.empty(E, halves * I, H // packing, **storage),
                    torch.empty(E, H, I // packing, **storage), gated, fmt,
                    *(torch.full(shape, device=device, **one) if shape else None
-                     for shape in scales))
+                     for shape in scales), **biases)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in float32, the values the format stores."""

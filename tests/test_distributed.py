@@ -283,6 +283,30 @@ def test_fused_moe_cuts_fp8_scales_when_it_loads_a_full_state_dict(ep, tp):
             assert actual.view(torch.uint8).equal(getattr(expected, field).view(torch.uint8)), field
 
 
+@pytest.mark.parametrize("ep,tp", [(1, 2), (2, 1)])
+def test_fused_moe_cuts_expert_biases_when_it_loads_a_full_state_dict(ep, tp):
+    """gate_up_proj_bias follows its rows (I/tp of gate and of up, E/ep experts); down_proj_bias
+    its experts, and only TP rank 0 keeps it (the TP sum adds each rank's); the router's bias is
+    whole on every rank."""
+    from moe_triton.parallel import ParallelGroups
+
+    spec = ParallelSpec(ep, tp)
+    full = FusedMoE(4, 2, 32, 48, placement=Placement("torch"), expert_bias=True, router_bias=True)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_()
+    for rank in range(2):
+        groups = ParallelGroups(spec, rank, None, None, None)  # loading needs no collective
+        sharded = FusedMoE(4, 2, 32, 48, placement=Placement("torch", parallel=groups),
+                           expert_bias=True, router_bias=True)
+        sharded.load_state_dict(full.state_dict())
+        expected = shard_expert_weights(full.expert_weights(), spec, rank)
+        for field in ("w13", "w2", "w13_bias", "w2_bias"):
+            assert getattr(sharded.expert_weights(), field).equal(getattr(expected, field)), field
+        assert sharded.gate_bias.equal(full.gate_bias)
+        assert sharded.down_proj_bias.any() == (spec.coords(rank)[1] == 0)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(E=6, ep=4), "ep_size"), (dict(I=10, tp=4), "tp_size"), (dict(rows=7), "rows"),
 ], ids=["experts", "intermediate", "w13_rows"])

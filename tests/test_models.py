@@ -5,6 +5,7 @@ race-forcing test that proves the inplace-free contract matters."""
 import copy
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from moe_triton import FusedMoE, Placement, fused_experts
 from moe_triton.graphs import run_branches
 from moe_triton.models import load_model
 from moe_triton.models.causal_lm import FINISHED_CHECK_EVERY
+from moe_triton.models.gpt_oss import gpt_oss_moe_spec
 from moe_triton.tools.bench import QWEN3_30B_A3B, random_experts, random_inputs
 
 
@@ -364,6 +366,31 @@ def test_from_transformers(name, backend):
     x = torch.randn(2, 9, 48)
     with torch.no_grad():
         expected, actual = block(x), layer(x)
+    assert_close(actual, expected, torch.float32, scale=5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_from_transformers_on_gpt_oss_s_biased_interleaved_block(backend):
+    """GptOssMLP: a biased router (top-k on the logits, softmax over the k), biased experts with
+    the clamped swiglu, interleaved gate/up rows in transposed storage (copied once into [gate;
+    up]); the rest shared. It returns (hidden, router scores): the hidden states compare."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = GptOssConfig(hidden_size=48, intermediate_size=64, num_local_experts=8,
+                          num_experts_per_tok=2, max_position_embeddings=131072)
+    block = randomize_all_(GptOssMLP(config).eval(), seed=5)
+    layer = moe_triton.from_transformers(block, backend=backend)
+    assert layer.gate_bias.data_ptr() == block.router.bias.data_ptr()
+    assert layer.down_proj_bias.data_ptr() == block.experts.down_proj_bias.data_ptr()
+    x = torch.randn(2, 9, 48)
+    with torch.no_grad():
+        expected, actual = block(x)[0], layer(x)
+        unbiased = FusedMoE.from_spec(replace(gpt_oss_moe_spec(config), expert_bias=False),
+                                      Placement("torch"))
+        unbiased.load_state_dict({k: v for k, v in layer.state_dict().items()
+                                  if not k.endswith("proj_bias")}, strict=False)
+    assert (unbiased(x) - expected).abs().max() > 0.1 * expected.abs().max()  # biases matter
     assert_close(actual, expected, torch.float32, scale=5)
 
 

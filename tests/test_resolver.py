@@ -127,6 +127,17 @@ def test_layer_traits_also_keep_the_default():
     assert resolution.backend is TRITON and "torch.float16" in resolution.reason
 
 
+def test_biased_experts_keep_to_the_backends_that_add_biases():
+    """gpt-oss's expert biases: a rule pinning FlashInfer for the model falls back to Triton
+    with the reason; asking for FlashInfer outright is refused, naming it."""
+    biased = LayerTraits(128, torch.bfloat16, SILU_AND_MUL, RoutingSpec(2), expert_bias=True)
+    resolution = resolve("auto", PLATFORMS["SM100"], ModelContext(COHERE2[0]), biased)
+    assert resolution.backend is TRITON and "does not add expert biases" in resolution.reason
+    with pytest.raises(ValueError, match="does not add expert biases"):
+        resolve(CUTLASS, PLATFORMS["SM90"], ModelContext(), biased)
+    assert resolve(TORCH, PLATFORMS["CPU"], ModelContext(), biased).backend is TORCH
+
+
 # ---- explicit requests -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("requested,platform_name", [

@@ -25,7 +25,8 @@ _BF16_OR_NVFP4 = frozenset({QuantFormat.NONE, QuantFormat.NVFP4})
 # Ours take (topk_ids, topk_weights) after any dispatch: every all-to-all and outer LoRA fit.
 _OURS = dict(sms=None, flashinfer=False, expert_formats=None, all_to_all=None, lora=True,
              dtypes=_FLOATS, activations=None, intermediate_multiple=1, hidden_multiple=1,
-             fused_router=False, weight_formats=frozenset({None, *Fp8Scaling}), fp4=True)
+             fused_router=False, weight_formats=frozenset({None, *Fp8Scaling}), fp4=True,
+             expert_bias=True)
 _FLASHINFER = dict(on_cpu=None, flashinfer=True, lora=False, dtypes=(torch.bfloat16,),
                    activations=frozenset({ActivationKind.SILU_AND_MUL, ActivationKind.RELU2}),
                    all_to_all=frozenset({None}))
@@ -115,6 +116,8 @@ def _layer_reason(spec: BackendSpec, platform, context, layer: LayerTraits | Non
         return f"weights are {layer.dtype}; it takes {', '.join(map(str, spec.dtypes))}"
     if layer.format.fp8 not in spec.weight_formats or (layer.format.fp4 and not spec.fp4):
         return f"it does not run {layer.format} experts"
+    if layer.expert_bias and not spec.expert_bias:
+        return "it does not add expert biases"
     if layer.format.fp8 is not None:
         if layer.dtype not in spec.fp8_dtypes:
             names = " or ".join(str(dtype).removeprefix("torch.") for dtype in spec.fp8_dtypes)

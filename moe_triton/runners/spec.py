@@ -39,6 +39,7 @@ class LayerTraits:
     activation: Activation
     routing: RoutingSpec
     format: WeightFormat = NATIVE  # how the expert weights are stored
+    expert_bias: bool = False  # biases on the expert projections (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,4 @@ class BackendSpec:
     # dtypes correct under the CPU interpreter (its bf16 tl.dot is wrong); None: all of `dtypes`
     interpreter_dtypes: tuple[torch.dtype, ...] | None = None
     fp4: bool = False  # runs MXFP4 experts (WeightFormat.mxfp4())
+    expert_bias: bool = False  # adds expert biases (ExpertWeights.w13_bias / w2_bias)
