@@ -89,6 +89,7 @@ class Mxfp4Scales:
     w_up_offset: int = 0  # w's scale rows before the up half's (gated: the gate's I rows)
 
     def kernel_args(self, c: int, block_n: int, block_c: int, per_tile: bool = False) -> dict:
+        """Fp8Scales.kernel_args's signature; the tiles do not change where these scales apply."""
         return UNSCALED | dict(W_FP4=True, w_scale_up_offset=self.w_up_offset,
                                stride_ws_e=self.w.stride(0), stride_ws_n=self.w.stride(1),
                                stride_ws_c=self.w.stride(2))
@@ -173,7 +174,8 @@ def _mxfp4_values(codes, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
 def _mxfp4_dot(packed, e8m0, a_even_t, a_odd_t, acc, IEEE_FP32: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """acc + w @ a^T over one C step, as the even C's (low nibbles) plus the odd C's (high): the
-    contraction split instead of interleaving the nibbles (measured 10% faster at one token)."""
+    contraction split instead of interleaving the nibbles (3-10% faster at M <= 4 on the H200,
+    level above: docs/PERFORMANCE.md, "MXFP4 experts")."""
     pairs = packed.to(tl.int32)  # [BN, BC / 2]
     scale = _mxfp4_scale(e8m0)
     dtype = a_even_t.dtype
