@@ -231,3 +231,67 @@ def test_mxfp4_graph_replay_equals_eager():
     torch.cuda.synchronize()
     for i in range(2):
         assert torch.equal(outputs[i], eager[i])
+
+
+# ---- gpt-oss's published MXFP4 layout, read by transformers and by ExpertWeights -----------------
+
+def gpt_oss_mxfp4_checkpoint(path):
+    """A tiny random gpt-oss saved as gpt-oss ships: per layer `mlp.experts.gate_up_proj_blocks`
+    uint8 [E, 2I, H/32, 16] (rows interleaved [g0, u0, ...], [out, in] orientation), `_scales`
+    uint8 [E, 2I, H/32], `_bias` [E, 2I] (interleaved too), `down_proj_blocks` [E, H, I/32, 16],
+    `_scales`, `_bias` [E, H]; everything else bf16, and `quantization_config` naming the modules
+    left unconverted (names and layout: transformers' integrations/mxfp4.py, which reads them)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from moe_triton.weights import quantize_mxfp4
+
+    config = GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                          max_position_embeddings=131072)
+    torch.manual_seed(0)
+    state = {k: v.bfloat16() for k, v in GptOssForCausalLM(config).state_dict().items()}
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = state.pop(name).float().normal_(0, 0.1).transpose(1, 2)  # [E, out, in]
+        packed, scales = quantize_mxfp4(w.contiguous())
+        state[f"{name}_blocks"] = packed.unflatten(-1, (-1, 16)).contiguous()
+        state[f"{name}_scales"] = scales
+    for name in [k for k in state if k.endswith("_bias")]:
+        state[name] = torch.randn_like(state[name].float()).bfloat16()
+    save_file(state, str(path / "model.safetensors"))
+    raw = config.to_dict() | {"architectures": ["GptOssForCausalLM"], "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}}
+    (path / "config.json").write_text(json.dumps(raw))
+    return state
+
+
+def test_gpt_oss_mxfp4_layout_reads_as_transformers_dequantizes_it(tmp_path):
+    """transformers (offline: Mxfp4Config(dequantize=True)) and ExpertWeights.from_checkpoint
+    read the same published tensors into the same float32 weights and biases, bit for bit."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    state = gpt_oss_mxfp4_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        ours = ExpertWeights.from_checkpoint(
+            state[prefix + "gate_up_proj_blocks"].flatten(-2), state[prefix + "down_proj_blocks"]
+            .flatten(-2), MXFP4, state[prefix + "gate_up_proj_scales"],
+            state[prefix + "down_proj_scales"], interleaved=True,
+            w13_bias=state[prefix + "gate_up_proj_bias"], w2_bias=state[prefix + "down_proj_bias"])
+        theirs = model.model.layers[layer].mlp.experts  # GptOssExperts: [E, H, 2I] interleaved
+        w13, w2 = ours.dequantized()
+        gate, up = theirs.gate_up_proj.transpose(1, 2)[:, 0::2], theirs.gate_up_proj.transpose(
+            1, 2)[:, 1::2]
+        assert torch.equal(w13, torch.cat([gate, up], dim=1))
+        assert torch.equal(w2, theirs.down_proj.transpose(1, 2))
+        bias = theirs.gate_up_proj_bias
+        assert torch.equal(ours.w13_bias.float(), torch.cat([bias[:, 0::2], bias[:, 1::2]], 1))
+        assert torch.equal(ours.w2_bias.float(), theirs.down_proj_bias)
