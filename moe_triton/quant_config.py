@@ -16,7 +16,8 @@ class QuantFormat(enum.Enum):
     NONE = "unquantized"
     NVFP4 = "NVFP4"
     FP8 = "FP8"
-    OTHER = "other"  # readable, but a format no backend rule pins (int4, mxfp4, ...)
+    MXFP4 = "MXFP4"  # gpt-oss's experts (quant_method "mxfp4")
+    OTHER = "other"  # readable, but a format no backend rule pins (int4, ...)
     UNREADABLE = "unreadable"
 
 
@@ -40,6 +41,8 @@ EXPERT_MODULE_NAMES = (
     "model.layers.0.block_sparse_moe.experts.0.w1",
     "model.layers.0.block_sparse_moe.experts.0.w2",
     "model.layers.0.block_sparse_moe.experts.0.w3",
+    "model.layers.0.mlp.experts.gate_up_proj",  # fused experts (gpt-oss)
+    "model.layers.0.mlp.experts.down_proj",
 )
 _COMPRESSED_FORMATS = {"nvfp4-pack-quantized": QuantFormat.NVFP4,
                        "float-quantized": QuantFormat.FP8}
@@ -71,6 +74,11 @@ def experts_quantization(quant_config) -> ExpertsQuantization:
                 return ExpertsQuantization(QuantFormat.NONE, None,
                                            "quant_method 'fp8', experts in modules_to_not_convert")
             return ExpertsQuantization(QuantFormat.FP8, method, "quant_method 'fp8'")
+        if method == "mxfp4":
+            if _fp8_excludes_experts(quant_config):
+                return ExpertsQuantization(QuantFormat.NONE, None, "quant_method 'mxfp4', "
+                                           "experts in modules_to_not_convert")
+            return ExpertsQuantization(QuantFormat.MXFP4, method, "quant_method 'mxfp4'")
     except Unreadable as error:
         return ExpertsQuantization(QuantFormat.UNREADABLE, None, f"{method} config: {error}")
     return ExpertsQuantization(QuantFormat.OTHER, method, f"quant_method {method!r}")
@@ -234,9 +242,10 @@ def _fp8_excludes_experts(config: Mapping) -> bool:
 
 @dataclass(frozen=True)
 class CheckpointFormat:
-    """How a checkpoint stores its FP8 weights; every scale multiplies (`weight_scale_inv` too)."""
+    """How a checkpoint stores its quantized weights; every FP8 scale multiplies
+    (`weight_scale_inv` too)."""
 
-    method: str | None = None  # "fp8", "compressed-tensors", "modelopt"; None: unquantized
+    method: str | None = None  # "fp8", "compressed-tensors", "modelopt", "mxfp4"; None: unquantized
     experts: WeightFormat = NATIVE  # the routed experts' format: what FusedMoE holds them in
     weight_scale: str = "weight_scale"  # `<module>.weight`'s scale is `<module>.<weight_scale>`
     linear_blocks: tuple[tuple[int, int], ...] = ()  # (block_n, block_k) of block-scaled linears
@@ -245,8 +254,8 @@ class CheckpointFormat:
         return "unquantized" if self.method is None else f"{self.method}: experts {self.experts}"
 
 
-_FP8_METHODS = ("'fp8' (weight_block_size), 'compressed-tensors' (FP8 config_groups) "
-                "or 'modelopt' (quant_algo FP8)")
+_FP8_METHODS = ("'fp8' (weight_block_size), 'compressed-tensors' (FP8 config_groups), "
+                "'modelopt' (quant_algo FP8) or 'mxfp4' (gpt-oss's experts)")
 
 
 def checkpoint_format(quant_config) -> CheckpointFormat:
@@ -263,6 +272,9 @@ def checkpoint_format(quant_config) -> CheckpointFormat:
             return _compressed_tensors_checkpoint(quant_config)
         if method == "modelopt":
             return _modelopt_checkpoint(quant_config)
+        if method == "mxfp4":  # only the experts: attention, router, embeddings stay bf16
+            experts = NATIVE if _fp8_excludes_experts(quant_config) else WeightFormat.mxfp4()
+            return CheckpointFormat("mxfp4", experts)
     except Unreadable as error:
         raise ValueError(f"quantization_config: {error}") from None
     raise ValueError(f"quantization_config.quant_method={method!r}: expected {_FP8_METHODS}")

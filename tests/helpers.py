@@ -265,10 +265,15 @@ def group(targets, fmt=None, weights=None) -> dict:
     return {"targets": targets, "weights": weights, **({"format": fmt} if fmt else {})}
 
 
+# gpt-oss-20b / -120b's config.json (attention, router, embeddings and head stay bf16)
+GPT_OSS_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
 # name -> (quantization_config, the experts' format); test_quantization reads the format,
 # test_resolver the rules
 QUANT_CONFIGS = {
     "none": (None, QuantFormat.NONE),
+    "gpt-oss-mxfp4": (GPT_OSS_MXFP4, QuantFormat.MXFP4),
     "ct-nvfp4-linear": (compressed({"group_0": group(["Linear"], weights=NVFP4_WEIGHTS)},
                                    format="nvfp4-pack-quantized", ignore=["lm_head"]),
                         QuantFormat.NVFP4),

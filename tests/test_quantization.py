@@ -8,6 +8,7 @@ from helpers import (
     CT_FP8_WEIGHTS,
     CT_SCHEMES,
     DEEPSEEK_FP8,
+    GPT_OSS_MXFP4,
     MINIMAX_M2_FP8,
     MODELOPT_FP8,
     MODELOPT_FP8_FILE,
@@ -67,6 +68,14 @@ def test_checkpoint_format_reads_the_experts_format(config, expected, scale):
     assert fmt.experts == expected and fmt.weight_scale == scale
     assert experts_quantization(config).format is (QuantFormat.FP8 if expected.fp8
                                                    else QuantFormat.NONE)
+
+
+def test_gpt_oss_config_reads_as_mxfp4_experts():
+    assert checkpoint_format(GPT_OSS_MXFP4).experts == WeightFormat.mxfp4()
+    assert experts_quantization(GPT_OSS_MXFP4).format is QuantFormat.MXFP4
+    kept = {**GPT_OSS_MXFP4, "modules_to_not_convert": ["model.layers.*.mlp.experts"]}
+    assert checkpoint_format(kept).experts == NATIVE
+    assert experts_quantization(kept).format is QuantFormat.NONE
 
 
 def test_modules_to_not_convert_can_keep_the_experts_unquantized():
