@@ -3,13 +3,13 @@ layer at large M in bf16 and in FP8 block / per-channel, each stage's rate again
 ceiling, and the same FP8 kernels with the per-step float32 promotion taken out.
 
 The FP8 expert GEMM starts a fresh tensor-core sum every C step and adds it to a float32 accumulator
-(expert_gemm._step: Hopper's FP8 accumulation drifts without it). `--variant unpromoted` replaces
-_step, for this process only, by one that accumulates in the tensor core across the whole C loop
-(tl.dot(a, w, acc)): the time difference is what the promotion costs. It is a timing experiment
-only: it drops every per-step scale, which per-channel weights do not have but the down GEMM's
-input (quantized per row and BLOCK_N group in the up GEMM's epilogue) does, so its output is
-wrong (rel_rms ~140, printed) while its instruction stream is the promoted one's minus the
-promotion. Per-channel only: block scales change every step.
+(_expert_gemm_kernels._step: Hopper's FP8 accumulation drifts without it). `--variant unpromoted`
+replaces _step, for this process only, by one that accumulates in the tensor core across the whole C
+loop (tl.dot(a, w, acc)): the time difference is what the promotion costs. It is a timing experiment
+only: it drops every per-step scale, which per-channel weights do not have but the down GEMM's input
+(quantized per row and BLOCK_N group in the up GEMM's epilogue) does, so its output is wrong
+(rel_rms ~140, printed) while its instruction stream is the promoted one's minus the promotion. Per-
+channel only: block scales change every step.
 
     python benchmarks/fp8_prefill_profile.py --variant promoted --out a.md
     python benchmarks/fp8_prefill_profile.py --variant unpromoted --out b.md
@@ -53,7 +53,7 @@ def main() -> None:
                "fp8-channel": WeightFormat.fp8_channel()}
     if args.variant == "unpromoted":
         # Before the first compile: the kernel resolves _step in its module's globals then.
-        importlib.import_module("moe_triton.expert_gemm")._step = _unpromoted_step
+        importlib.import_module("moe_triton._expert_gemm_kernels")._step = _unpromoted_step
         # block scales change per step: they need a promotion
         formats = {"fp8-channel": formats["fp8-channel"]}
 

@@ -24,10 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ._expert_gemm_kernels import _dot, _e4m3_nan, _step
 from .activation import Activation, _apply_activation, activation_torch
 from .config import DecodeConfig
 from .expand import ExpertLayout, LayoutKind
-from .expert_gemm import _dot, _e4m3_nan, _step, takes_descriptor, weight_descriptor
+from .expert_gemm import takes_descriptor, weight_descriptor
 from .launch import BoundLaunch, interpreter_serialized
 from .platform import gdc_launch_dependents, interpreter_enabled
 from .quantize import quantize_rows
