@@ -73,40 +73,50 @@ def _split_kernel(
 
 @interpreter_serialized
 @triton.jit
-def _combine_kernel(part_out_ptr, part_stats_ptr, out_ptr, stride_o_b, stride_o_h, HQ,
+def _combine_kernel(part_out_ptr, part_stats_ptr, sinks_ptr, out_ptr, stride_o_b, stride_o_h, HQ,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-                    BLOCK_S: tl.constexpr):
+                    BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
     b, head = tl.program_id(0), tl.program_id(1)
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     part = (b * HQ + head) * SPLITS + s  # [BLOCK_S]
     s_ok = s < SPLITS
     m = tl.load(part_stats_ptr + part * 2, mask=s_ok, other=float("-inf"))
     total = tl.load(part_stats_ptr + part * 2 + 1, mask=s_ok, other=0.0)
-    weight = tl.exp(m - tl.max(m, 0))  # [BLOCK_S]; 0 for empty splits
+    top = tl.max(m, 0)
+    read = top > float("-inf")  # no key read: outside the cache, NaN (0 / 0) with a sink too
+    if HAS_SINKS:  # gpt-oss: the head's sink logit joins the softmax's denominator, no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    weight = tl.exp(m - top)  # [BLOCK_S]; 0 for empty splits
     acc = tl.load(part_out_ptr + part[:, None] * D + d[None, :],
                   mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(total * weight, 0)  # [BLOCK_D]
+    denominator = tl.sum(total * weight, 0)
+    if HAS_SINKS:
+        denominator += tl.where(read, tl.exp(sink - top), 0.0)
+    out = tl.sum(acc * weight[:, None], 0) / denominator  # [BLOCK_D]
     tl.store(out_ptr + b * stride_o_b + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty),
              mask=d < D)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, scale: float,
-                     window: int | None = None) -> torch.Tensor:
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, D) at `positions` (B,) over cache rows `slots` (B,) of keys / values (slots + 1,
-    Hkv, S, D): a fresh (B, Hq, D). A `window` W reads (pos - W, pos]; outside the cache: NaN."""
-    _check(q, keys, values, slots, positions)
+    Hkv, S, D): a fresh (B, Hq, D). A `window` W reads (pos - W, pos]; outside the cache: NaN.
+    `sinks` (Hq,): a logit per head in the softmax's denominator only (gpt-oss)."""
+    _check(q, keys, values, slots, positions, sinks)
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale,
-                                                     window or 0)
-    return _compute(q, keys, values, slots, positions, scale, window or 0)
+                                                     window or 0, sinks)
+    return _compute(q, keys, values, slots, positions, scale, window or 0, sinks)
 
 
-def _compute(q, keys, values, slots, positions, scale: float, window: int) -> torch.Tensor:
+def _compute(q, keys, values, slots, positions, scale: float, window: int,
+             sinks: torch.Tensor | None) -> torch.Tensor:
     if not triton_computes_exactly(q.device, q.dtype):
         return decode_attention_torch(q, keys, values, slots, positions, scale,
-                                      window or None).to(q.dtype)
-    return _launch(q, keys, values, slots, positions, scale, window)
+                                      window or None, sinks).to(q.dtype)
+    return _launch(q, keys, values, slots, positions, scale, window, sinks)
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
@@ -118,22 +128,24 @@ def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: to
     return max(1, min(triton.cdiv(programs, batch * kv_heads), triton.cdiv(max_seq, block_n), 64))
 
 
-def _launch(q, keys, values, slots, positions, scale: float, window: int) -> torch.Tensor:
+def _launch(q, keys, values, slots, positions, scale: float, window: int,
+            sinks: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     if q.shape[0] == 0:
         return out
     signature = (tuple(tensor_signature(t) for t in (q, keys, values, slots, positions))
-                 + (scale, window, batch_invariant_enabled()))
+                 + (scale, window, batch_invariant_enabled(), sinks is not None))
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.add(signature, _plan(q, keys, scale, window))
+        plan = _PLANS.add(signature, _plan(q, keys, scale, window, sinks is not None))
     part_out = torch.empty(plan.parts + (q.shape[2],), dtype=torch.float32,
                            device=q.device)  # [B, Hq, splits, D] unnormalised outputs
     part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32,
                              device=q.device)  # [B, Hq, splits, 2] (max, sum) per split
     plan.split(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions,
                part_out_ptr=part_out, part_stats_ptr=part_stats)
-    plan.combine(part_out_ptr=part_out, part_stats_ptr=part_stats, out_ptr=out)
+    plan.combine(part_out_ptr=part_out, part_stats_ptr=part_stats,
+                 sinks_ptr=part_stats if sinks is None else sinks, out_ptr=out)
     return out
 
 
@@ -144,7 +156,7 @@ class _AttentionPlan:
     combine: BoundLaunch
 
 
-def _plan(q, keys, scale: float, window: int) -> _AttentionPlan:
+def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan:
     B, Hq, D = q.shape
     _, Hkv, S, _ = keys.shape
     BLOCK_N = 64 if q.is_cuda else 16
@@ -158,14 +170,14 @@ def _plan(q, keys, scale: float, window: int) -> _AttentionPlan:
         IEEE=q.dtype == torch.float32))
     combine = BoundLaunch(_combine_kernel, (B, Hq), dict(
         stride_o_b=Hq * D, stride_o_h=D, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D),
-        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits)))
+        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks))
     return _AttentionPlan((B, Hq, splits), split, combine)
 
 
 _PLANS = PlanCache()
 
 
-def _check(q, keys, values, slots, positions) -> None:
+def _check(q, keys, values, slots, positions, sinks) -> None:
     if (q.dim() != 3 or keys.dim() != 4 or keys.shape != values.shape
             or keys.stride() != values.stride()):
         raise ValueError(f"q must be (B, Hq, D) and keys / values the same (slots, Hkv, S, D) "
@@ -178,6 +190,11 @@ def _check(q, keys, values, slots, positions) -> None:
         raise ValueError(f"the cache must have q's dtype {q.dtype} and slots / positions shape "
                          f"({B},), got {keys.dtype}, {tuple(slots.shape)}, "
                          f"{tuple(positions.shape)}")
+    if sinks is not None and (sinks.shape != (Hq,) or not sinks.dtype.is_floating_point
+                              or sinks.device != q.device or sinks.stride(0) != 1):
+        raise ValueError(f"sinks must be a float tensor of shape ({Hq},) (one logit per query "
+                         f"head) on {q.device}, got {sinks.dtype} {tuple(sinks.shape)} on "
+                         f"{sinks.device}")
 
 
 def _decode_attention_fake(q, *args):
@@ -187,13 +204,14 @@ def _decode_attention_fake(q, *args):
 @register_op("decode_attention", _decode_attention_fake)
 def _decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          slots: torch.Tensor, positions: torch.Tensor, scale: float,
-                         window: int) -> torch.Tensor:
-    return _compute(q, keys, values, slots, positions, scale, window)
+                         window: int, sinks: torch.Tensor | None) -> torch.Tensor:
+    return _compute(q, keys, values, slots, positions, scale, window, sinks)
 
 
 def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            slots: torch.Tensor, positions: torch.Tensor, scale: float,
-                           window: int | None = None) -> torch.Tensor:
+                           window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     B, Hq, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     in_cache = (slots >= 0) & (slots < keys.shape[0]) & (positions >= 0) & (positions < S)  # [B]
@@ -208,4 +226,10 @@ def decode_attention_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
     # what lies outside the context is never read, not even as 0 * x
     v = v.masked_fill(~allowed[:, None, :, None], 0.0)
-    return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)  # [B, Hq, D]
+    if sinks is None:
+        return torch.einsum("bhs,bhsd->bhd", scores.softmax(-1), v)  # [B, Hq, D]
+    # one more logit per head, no value; none outside the cache (NaN, as without sinks)
+    sink = sinks.float()[None, :, None].expand(B, Hq, 1).masked_fill(~in_cache[:, None, None],
+                                                                     float("-inf"))
+    weights = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :S]
+    return torch.einsum("bhs,bhsd->bhd", weights, v)

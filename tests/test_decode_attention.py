@@ -5,7 +5,7 @@ reading any of it would show."""
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, relative_error
 
 from moe_triton.models.decode_attention import decode_attention, decode_attention_torch
 
@@ -53,6 +53,50 @@ def test_decode_attention(B, Hq, Hkv, D, S, window, dtype):
                  dtype)
 
 
+SINK_CASES = [  # B, Hq, Hkv, D, S, window: gpt-oss's sinks, with its GQA and its sliding window
+    (3, 8, 2, 16, 40, None),
+    (2, 8, 2, 16, 48, 7),
+]
+
+
+def random_sinks(Hq, dtype, device="cpu", seed=1):
+    # around the scores' own scale, so the sink takes a visible share of each softmax
+    return (torch.randn(Hq, generator=torch.Generator().manual_seed(seed)) * 2).to(device, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,window", SINK_CASES)
+def test_decode_attention_with_sinks(B, Hq, Hkv, D, S, window, dtype):
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype)
+    if window:
+        poison_outside_window(keys, values, slots, positions, window)
+    sinks = random_sinks(Hq, dtype)
+    out = decode_attention(q, keys, values, slots, positions, D**-0.5, window, sinks)
+    expected = decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window, sinks)
+    assert_close(out, expected, dtype)
+    without = decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window)
+    assert relative_error(without, expected) > 0.05  # the sinks take a visible share
+
+
+def test_the_sinks_reference_is_transformers_gpt_oss_attention():
+    """transformers' eager gpt-oss attention (its sinks in the softmax, dropped after) on each
+    sequence's context."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    B, Hq, Hkv, D, S = 3, 8, 2, 16, 30
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, torch.float32)
+    sinks = random_sinks(Hq, torch.float32)
+    ref = decode_attention_torch(q, keys, values, slots, positions, 0.3, None, sinks)
+    module = SimpleNamespace(num_key_value_groups=Hq // Hkv, sinks=sinks, training=False)
+    for b in range(B):
+        n = int(positions[b]) + 1
+        k, v = keys[slots[b], :, :n][None], values[slots[b], :, :n][None]  # [1, Hkv, n, D]
+        theirs, _ = eager_attention_forward(module, q[b, None, :, None], k, v, None, 0.3)
+        torch.testing.assert_close(ref[b], theirs[0, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_the_reference_is_sdpa_over_the_context():
     B, Hq, Hkv, D, S = 3, 6, 2, 16, 30
     q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, torch.float32)
@@ -92,6 +136,9 @@ def test_rows_outside_the_cache_read_nothing_and_come_out_nan(dtype, device):
     out = decode_attention(q, keys, values, slots, positions, D**-0.5)
     reference = decode_attention_torch(q, keys, values, slots, positions, D**-0.5)
     assert out[outside].isnan().all() and reference[outside].isnan().all()
+    sinks = random_sinks(Hq, dtype, device)  # a sink is no key: those rows stay NaN
+    assert decode_attention(q, keys, values, slots, positions, D**-0.5, None,
+                            sinks)[outside].isnan().all()
     assert_close(out[valid],
                  decode_attention_torch(q[valid], keys, values, slots[valid], positions[valid],
                                         D**-0.5),
@@ -107,11 +154,15 @@ def test_rows_outside_the_cache_read_nothing_and_come_out_nan(dtype, device):
     (lambda q, k, v, s, p: (q[:, :3], k, v, s, p), "Hq % Hkv"),
     (lambda q, k, v, s, p: (q, k.half(), v.half(), s, p), "dtype"),
     (lambda q, k, v, s, p: (q, k, v, s[:1], p), "slots / positions"),
+    (lambda q, k, v, s, p: (q, k, v, s, p, 0.25, None, torch.zeros(2)), "sinks must be"),
+    (lambda q, k, v, s, p: (q, k, v, s, p, 0.25, None, torch.zeros(4, dtype=torch.int64)),
+     "sinks must be"),
 ])
 def test_bad_input_is_refused_before_launch(bad, match):
     args = make_case(2, 4, 2, 16, 8, torch.float32)
+    args = bad(*args)
     with pytest.raises(ValueError, match=match):
-        decode_attention(*bad(*args), 0.25)
+        decode_attention(*args, *(() if len(args) > 5 else (0.25,)))
 
 
 @pytest.mark.gpu
@@ -119,10 +170,25 @@ def test_bad_input_is_refused_before_launch(bad, match):
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,window",
                          CASES + [(1, 32, 4, 128, 4096, None), (8, 32, 4, 128, 1104, None),
                                   (2, 16, 8, 128, 2048, 512)])
-def test_decode_attention_on_the_gpu(B, Hq, Hkv, D, S, window, dtype):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
+def test_decode_attention_on_the_gpu(B, Hq, Hkv, D, S, window, dtype, with_sinks):
     q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype, "cuda")
     if window:
         poison_outside_window(keys, values, slots, positions, window)
-    out = decode_attention(q, keys, values, slots, positions, D**-0.5, window)
-    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window),
-                 dtype)
+    sinks = random_sinks(Hq, dtype, "cuda") if with_sinks else None
+    out = decode_attention(q, keys, values, slots, positions, D**-0.5, window, sinks)
+    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window,
+                                             sinks), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S,window", [(1, 4096, None), (8, 2048, 128), (64, 1024, 128)])
+def test_decode_attention_at_gpt_oss_shapes(B, S, window):
+    """gpt-oss-120b: 64 query / 8 KV heads of 64, sinks, every other layer a 128-token window."""
+    q, keys, values, slots, positions = make_case(B, 64, 8, 64, S, torch.bfloat16, "cuda")
+    if window:
+        poison_outside_window(keys, values, slots, positions, window)
+    sinks = random_sinks(64, torch.bfloat16, "cuda")
+    out = decode_attention(q, keys, values, slots, positions, 0.125, window, sinks)
+    assert_close(out, decode_attention_torch(q, keys, values, slots, positions, 0.125, window,
+                                             sinks), torch.bfloat16)
