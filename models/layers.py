@@ -212,9 +212,11 @@ class RoutingTape:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKVCache, layer: int,
               batch: Batch, scaling: float, sliding_window: int | None = None,
               rotary: tuple[torch.Tensor, torch.Tensor] | None = None, interleaved: bool = False,
-              qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
+              qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D); the per-head `qk_norm` rides in the
-    rotary kernels (`rotary` None: NoPE); in decode k's path and v's cache write are one kernel."""
+    rotary kernels (`rotary` None: NoPE); in decode k's path and v's cache write are one kernel.
+    `sinks` (Hq,): gpt-oss's logit per head in each softmax's denominator, with no value."""
     keys, values = cache.keys[layer], cache.values[layer]
     q_norm, k_norm = (({"norm_weight": n.weight, "norm_eps": n.eps} for n in qk_norm) if qk_norm
                       else ({}, {}))
@@ -231,15 +233,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
         values[batch.slots, :, :L] = v
         # [L, L], the same for every row
         mask = _causal_mask(batch.positions[0], batch.positions[0], sliding_window)
+        D = q.shape[-1]
+        if sinks is not None:
+            q, k, v, mask = _with_sink_key(q, k, v, mask, scaling, sinks)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                             enable_gqa=True)
+                                             enable_gqa=True)[..., :D]
     else:  # decode: one token per sequence against its cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
         rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved, **k_norm)
         out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling,
-                               sliding_window)  # [B, Hq, D]
+                               sliding_window, sinks)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)
+
+
+def _with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   scaling: float, sinks: torch.Tensor):
+    """Sinks as SDPA's own input: one more key, seen by every query, whose value is zero and whose
+    score is the query head's sink. Each KV head serves G query heads with their own sinks, so q
+    gains G columns, a one-hot of the head's place in its group, and the sink key holds the G
+    sinks / scaling there (zero elsewhere; the other keys zero there). Columns padded to a
+    multiple of 8, as the fused SDPA kernels want; the caller drops them from the output."""
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    width = -(-(D + G) // 8) * 8 - D  # the extra columns
+    one_hot = torch.eye(G, width, dtype=q.dtype, device=q.device).repeat(Hkv, 1)  # [Hq, width]
+    q = torch.cat((q, one_hot[None, :, None].expand(B, Hq, L, width)), dim=-1)
+    sink_key = torch.zeros(Hkv, D + width, dtype=k.dtype, device=k.device)
+    sink_key[:, D:D + G] = (sinks.float() / scaling).view(Hkv, G).to(k.dtype)
+    k = torch.cat((F.pad(k, (0, width)), sink_key[None, :, None].expand(B, Hkv, 1, D + width)),
+                  dim=2)  # [B, Hkv, L + 1, D + width]
+    v = F.pad(v, (0, width, 0, 1))  # the sink's value: zero
+    mask = torch.cat((mask, mask.new_ones(L, 1)), dim=1)  # [L, L + 1]
+    return q, k, v, mask
 
 
 def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
