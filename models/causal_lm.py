@@ -106,6 +106,11 @@ class CausalLM(nn.Module):
                                                    bias=False)
         self.ignore = (r"^lm_head\.weight$",) if tied else ()
 
+    def checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors as published -> as transformers names them in memory (a
+        family whose published layout departs from that, gpt-oss's MXFP4 experts, overrides it)."""
+        return tensors
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.lm_head.weight if self.lm_head is not None
                   else self.model.embed_tokens.weight)

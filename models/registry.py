@@ -165,7 +165,8 @@ def load_model(path: str | Path, *, dtype: torch.dtype | None = None,
     plan = plan_model(path, dtype)
     model = plan.build(Placement(backend, plan.context, parallel), device)
     path, dtype = plan.path, plan.dtype
-    load_into(model, read_safetensors(path), model.renames, model.ignore, plan.checkpoint, dtype)
+    load_into(model, model.checkpoint_tensors(read_safetensors(path)), model.renames, model.ignore,
+              plan.checkpoint, dtype)
     for layer in model.modules():
         if isinstance(layer, FusedMoE):
             layer.prepare_weights()  # pads I / builds FlashInfer weights where the backend needs it

@@ -7,6 +7,7 @@ imports moe_triton, so TRITON_INTERPRET must be settled first: pytest imports co
 sets it) before any test module, and distributed_harness.py sets it itself before importing this.
 """
 import contextlib
+import json
 
 import torch
 
@@ -174,6 +175,57 @@ def tiny_minimax_m2():
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.5})
     return MiniMaxM2ForCausalLM(config)
+
+
+def tiny_gpt_oss(layer_types=("sliding_attention", "full_attention", "sliding_attention")):
+    """gpt-oss with a 4-token window (shorter than the prompts), YaRN as published, 8 experts."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=32,
+                          num_hidden_layers=len(layer_types), num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                          num_experts_per_tok=2, sliding_window=4, layer_types=list(layer_types),
+                          max_position_embeddings=131072)  # YaRN's factor 32 over 4096
+    model = GptOssForCausalLM(config)
+    model.config.architectures = ["GptOssForCausalLM"]  # save_pretrained alone leaves it out
+    return model
+
+
+def gpt_oss_checkpoint(path, mxfp4: bool, seed: int = 1):
+    """A tiny random gpt-oss (tiny_gpt_oss) saved as its checkpoints ship: `mxfp4`, its experts
+    as gpt-oss-20b / -120b publish them, per layer `mlp.experts.gate_up_proj_blocks` uint8
+    [E, 2I, H/32, 16] (rows interleaved [g0, u0, ...], [out, in] orientation), `_scales` uint8
+    [E, 2I, H/32], `_bias` [E, 2I] (interleaved too), `down_proj_blocks` [E, H, I/32, 16],
+    `_scales`, `_bias` [E, H], everything else bf16 and `quantization_config` naming the modules
+    left unconverted (names and layout: transformers' integrations/mxfp4.py, which reads them);
+    else bf16 as transformers' save_pretrained writes GptOssExperts ([E, H, 2I], [E, I, H]).
+    Sinks at scale 1: they take a visible share of every softmax. Returns the saved tensors."""
+    from safetensors.torch import save_file
+
+    from moe_triton.weights import quantize_mxfp4
+
+    torch.manual_seed(0)
+    model = randomize_(tiny_gpt_oss(), seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("sinks"):
+            tensor = torch.randn(tensor.shape, generator=g)
+        state[name] = tensor.bfloat16()
+    if not mxfp4:
+        model.load_state_dict(state)
+        model.save_pretrained(path)
+        return state
+    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = state.pop(name).float().transpose(1, 2)  # [E, out, in]
+        packed, scales = quantize_mxfp4(w.contiguous())
+        state[f"{name}_blocks"] = packed.unflatten(-1, (-1, 16)).contiguous()
+        state[f"{name}_scales"] = scales
+    save_file(state, str(path / "model.safetensors"))
+    raw = model.config.to_dict() | {"quantization_config": GPT_OSS_MXFP4}
+    (path / "config.json").write_text(json.dumps(raw))
+    model.generation_config.save_pretrained(path)
+    return state
 
 
 # family -> (tiny model, weight seed for randomize_); seeds chosen so greedy generation is not a

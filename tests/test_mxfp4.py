@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from helpers import assert_close, poison_, random_ids, relative_error
+from helpers import assert_close, gpt_oss_checkpoint, poison_, random_ids, relative_error
 
 from moe_triton import (
     Activation,
@@ -233,53 +233,17 @@ def test_mxfp4_graph_replay_equals_eager():
         assert torch.equal(outputs[i], eager[i])
 
 
-# ---- gpt-oss's published MXFP4 layout, read by transformers and by ExpertWeights -----------------
-
-def gpt_oss_mxfp4_checkpoint(path):
-    """A tiny random gpt-oss saved as gpt-oss ships: per layer `mlp.experts.gate_up_proj_blocks`
-    uint8 [E, 2I, H/32, 16] (rows interleaved [g0, u0, ...], [out, in] orientation), `_scales`
-    uint8 [E, 2I, H/32], `_bias` [E, 2I] (interleaved too), `down_proj_blocks` [E, H, I/32, 16],
-    `_scales`, `_bias` [E, H]; everything else bf16, and `quantization_config` naming the modules
-    left unconverted (names and layout: transformers' integrations/mxfp4.py, which reads them)."""
-    import json
-
-    from safetensors.torch import save_file
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    from moe_triton.weights import quantize_mxfp4
-
-    config = GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                          sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                          max_position_embeddings=131072)
-    torch.manual_seed(0)
-    state = {k: v.bfloat16() for k, v in GptOssForCausalLM(config).state_dict().items()}
-    for name in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        w = state.pop(name).float().normal_(0, 0.1).transpose(1, 2)  # [E, out, in]
-        packed, scales = quantize_mxfp4(w.contiguous())
-        state[f"{name}_blocks"] = packed.unflatten(-1, (-1, 16)).contiguous()
-        state[f"{name}_scales"] = scales
-    for name in [k for k in state if k.endswith("_bias")]:
-        state[name] = torch.randn_like(state[name].float()).bfloat16()
-    save_file(state, str(path / "model.safetensors"))
-    raw = config.to_dict() | {"architectures": ["GptOssForCausalLM"], "quantization_config": {
-        "quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
-            "lm_head"]}}
-    (path / "config.json").write_text(json.dumps(raw))
-    return state
-
+# ---- gpt-oss's published MXFP4 layout (helpers.gpt_oss_checkpoint), read by both ----------------
 
 def test_gpt_oss_mxfp4_layout_reads_as_transformers_dequantizes_it(tmp_path):
     """transformers (offline: Mxfp4Config(dequantize=True)) and ExpertWeights.from_checkpoint
     read the same published tensors into the same float32 weights and biases, bit for bit."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    state = gpt_oss_mxfp4_checkpoint(tmp_path)
+    state = gpt_oss_checkpoint(tmp_path, mxfp4=True)
     model = AutoModelForCausalLM.from_pretrained(
         tmp_path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32)
-    for layer in range(2):
+    for layer in range(model.config.num_hidden_layers):
         prefix = f"model.layers.{layer}.mlp.experts."
         ours = ExpertWeights.from_checkpoint(
             state[prefix + "gate_up_proj_blocks"].flatten(-2), state[prefix + "down_proj_blocks"]
