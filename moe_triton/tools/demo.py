@@ -151,20 +151,27 @@ def resolution_line(resolution, weight_format=None) -> str:
 
 
 def _reference(path: Path, dtype, device):
-    """transformers on the checkpoint; FP8 dequantized (its FP8 kernel needs the Hub and a GPU)."""
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    """transformers on the checkpoint; FP8 and MXFP4 dequantized (their kernels come from the Hub
+    at run time, which an offline machine cannot reach)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Mxfp4Config
 
     extra = {}
-    if _is_fp8_checkpoint(path):
+    method = _checkpoint_method(path)
+    if method == "fp8":
         extra["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    elif method == "mxfp4":
+        extra["quantization_config"] = Mxfp4Config(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **extra).to(device).eval()
 
 
-def _is_fp8_checkpoint(path: Path) -> bool:
+def _checkpoint_method(path: Path) -> str | None:
     from ..runners import ModelContext
 
-    return (ModelContext.from_config(json_config(path), path)
-            .quantization.checkpoint_format().method == "fp8")
+    return ModelContext.from_config(json_config(path), path).quantization.checkpoint_format().method
+
+
+def _is_fp8_checkpoint(path: Path) -> bool:
+    return _checkpoint_method(path) == "fp8"
 
 
 def check_reference_packages(options: DemoOptions) -> None:
