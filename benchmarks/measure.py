@@ -175,6 +175,71 @@ def decode_step_bytes(config, batch: int, context: int, fp8: bool = False) -> fl
     return L * (hit * expert + attention + router_norms + kv_cache) + head
 
 
+def gpt_oss_config(size: str = "120b"):
+    """gpt-oss-120b's config (36 layers, H = I = 2880, 128 experts top-4, 64 / 8 heads of 64,
+    sliding window 128 on every other layer, YaRN), or gpt-oss-20b's (24 layers, 32 experts)."""
+    from transformers import GptOssConfig
+
+    layers, experts = {"120b": (36, 128), "20b": (24, 32)}[size]
+    config = GptOssConfig(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                          num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8,
+                          head_dim=64, num_local_experts=experts, num_experts_per_tok=4,
+                          sliding_window=128, max_position_embeddings=131072,
+                          tie_word_embeddings=False)
+    config.architectures = ["GptOssForCausalLM"]
+    return config
+
+
+@torch.no_grad()
+def random_mxfp4_(model: torch.nn.Module) -> torch.nn.Module:
+    """random_weights_, then every MXFP4 expert tensor in place: random e2m1 codes, E8M0 scales
+    2^-8 .. 2^-6 (weights of about 0.01-0.05, as trained experts' are)."""
+    random_weights_(model)
+    for name, p in model.named_parameters():
+        if p.dtype == torch.uint8:
+            if name.endswith("_scale"):
+                p.random_(127 - 8, 127 - 5)
+            else:
+                p.random_(0, 256)
+    return model
+
+
+def gpt_oss_decode_step_bytes(config, batch: int, context: int) -> float:
+    """Bytes one gpt-oss decode step must read, MXFP4 experts: per layer q/k/v/o (bf16, biases,
+    sinks), router and norms, the experts the batch hits under uniform routing (packed e2m1, E8M0
+    scales, bf16 biases), the K/V of the context (a sliding layer: its window); the LM head and
+    embedding rows."""
+    H, I, E, K = (config.hidden_size, config.intermediate_size, config.num_local_experts,
+                  config.num_experts_per_tok)
+    D, Hq, Hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+    hit = E * (1 - (1 - K / E) ** batch)
+    expert = 3 * I * H // 2 + 3 * I * H // 32 + (2 * I + H) * 2
+    attention = (2 * H * Hq * D + 2 * H * Hkv * D + Hq * D + 2 * Hkv * D + H + Hq) * 2
+    router_norms = (E * H + E) * 2 + 2 * H * 2
+    total = 0.0
+    for layer_type in config.layer_types:
+        seen = min(context, config.sliding_window) if layer_type == "sliding_attention" else context
+        total += hit * expert + attention + router_norms + 2 * batch * Hkv * seen * D * 2
+    return total + config.vocab_size * H * 2 + batch * H * 2
+
+
+def gpt_oss_prefill_flops(config, tokens: int) -> float:
+    """FLOPs of one prompt's prefill up to its last token's logits: projections, router, the
+    experts each token runs (K of them), causal attention (a sliding layer: its window)."""
+    H, I, K = config.hidden_size, config.intermediate_size, config.num_experts_per_tok
+    D, Hq, Hkv, E = (config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+                     config.num_local_experts)
+    per_token = 2 * (2 * H * Hq * D + 2 * H * Hkv * D + E * H + K * 3 * H * I)
+    total = 0.0
+    for layer_type in config.layer_types:
+        if layer_type == "sliding_attention":
+            pairs = sum(min(t + 1, config.sliding_window) for t in range(tokens))
+        else:
+            pairs = tokens * (tokens + 1) / 2
+        total += tokens * per_token + 4 * pairs * Hq * D  # QK^T and PV
+    return total + 2 * config.vocab_size * H
+
+
 def commit() -> str:
     """The tree's commit: MOE_TRITON_COMMIT where the checkout is a copy (the GPU machine's)."""
     if os.environ.get("MOE_TRITON_COMMIT"):
