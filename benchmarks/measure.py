@@ -175,6 +175,19 @@ def decode_step_bytes(config, batch: int, context: int, fp8: bool = False) -> fl
     return L * (hit * expert + attention + router_norms + kv_cache) + head
 
 
+def kernel_times(fn: Callable[[], object]) -> dict[str, list[float]]:
+    """GPU microseconds of each kernel one call of `fn` runs, by name (60 characters), through
+    torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for event in profile.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            by_name.setdefault(event.name[:60], []).append(event.time_range.elapsed_us())
+    return by_name
+
+
 def gpt_oss_config(size: str = "120b"):
     """gpt-oss-120b's config (36 layers, H = I = 2880, 128 experts top-4, 64 / 8 heads of 64,
     sliding window 128 on every other layer, YaRN), or gpt-oss-20b's (24 layers, 32 experts)."""

@@ -18,7 +18,13 @@ per layer per decode step.
 """
 import pytest
 import torch
-from measure import decode_step_bytes, event_median_seconds, qwen3_30b_a3b_config, random_weights_
+from measure import (
+    decode_step_bytes,
+    event_median_seconds,
+    kernel_times,
+    qwen3_30b_a3b_config,
+    random_weights_,
+)
 
 from moe_triton.models import default_dtype
 
@@ -99,13 +105,7 @@ def test_decode_step_profile(benchmark, model, batch, record):
     layers = model.config.num_hidden_layers
     inputs = decode_setup(model, batch, 1024)
     step_s = event_median_seconds(lambda: model.graphs.run(inputs))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        model.graphs.run(inputs)
-        torch.cuda.synchronize()
-    kernels = [e for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for event in kernels:
-        by_name.setdefault(event.name[:60], []).append(event.time_range.elapsed_us())
+    by_name = kernel_times(lambda: model.graphs.run(inputs))
     busy_us = sum(sum(times) for times in by_name.values())
     table = (f"Where a decode step goes: batch {batch}, context 1k, one replay "
              f"({step_s * 1e6:.0f} us a step)")
