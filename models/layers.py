@@ -231,13 +231,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
         L = q.shape[2]
         keys[batch.slots, :, :L] = k
         values[batch.slots, :, :L] = v
-        # [L, L], the same for every row
-        mask = _causal_mask(batch.positions[0], batch.positions[0], sliding_window)
-        D = q.shape[-1]
-        if sinks is not None:
-            q, k, v, mask = _with_sink_key(q, k, v, mask, scaling, sinks)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                             enable_gqa=True)[..., :D]
+        out = torch.cat([_prefill_chunk(q, k, v, batch.positions[0], start, scaling,
+                                        sliding_window, sinks)
+                         for start in range(0, L, PREFILL_CHUNK)], dim=2)
     else:  # decode: one token per sequence against its cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
         rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved, **k_norm)
@@ -245,6 +241,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
                                sliding_window, sinks)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)
+
+
+# queries per SDPA call in prefill: each chunk reads only the keys it can see (up to its last query;
+# a sliding layer's from its first query's window on), so a long prompt's masked-out work is skipped
+PREFILL_CHUNK = 1024
+
+
+def _prefill_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   start: int, scaling: float, window: int | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
+    """Queries [start, start + PREFILL_CHUNK) of q (B, Hq, L, D) against the keys they can see:
+    (B, Hq, chunk, D)."""
+    end = min(start + PREFILL_CHUNK, q.shape[2])
+    first = max(0, start - window + 1) if window else 0
+    q, k, v = q[:, :, start:end], k[:, :, first:end], v[:, :, first:end]
+    # [chunk, keys], the same for every row
+    mask = _causal_mask(positions[start:end], positions[first:end], window)
+    D = q.shape[-1]
+    if sinks is not None:
+        q, k, v, mask = _with_sink_key(q, k, v, mask, scaling, sinks)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                          enable_gqa=True)[..., :D]
 
 
 def _with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -49,6 +49,21 @@ def test_logits_match_transformers_and_the_sinks_are_seen(checkpoint):
     assert relative_error(ours.prefill(ids), expected) > 0.05
 
 
+def test_a_prefill_in_chunks_equals_transformers(checkpoint, monkeypatch):
+    """Chunks of 2 queries: the sliding layers' chunks start past the prompt's first keys, the
+    full layers' end before its last ones (what a long prompt skips)."""
+    from moe_triton.models import layers
+
+    reference, path, _ = checkpoint
+    monkeypatch.setattr(layers, "PREFILL_CHUNK", 2)
+    ours = load_model(path, dtype=torch.float32, backend="torch")
+    ids = prompt(length=PROMPT_LENGTH)
+    ours.setup(max_batch=2, max_seq=32)
+    with torch.no_grad():
+        expected = reference(ids).logits
+    assert_close(ours.prefill(ids), expected, torch.float32, scale=5)
+
+
 def test_greedy_generation_matches_transformers(checkpoint):
     reference, path, _ = checkpoint
     ours = load_model(path, dtype=torch.float32)
