@@ -81,25 +81,80 @@ def _mxfp4_values(codes, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr,
     return values.reshape(BLOCK_N, BLOCK_C // 2).to(dtype)
 
 
+# W_FP4's expansions: PORTABLE, any dtype and the interpreter; BF16_PAIRS, bf16 on a GPU
+MXFP4_PORTABLE = tl.constexpr(1)
+MXFP4_BF16_PAIRS = tl.constexpr(2)
+
+# One 32-bit register of 4 packed bytes -> the bf16 values of one nibble of each, two a register
+# ($0: bytes 0, 1; $1: bytes 2, 3), times their scales ($3, $4: bf16 pairs). prmt spreads bytes
+# 0, 1 (then 2, 3) into the two 16-bit halves; shifts place each code's magnitude bits at bf16's
+# lowest exponent bit and top mantissa bit (6-8) and its sign at bit 15: the bf16 value is the
+# e2m1 one times 2^-126 (the two subnormal codes too), so one mul.bf16x2 by 2^126 restores it and
+# one by the scale applies the group's: ~2.5 instructions a value against ~8 one at a time.
+_BF16_PAIRS_ASM = """{
+.reg .b32 z, y, t, u, bias;
+mov.b32 z, 0;
+mov.b32 bias, 0x7E807E80;
+prmt.b32 y, $2, z, 0x4140;
+shl.b32 t, y, MAG; and.b32 t, t, 0x01C001C0;
+shl.b32 u, y, SIGN; and.b32 u, u, 0x80008000;
+or.b32 t, t, u; mul.rn.bf16x2 t, t, bias; mul.rn.bf16x2 $0, t, $3;
+prmt.b32 y, $2, z, 0x4342;
+shl.b32 t, y, MAG; and.b32 t, t, 0x01C001C0;
+shl.b32 u, y, SIGN; and.b32 u, u, 0x80008000;
+or.b32 t, t, u; mul.rn.bf16x2 t, t, bias; mul.rn.bf16x2 $1, t, $4;
+}"""
+_LOW_NIBBLES_ASM = tl.constexpr(_BF16_PAIRS_ASM.replace("MAG", "6").replace("SIGN", "12"))
+_HIGH_NIBBLES_ASM = tl.constexpr(_BF16_PAIRS_ASM.replace("MAG", "2").replace("SIGN", "8"))
+
+
+@triton.jit
+def _mxfp4_bf16_pairs(packed, e8m0, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Packed pairs [BLOCK_N, BLOCK_C / 2] and their E8M0 bytes [BLOCK_N, BLOCK_C / 32] -> the
+    bf16 weights of the low nibbles (even C's) and of the high ones (odd C's), the bits
+    _mxfp4_values gives in bf16: 255 NaN, bytes above 240 as 240, 0 as 2^-127 (subnormal)."""
+    exponent = tl.minimum(e8m0.to(tl.int32), 240)
+    bits = tl.where(e8m0 == 255, 0x7FC0, tl.where(exponent == 0, 0x0040, exponent << 7))
+    scale = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s - 127)
+    scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_C // 32, 16))
+    scale = scale.reshape(BLOCK_N, BLOCK_C // 2)  # one a byte: 16 bytes a group
+    even = tl.inline_asm_elementwise(_LOW_NIBBLES_ASM, "=r,=r,r,r,r", [packed, scale],
+                                     dtype=tl.bfloat16, is_pure=True, pack=4)
+    odd = tl.inline_asm_elementwise(_HIGH_NIBBLES_ASM, "=r,=r,r,r,r", [packed, scale],
+                                    dtype=tl.bfloat16, is_pure=True, pack=4)
+    return even, odd
+
+
+@triton.jit
+def _mxfp4_expanded(packed, e8m0, dtype: tl.constexpr, W_FP4: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The weights of the even C's (low nibbles) and of the odd C's (high) in `dtype`."""
+    if W_FP4 == MXFP4_BF16_PAIRS and dtype == tl.bfloat16:
+        even, odd = _mxfp4_bf16_pairs(packed, e8m0, BLOCK_N, BLOCK_C)
+    else:
+        pairs = packed.to(tl.int32)  # [BN, BC / 2]
+        scale = _mxfp4_scale(e8m0)
+        even = _mxfp4_values(pairs & 0xF, scale, dtype, BLOCK_N, BLOCK_C)
+        odd = _mxfp4_values(pairs >> 4, scale, dtype, BLOCK_N, BLOCK_C)
+    return even, odd
+
+
 @triton.jit
 def _mxfp4_dot(packed, e8m0, a_even_t, a_odd_t, acc, IEEE_FP32: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+               W_FP4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """acc + w @ a^T over one C step, as the even C's (low nibbles) plus the odd C's (high): the
     contraction split instead of interleaving the nibbles (3-10% faster at M <= 4 on the H200,
     level above: docs/PERFORMANCE.md, "MXFP4 experts")."""
-    pairs = packed.to(tl.int32)  # [BN, BC / 2]
-    scale = _mxfp4_scale(e8m0)
-    dtype = a_even_t.dtype
-    acc = _dot(_mxfp4_values(pairs & 0xF, scale, dtype, BLOCK_N, BLOCK_C), a_even_t, acc,
-               IEEE_FP32)
-    return _dot(_mxfp4_values(pairs >> 4, scale, dtype, BLOCK_N, BLOCK_C), a_odd_t, acc,
-                IEEE_FP32)
+    even, odd = _mxfp4_expanded(packed, e8m0, a_even_t.dtype, W_FP4, BLOCK_N, BLOCK_C)
+    acc = _dot(even, a_even_t, acc, IEEE_FP32)
+    return _dot(odd, a_odd_t, acc, IEEE_FP32)
 
 
 @triton.jit
 def _mxfp4_step(a, w_desc, w_tile, e8m0_tile, acc, acc_up, w_row, c_first, N, C, n_ok, up_offset,
                 e8m0_up_offset, W_DESC: tl.constexpr, FUSED_GATE: tl.constexpr,
-                IEEE_FP32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                IEEE_FP32: tl.constexpr, W_FP4: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_C: tl.constexpr):
     """acc^T + w @ a^T for one C step of MXFP4 weights: the expanded tile is the MMA's first
     operand, which Hopper's wgmma reads from registers (the second it reads only from shared
     memory); a decode tile's few rows then sit in the MMA's narrow N, not its 64-row M."""
@@ -115,15 +170,15 @@ def _mxfp4_step(a, w_desc, w_tile, e8m0_tile, acc, acc_up, w_row, c_first, N, C,
     else:
         packed = tl.load(w_tile, mask=pair_mask, other=0)
     e8m0 = tl.load(e8m0_tile, mask=group_mask, other=0)
-    acc = _mxfp4_dot(packed, e8m0, a_even_t, a_odd_t, acc, IEEE_FP32, BLOCK_N, BLOCK_C)
+    acc = _mxfp4_dot(packed, e8m0, a_even_t, a_odd_t, acc, IEEE_FP32, W_FP4, BLOCK_N, BLOCK_C)
     if FUSED_GATE:
         if W_DESC:
             packed_up = w_desc.load([w_row + N, c_first // 2])
         else:
             packed_up = tl.load(w_tile + up_offset, mask=pair_mask, other=0)
         e8m0_up = tl.load(e8m0_tile + e8m0_up_offset, mask=group_mask, other=0)
-        acc_up = _mxfp4_dot(packed_up, e8m0_up, a_even_t, a_odd_t, acc_up, IEEE_FP32, BLOCK_N,
-                            BLOCK_C)
+        acc_up = _mxfp4_dot(packed_up, e8m0_up, a_even_t, a_odd_t, acc_up, IEEE_FP32, W_FP4,
+                            BLOCK_N, BLOCK_C)
     return acc, acc_up
 
 
@@ -318,7 +373,7 @@ def _gemm_tile(
         if W_FP4:
             acc, acc_up = _mxfp4_step(a, w_desc, w_tile, e8m0_tile, acc, acc_up, w_row, c_first,
                                       N, C, n_ok, up_offset, w_scale_up_offset * stride_ws_n,
-                                      W_DESC, FUSED_GATE, IEEE_FP32, BLOCK_N, BLOCK_C)
+                                      W_DESC, FUSED_GATE, IEEE_FP32, W_FP4, BLOCK_N, BLOCK_C)
         else:
             if W_DESC:
                 w = w_desc.load([w_row, c_first]).T

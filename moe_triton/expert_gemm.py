@@ -28,7 +28,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._expert_gemm_kernels import _expert_gemm_kernel
+from ._expert_gemm_kernels import MXFP4_BF16_PAIRS, MXFP4_PORTABLE, _expert_gemm_kernel
 from .activation import Activation
 from .config import GemmConfig
 from .expand import ExpertLayout, LayoutKind
@@ -88,8 +88,10 @@ class Mxfp4Scales:
     w_up_offset: int = 0  # w's scale rows before the up half's (gated: the gate's I rows)
 
     def kernel_args(self, c: int, block_n: int, block_c: int, per_tile: bool = False) -> dict:
-        """Fp8Scales.kernel_args's signature; the tiles do not change where these scales apply."""
-        return UNSCALED | dict(W_FP4=True, w_scale_up_offset=self.w_up_offset,
+        """Fp8Scales.kernel_args's signature; the tiles do not change where these scales apply.
+        Compiled, bf16 weights expand two a register (inline PTX the interpreter cannot run)."""
+        expansion = MXFP4_PORTABLE if interpreter_enabled() else MXFP4_BF16_PAIRS
+        return UNSCALED | dict(W_FP4=expansion.value, w_scale_up_offset=self.w_up_offset,
                                stride_ws_e=self.w.stride(0), stride_ws_n=self.w.stride(1),
                                stride_ws_c=self.w.stride(2))
 

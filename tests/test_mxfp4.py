@@ -210,6 +210,50 @@ def test_mxfp4_experts_on_the_gpu(shape, biased, T):
 
 
 @pytest.mark.gpu
+def test_the_bf16_pair_expansion_gives_the_portable_one_s_bits():
+    """The inline-PTX expansion (two bf16 values a register) against the portable one, compiled,
+    on every byte (both nibbles, both signs, the subnormal codes) under scales 2^-127 (0), small,
+    1 (127), large, saturating (241, 254) and NaN (255): the same bf16 bits, NaN for NaN."""
+    import triton
+    import triton.language as tl
+
+    from moe_triton._expert_gemm_kernels import (
+        MXFP4_BF16_PAIRS,
+        MXFP4_PORTABLE,
+        _mxfp4_expanded,
+    )
+
+    @triton.jit
+    def expand_both(packed_ptr, e8m0_ptr, out_ptr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+        n, p = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_C // 2)
+        g = tl.arange(0, BLOCK_C // 32)
+        packed = tl.load(packed_ptr + n[:, None] * (BLOCK_C // 2) + p[None, :])
+        e8m0 = tl.load(e8m0_ptr + n[:, None] * (BLOCK_C // 32) + g[None, :])
+        tile = n[:, None] * (BLOCK_C // 2) + p[None, :]
+        size = BLOCK_N * BLOCK_C // 2
+        even, odd = _mxfp4_expanded(packed, e8m0, tl.bfloat16, MXFP4_PORTABLE, BLOCK_N, BLOCK_C)
+        tl.store(out_ptr + tile, even.to(tl.int16, bitcast=True))
+        tl.store(out_ptr + size + tile, odd.to(tl.int16, bitcast=True))
+        even, odd = _mxfp4_expanded(packed, e8m0, tl.bfloat16, MXFP4_BF16_PAIRS, BLOCK_N,
+                                    BLOCK_C)
+        tl.store(out_ptr + 2 * size + tile, even.to(tl.int16, bitcast=True))
+        tl.store(out_ptr + 3 * size + tile, odd.to(tl.int16, bitcast=True))
+
+    N, C = 64, 64
+    packed = torch.arange(N * C // 2, device="cuda").remainder(256).to(torch.uint8)
+    packed = packed.view(N, C // 2)  # every byte, 8 times
+    exponents = torch.tensor([0, 1, 100, 127, 200, 240, 241, 254, 255], device="cuda")
+    e8m0 = exponents[torch.arange(N * C // 32, device="cuda") % len(exponents)]
+    e8m0 = e8m0.to(torch.uint8).view(N, C // 32)
+    out = torch.empty(4, N, C // 2, dtype=torch.int16, device="cuda")
+    expand_both[(1,)](packed, e8m0, out, BLOCK_N=N, BLOCK_C=C)
+    portable, paired = out[:2].view(torch.bfloat16), out[2:].view(torch.bfloat16)
+    nan = portable.isnan()
+    assert nan.any() and torch.equal(paired.isnan(), nan)
+    assert torch.equal(out[:2][~nan], out[2:][~nan])
+
+
+@pytest.mark.gpu
 def test_mxfp4_graph_replay_equals_eager():
     from moe_triton.graphs import capture_graph
 
