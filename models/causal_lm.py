@@ -107,8 +107,9 @@ class CausalLM(nn.Module):
         self.ignore = (r"^lm_head\.weight$",) if tied else ()
 
     def checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors as published -> as transformers names them in memory (a
-        family whose published layout departs from that, gpt-oss's MXFP4 experts, overrides it)."""
+        """The checkpoint's tensors as published -> as load_into reads them (transformers' names,
+        fused experts in [gate; up] rows); a family that publishes another layout overrides it
+        (gpt-oss: MXFP4 blocks, interleaved rows)."""
         return tensors
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
