@@ -1,7 +1,8 @@
-"""Decode (M <= 16) designs in one GPU run: the two GEMMs chained by PDL (the second prefetching
-its weights into L2) or not, and the one-kernel decode path; each grid shape, bf16 and FP8
-block-128, CUDA-graph replays over rotated inputs (weights from HBM), as fractions of the byte
-floor. Then a per-kernel breakdown (torch.profiler over graph replays) at Qwen3 M=1.
+"""Decode (M <= 16) designs in one GPU run: the two GEMMs chained by PDL or not, and the
+one-kernel decode path (the L2 prefetch this probe once also compared was removed); each grid
+shape, bf16 and FP8 block-128, CUDA-graph replays over rotated inputs (weights from HBM), as
+fractions of the byte floor. Then a per-kernel breakdown (torch.profiler over graph replays) at
+Qwen3 M=1.
 
     python benchmarks/decode_probe.py --out decode.md      # on the GPU machine
 """
@@ -12,7 +13,6 @@ from dataclasses import replace
 
 import torch
 
-import moe_triton.expert_gemm as expert_gemm
 import moe_triton.pipeline as pipeline
 from moe_triton import (
     ExpertWeights,
@@ -35,24 +35,21 @@ from moe_triton.tools.bench import (
 
 TOKENS = (1, 2, 4, 8, 16)
 VARIANTS = 4
-_PREFETCH_LINES = expert_gemm._prefetch_lines
 
 
 def variants(config, decode, fp8: bool) -> dict:
-    """name -> (config, prefetch): choose_config's two GEMMs (at decode the second a PDL dependent
-    prefetching its weights), without PDL, PDL without the prefetch; the decode kernel's slice
-    widths (FP8: x quantized by the quantize stage, measured faster than in the kernel)."""
-    out = {"two-GEMM": (config, True),
-           "two-GEMM no PDL": (replace(config, down=replace(config.down, dependent=False)), True),
-           "two-GEMM PDL, no prefetch": (config, False)}
+    """name -> config: choose_config's two GEMMs (at decode the second a PDL dependent), without
+    PDL; the decode kernel's slice widths (FP8: x quantized by the quantize stage, measured
+    faster than in the kernel)."""
+    out = {"two-GEMM": config,
+           "two-GEMM no PDL": replace(config, down=replace(config.down, dependent=False))}
     for block_n in (64, 128):
         kernel = replace(decode.decode, block_n=block_n, quantize_input=not fp8)
-        out[f"decode BN{block_n}"] = (replace(decode, decode=kernel), True)
+        out[f"decode BN{block_n}"] = replace(decode, decode=kernel)
     return out
 
 
-def timed(shape, weights, inputs, config, prefetch, replays):
-    expert_gemm._prefetch_lines = _PREFETCH_LINES if prefetch else (lambda w, config: 0)
+def timed(shape, weights, inputs, config, replays):
     pipeline._PLANS = type(pipeline._PLANS)()  # a fresh cache per variant
 
     def step(i):
@@ -63,7 +60,6 @@ def timed(shape, weights, inputs, config, prefetch, replays):
 
 
 def kernel_breakdown(shape, weights, inputs, config) -> list[str]:
-    expert_gemm._prefetch_lines = _PREFETCH_LINES
     pipeline._PLANS = type(pipeline._PLANS)()
 
     def step(i):
@@ -110,8 +106,8 @@ def main() -> None:
                     chosen, decode = choose_config(*sizes), decode_config(*sizes)
                     floor = floor_seconds(layer_bytes(shape, inputs.topk_ids[0], 1 if fp8 else 2),
                                           layer_flops(shape, num_tokens), ceilings, fp8)
-                    for variant, (config, prefetch) in variants(chosen, decode, fp8).items():
-                        seconds = timed(shape, weights, inputs, config, prefetch, args.replays)
+                    for variant, config in variants(chosen, decode, fp8).items():
+                        seconds = timed(shape, weights, inputs, config, args.replays)
                         row = dict(shape=name, format=fmt, M=num_tokens, variant=variant,
                                    config=config.describe(), us=round(seconds * 1e6, 1),
                                    floor_us=round(floor * 1e6, 1))
