@@ -177,11 +177,12 @@ def tiny_minimax_m2():
     return MiniMaxM2ForCausalLM(config)
 
 
-def tiny_gpt_oss(layer_types=("sliding_attention", "full_attention", "sliding_attention")):
+def tiny_gpt_oss(layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                 intermediate_size=32):
     """gpt-oss with a 4-token window (shorter than the prompts), YaRN as published, 8 experts."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    config = GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=32,
+    config = GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=intermediate_size,
                           num_hidden_layers=len(layer_types), num_attention_heads=4,
                           num_key_value_heads=2, head_dim=16, num_local_experts=8,
                           num_experts_per_tok=2, sliding_window=4, layer_types=list(layer_types),
@@ -191,7 +192,7 @@ def tiny_gpt_oss(layer_types=("sliding_attention", "full_attention", "sliding_at
     return model
 
 
-def gpt_oss_checkpoint(path, mxfp4: bool, seed: int = 1):
+def gpt_oss_checkpoint(path, mxfp4: bool, seed: int = 1, intermediate_size: int = 32):
     """A tiny random gpt-oss (tiny_gpt_oss) saved as its checkpoints ship: `mxfp4`, its experts
     as gpt-oss-20b / -120b publish them, per layer `mlp.experts.gate_up_proj_blocks` uint8
     [E, 2I, H/32, 16] (rows interleaved [g0, u0, ...], [out, in] orientation), `_scales` uint8
@@ -205,7 +206,7 @@ def gpt_oss_checkpoint(path, mxfp4: bool, seed: int = 1):
     from moe_triton.weights import quantize_mxfp4
 
     torch.manual_seed(0)
-    model = randomize_(tiny_gpt_oss(), seed=seed)
+    model = randomize_(tiny_gpt_oss(intermediate_size=intermediate_size), seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     state = {}
     for name, tensor in model.state_dict().items():

@@ -468,6 +468,27 @@ def test_sharded_fp8_model_matches_the_whole_checkpoint(pools, qwen3_fp8_checkpo
                       backend="torch"))
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4_checkpoint(tmp_path_factory):
+    from helpers import gpt_oss_checkpoint
+
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    gpt_oss_checkpoint(path, mxfp4=True, intermediate_size=64)  # tp 2: a 32-group per rank
+    return str(path)
+
+
+@pytest.mark.parametrize("spec", [ParallelSpec(ep_size=2), ParallelSpec(tp_size=2)],
+                         ids=lambda s: f"ep{s.ep_size}xtp{s.tp_size}")
+def test_sharded_gpt_oss_model_matches_the_whole_checkpoint(pools, gpt_oss_mxfp4_checkpoint,
+                                                            spec):
+    """load_model(parallel=...) of gpt-oss's published MXFP4 checkpoint: each rank cuts its
+    experts' packed weights, scales and biases (TP: on whole 32-value groups, the second bias on
+    one rank), and the router's bias stays whole."""
+    tokens = (7, 4) if spec.all_to_all else (6,)
+    pools(2).run(Case(spec, tokens, module="model", checkpoint=gpt_oss_mxfp4_checkpoint,
+                      backend="torch"))
+
+
 def test_fused_moe_rejects_a_scattered_output():
     from moe_triton.parallel import ParallelGroups
 

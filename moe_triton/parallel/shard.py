@@ -85,7 +85,9 @@ def shard_state(state: dict[str, torch.Tensor], names: dict[str, str], local: Ex
     if "w13" not in present or "w2" not in present:
         return
     w13, w2 = present["w13"], present["w2"]
-    if w13.dim() != 3 or w2.dim() != 3 or (w13.shape[0], w2.shape[2]) != tuple(sizes):
+    # w2's last dim holds I values at the format's packing (MXFP4: two a byte)
+    if (w13.dim() != 3 or w2.dim() != 3
+            or (w13.shape[0], w2.shape[2] * local.format.packing) != tuple(sizes)):
         return
     try:
         full = ExpertWeights(gated=local.gated, format=local.format, **present)
