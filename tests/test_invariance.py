@@ -181,17 +181,23 @@ def test_grid_size_rows_do_not_depend_on_the_batch_on_the_gpu(fmt):
 
 # ---- the models: attention, norms, rotary and the head too --------------------------------------
 
-INVARIANT_FAMILIES = ["qwen3_moe", "cohere2_moe", "minimax_m2"]  # -sum: average's code but a sum
+# -sum: average's code but a sum; gpt_oss: its published MXFP4 checkpoint (sinks, windows)
+INVARIANT_FAMILIES = ["qwen3_moe", "cohere2_moe", "minimax_m2", "gpt_oss"]
 
 
 def tiny_model(family: str, path, dtype: torch.dtype, device):
     """A tiny random checkpoint of `family` written to `path`, loaded back in `dtype` on `device`
     (on the Triton experts: the torch backend's per-expert matmuls take as many rows as the batch
     sends, not invariant), set up for a batch of 4 and 24 positions."""
-    from helpers import FAMILIES, randomize_, tiny_cohere2_moe
+    from helpers import FAMILIES, gpt_oss_checkpoint, randomize_, tiny_cohere2_moe
 
     from moe_triton.models import load_model
 
+    if family == "gpt_oss":
+        gpt_oss_checkpoint(path, mxfp4=True)
+        model = load_model(path, dtype=dtype, device=device, backend="triton")
+        model.setup(max_batch=4, max_seq=24)
+        return model
     make, seed = FAMILIES[family]
     if family == "cohere2_moe":
         # its sliding and full attention in two layers, not four: each layer is an interpreted
