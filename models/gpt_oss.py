@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moe_triton.activation import Activation, ActivationKind
-from moe_triton.layer import FusedMoE, MoESpec
+from moe_triton.layer import EXPERT_TENSORS, FusedMoE, MoESpec
 from moe_triton.placement import Placement
 from moe_triton.routing import RoutingSpec
 from moe_triton.weights import MXFP4_GROUP, NATIVE, ExpertWeights, WeightFormat
@@ -91,11 +91,11 @@ def gpt_oss_experts(tensors: dict[str, torch.Tensor], config) -> dict[str, torch
                              f"gives {kind} of shape {expected[0]}")
         layers.setdefault(match["prefix"], {})[match["proj"] + match["kind"]] = tensor
     for prefix, parts in layers.items():
-        out.update(_fused_layer(prefix, parts, E))
+        out.update(_fused_layer(prefix, parts))
     return out
 
 
-def _fused_layer(prefix: str, parts: dict[str, torch.Tensor], E: int) -> dict[str, torch.Tensor]:
+def _fused_layer(prefix: str, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     mxfp4 = any(name.endswith(("_blocks", "_scales")) for name in parts)
     weights = ("gate_up_proj_blocks", "down_proj_blocks") if mxfp4 else ("gate_up_proj",
                                                                          "down_proj")
@@ -115,11 +115,9 @@ def _fused_layer(prefix: str, parts: dict[str, torch.Tensor], E: int) -> dict[st
     experts = ExpertWeights.from_checkpoint(w13, w2, fmt, interleaved=True,
                                             w13_bias=parts["gate_up_proj_bias"],
                                             w2_bias=parts["down_proj_bias"], **scales)
-    fused = {"gate_up_proj": experts.w13, "down_proj": experts.w2,
-             "gate_up_proj_bias": experts.w13_bias, "down_proj_bias": experts.w2_bias}
-    if mxfp4:
-        fused |= {"gate_up_proj_scale": experts.w13_scale, "down_proj_scale": experts.w2_scale}
-    return {f"{prefix}.{name}": tensor.contiguous() for name, tensor in fused.items()}
+    fused = {name: getattr(experts, field) for name, field in EXPERT_TENSORS.items()}
+    return {f"{prefix}.{name}": tensor.contiguous() for name, tensor in fused.items()
+            if tensor is not None}
 
 
 def check_layer_types(config) -> None:

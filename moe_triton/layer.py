@@ -21,9 +21,10 @@ from .runners.runner import ExpertsRunner
 from .runners.spec import LayerTraits
 from .weights import NATIVE, ExpertWeights, WeightFormat
 
-_EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
-                   "down_proj_scale": "w2_scale", "input_scale": "input_scale",
-                   "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
+# FusedMoE parameter (its checkpoint name under the layer) -> ExpertWeights field
+EXPERT_TENSORS = {"gate_up_proj": "w13", "down_proj": "w2", "gate_up_proj_scale": "w13_scale",
+                  "down_proj_scale": "w2_scale", "input_scale": "input_scale",
+                  "gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}
 
 
 class SharedCombination(enum.Enum):
@@ -109,7 +110,7 @@ class FusedMoE(nn.Module):
         experts = ExpertWeights.empty(local_experts, expert_in, local_intermediate,
                                       activation.gated, weight_format, dtype, device,
                                       biased=expert_bias)
-        for name, field in _EXPERT_TENSORS.items():
+        for name, field in EXPERT_TENSORS.items():
             tensor = getattr(experts, field)
             # packed MXFP4 bytes cannot require gradients
             self.register_parameter(name, nn.Parameter(tensor, tensor.is_floating_point())
@@ -143,11 +144,11 @@ class FusedMoE(nn.Module):
         prepared = self._prepared
         if prepared is not None:
             if all(self._parameters[name] is getattr(prepared, field)
-                   for name, field in _EXPERT_TENSORS.items()):
+                   for name, field in EXPERT_TENSORS.items()):
                 return prepared
             self.prepare_weights()
             return self._prepared
-        tensors = {field: getattr(self, name) for name, field in _EXPERT_TENSORS.items()}
+        tensors = {field: getattr(self, name) for name, field in EXPERT_TENSORS.items()}
         return ExpertWeights(gated=self.activation.gated, format=self.weight_format, **tensors)
 
     @torch.no_grad()
@@ -155,14 +156,14 @@ class FusedMoE(nn.Module):
         """After loading: the runner's weights (padded, or its own view); idempotent."""
         self._prepared = None
         prepared = self.runner.prepare(self.expert_weights())
-        for name, field in _EXPERT_TENSORS.items():  # padded: the layer now holds the copies
+        for name, field in EXPERT_TENSORS.items():  # padded: the layer now holds the copies
             if getattr(prepared, field) is not getattr(self, name):
                 setattr(self, name, nn.Parameter(getattr(prepared, field), requires_grad=False))
         self._prepared = self.expert_weights()
 
     def take_shard(self, state_dict: dict, prefix: str = "", *hook_args) -> None:
         """A load_state_dict hook: full-size expert tensors -> this rank's shard, in place."""
-        names = {field: prefix + name for name, field in _EXPERT_TENSORS.items()}
+        names = {field: prefix + name for name, field in EXPERT_TENSORS.items()}
         self.placement.cut_shard(state_dict, names, self.expert_weights(),
                                  (len(self.gate_weight), self.intermediate_size))
 
