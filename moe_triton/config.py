@@ -51,21 +51,23 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """The decode kernel's tiles (decode.py): a program is block_m rows x one slice of block_n
-    intermediate columns, stepping block_c along H in the first GEMM and block_h output columns
-    at a time in the second."""
+    """The decode kernel's tiles (decode.py): `programs` persistent programs; up's units are
+    block_n intermediate columns of a row block over all of H, stepping block_c; down's are
+    block_h output columns over all of I, stepping block_i."""
 
     block_m: int = 16
-    block_n: int = 64  # I / block_n slices: float32 partials per pair that finalize sums
+    block_n: int = 64  # w13 rows a tile (the MMA's M)
     block_c: int = 128
-    block_h: int = 128
+    block_h: int = 64  # w2 rows a tile
+    block_i: int = 128  # down's contraction step
+    programs: int = 1  # the grid: at most one program per SM (a cooperative launch on a GPU)
     num_warps: int = 4
     num_stages: int = 4
     tma_weights: bool = True
-    quantize_input: bool = True  # FP8: each program quantizes its x tiles, else a pass before
 
     def __post_init__(self):
-        _check_tile_fields(self, ("block_m", "block_n", "block_c", "block_h"), ("num_stages",))
+        _check_tile_fields(self, ("block_m", "block_n", "block_c", "block_h", "block_i"),
+                           ("num_stages", "programs"))
 
     def launch_options(self) -> dict:
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
@@ -110,7 +112,8 @@ class MoEConfig:
         if self.decode is not None:
             d = self.decode
             return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"
-                    f"{d.block_h}/s{d.num_stages}/w{d.num_warps}{'/tma' if d.tma_weights else ''}")
+                    f"{d.block_h}x{d.block_i}/P{d.programs}/s{d.num_stages}/w{d.num_warps}"
+                    f"{'/tma' if d.tma_weights else ''}")
         return f"{self.layout.value} BM{self.block_m} up {gemm(self.up)} down {gemm(self.down)}"
 
 
@@ -246,27 +249,24 @@ def _whole_groups(config: GemmConfig) -> GemmConfig:
 def decode_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: int,
                   intermediate_size: int, device: torch.device,
                   dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
-    """choose_config's, with both GEMMs in the decode kernel (decode.py): opt-in, as it measured
-    no faster than the two GEMMs on the H200 (docs/PERFORMANCE.md, issue 28)."""
+    """choose_config's, with the whole layer in the persistent decode kernel (decode.py): opt-in,
+    as it measured slower than the two GEMMs on the H200 (docs/PERFORMANCE.md, issue 28)."""
     config = choose_config(num_tokens, top_k, num_experts, hidden_size, intermediate_size,
                            device, dtype)
-    element_size = dtype.itemsize
     block_m = config.block_m
-    width = min(FP8_GROUP, 2 * FP8_GROUP // element_size)  # FP8's block; half for float32
-    if device.type != "cuda":  # the interpreter: small tiles
-        return replace(config, decode=DecodeConfig(block_m, 32, 32, 32))
+    if device.type != "cuda":  # the interpreter: small tiles, a few programs
+        return replace(config, decode=DecodeConfig(block_m, 16, 32, 16, 32, programs=3))
     num_sms, shared_memory = device_limits(device)
-    # 128-byte rows of w2's slice (64 bf16 columns); 128 columns where that still gives most
-    # SMs a program (the H200's best widths in the sweep)
-    blocks = _expected_blocks(num_tokens, top_k, num_experts, block_m, config.layout)
-    block_n = 128 if blocks * -(-intermediate_size // 128) >= 0.7 * num_sms else 64
-    decode = DecodeConfig(block_m, block_n, block_c=width, block_h=width)
-    return replace(config, decode=_fit_decode(decode, element_size, shared_memory))
+    # 128-wide steps: one FP8 block; bf16's down steps twice that (fewer, longer copies)
+    decode = DecodeConfig(block_m, block_n=64, block_c=128, block_h=64,
+                          block_i=128 if dtype.itemsize == 1 else 256, programs=num_sms)
+    return replace(config, decode=_fit_decode(decode, dtype.itemsize, shared_memory))
 
 
 def _fit_decode(config: DecodeConfig, element_size: int, shared_memory: int) -> DecodeConfig:
-    def stage_bytes(c: DecodeConfig) -> int:  # both loops' tiles, as if live at once
-        return ((c.block_m + 2 * c.block_n) * c.block_c + c.block_h * c.block_n) * element_size
+    def stage_bytes(c: DecodeConfig) -> int:  # the larger phase's tiles (their buffers alias)
+        up = (2 * c.block_n + 16) * c.block_c  # gate, up and x's 16 token rows
+        return max(up, (c.block_h + c.block_m) * c.block_i) * element_size
 
     while (config.num_stages > 2
            and config.num_stages * stage_bytes(config) > shared_memory * SHARED_MEMORY_USE):

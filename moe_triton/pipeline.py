@@ -9,8 +9,8 @@ import torch
 from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, INVARIANT_TOKENS, MoEConfig, choose_config
-from .decode import DecodePlan, plan_decode_experts
-from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, per_pair_layout, plan_expand
+from .decode import DecodePlan, plan_decode_layer
+from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, plan_expand
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, Mxfp4Scales, plan_expert_gemm
 from .finalize import FinalizePlan, plan_finalize
 from .invariance import batch_invariant_enabled
@@ -168,10 +168,6 @@ def plan_experts(hidden_states, weights: ExpertWeights, topk_ids, topk_weights, 
     config = config or default_config(T, K, weights, hidden_states.device)
     if weights.format.fp8 is not None:
         _check_fp8_config(config, hidden_states.device)
-    if config.decode is not None and (weights.format.fp4 or weights.biased):
-        raise ValueError("config.decode (the opt-in decode kernel) runs unbiased bf16/fp16 and "
-                         "FP8 experts; for MXFP4 or biased experts pass a config without decode "
-                         "(choose_config's)")
     return LayerPlan.build(hidden_states, weights, topk_ids, topk_weights, activation, config, out)
 
 
@@ -197,8 +193,8 @@ class LayerPlan:
     quantize: QuantizePlan | None  # FP8 only: hidden_states -> e4m3 [T, H] + scales
     up: ExpertGemmPlan | None  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
     down: ExpertGemmPlan | None  # w2 -> [R, H], or [S, R, H] float32 split-C partials
-    decode: DecodePlan | None  # instead of quantize, up and down: [S, P, H] partials by pair
-    finalize: FinalizePlan  # weighted un-permute -> a fresh [T, H] (or `out`)
+    decode: DecodePlan | None  # instead of quantize, up, down and finalize: one launch
+    finalize: FinalizePlan | None  # weighted un-permute -> a fresh [T, H] (or `out`)
 
     def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
                  out=None) -> torch.Tensor:
@@ -207,8 +203,7 @@ class LayerPlan:
             return torch.empty(0, H, dtype=dtype, device=device) if out is None else out
         layout = self.expand(topk_ids)
         if self.decode is not None:
-            return self._through_decode_kernel(hidden_states, weights, layout, topk_ids,
-                                               topk_weights, out)
+            return self.decode(hidden_states, weights, layout, topk_weights, out)  # [T, H]
         x, x_scales = hidden_states, None
         if self.quantize is not None:
             x, x_scales = self.quantize(hidden_states, weights.input_scale)  # [T, H] e4m3, [T, G]
@@ -218,14 +213,6 @@ class LayerPlan:
         y, _ = self.down(h, weights.w2, layout, h_scales, weights.w2_scale,
                          bias=weights.w2_bias)  # [R, H] or [S, R, H]
         return self.finalize(y, topk_weights, layout, out)  # [T, H]
-
-    def _through_decode_kernel(self, hidden_states, weights, layout, topk_ids, topk_weights, out):
-        x, x_scales = hidden_states, None
-        if self.quantize is not None:  # FP8, x quantized apart
-            x, x_scales = self.quantize(hidden_states)  # [T, H] e4m3, [T, H / 128]
-        y = self.decode(x, weights, layout, x_scales)  # [S, P, H]
-        by_pair = per_pair_layout(topk_ids, layout.num_experts, block_m=1)  # y's rows
-        return self.finalize(y, topk_weights, by_pair, out)  # [T, H]
 
     @classmethod
     def build(cls, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
@@ -238,9 +225,9 @@ class LayerPlan:
         sorted_layout = config.layout is LayoutKind.SORTED
         expand = plan_expand(T, K, E, block_m) if sorted_layout else PerPairPlan(E, block_m)
         if config.decode is not None:
-            quantize, decode, finalize = _plan_decode_kernel(hidden_states, weights, topk_weights,
-                                                             layout, activation, config, out)
-            return cls(T, H, expand, quantize, None, None, decode, finalize)
+            decode = plan_decode_layer(hidden_states, weights, layout, topk_weights,
+                                       config.decode, activation, out)
+            return cls(T, H, expand, None, None, None, decode, None)
         fp8 = weights.format.fp8 is not None
         x, quantize, up_scales, down_scales = hidden_states, None, None, None
         if fp8:
@@ -263,23 +250,6 @@ class LayerPlan:
         y, _ = down.outputs("meta")
         finalize = plan_finalize(y, topk_weights, layout, dtype, out, dependent=pdl)
         return cls(T, H, expand, quantize, up, down, None, finalize)
-
-
-def _plan_decode_kernel(hidden_states, weights: ExpertWeights, topk_weights, layout,
-                        activation: Activation, config: MoEConfig, out):
-    """(quantize or None, decode, finalize): the decode kernel's stages; finalize its PDL
-    dependent where the GPU allows."""
-    T, K = topk_weights.shape
-    pdl = dependent_launch(hidden_states.device)
-    x, quantize = hidden_states, None
-    if weights.format.fp8 is not None and not config.decode.quantize_input:
-        quantize = plan_quantize(hidden_states, weights.format.block[1])
-        x, _ = quantize.outputs("meta")  # [T, H] e4m3
-    decode = plan_decode_experts(x, weights, layout, config.decode, activation, pdl=pdl)
-    y = torch.empty(decode.out_shape, dtype=torch.float32, device="meta")  # [S, P, H]
-    by_pair = layout_like(LayoutKind.PER_PAIR, T, K, weights.num_experts, block_m=1)
-    finalize = plan_finalize(y, topk_weights, by_pair, hidden_states.dtype, out, dependent=pdl)
-    return quantize, decode, finalize
 
 
 def _plan_quantize(hidden_states,
