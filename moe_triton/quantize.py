@@ -45,14 +45,6 @@ def fp8_scale(amax):
     return tl.maximum(amax, 1e-12, propagate_nan=tl.PropagateNan.ALL) / 448.0
 
 
-@triton.jit
-def quantize_rows(x):
-    """A float32 tile -> (e4m3 tile, float32 scale per row): each row one group, this module's
-    rule, for kernels that quantize a group they hold (decode.py, expert_gemm.py)."""
-    scale = fp8_scale(nan_max(tl.abs(x), 1))  # [rows]
-    return quantize_tile(x, scale[:, None]), scale
-
-
 MIN_PROGRAMS = 1024  # the fewest programs plan_quantize stacks rows down to
 
 
