@@ -1,8 +1,8 @@
-"""Decode (M <= 16) designs in one GPU run: the two GEMMs chained by PDL or not, and the
-one-kernel decode path (the L2 prefetch this probe once also compared was removed); each grid
-shape, bf16 and FP8 block-128, CUDA-graph replays over rotated inputs (weights from HBM), as
-fractions of the byte floor. Then a per-kernel breakdown (torch.profiler over graph replays) at
-Qwen3 M=1.
+"""Decode (M <= 16) designs in one GPU run: the two GEMMs (chained by PDL) and the persistent
+one-launch decode kernel with decode_config's tiles and a few others; each grid shape, bf16 and
+FP8 block-128, CUDA-graph replays over rotated inputs (weights from HBM), as fractions of the
+byte floor, each variant's relative difference from the two GEMMs' output. Then a per-kernel
+breakdown (torch.profiler over graph replays) at Qwen3 M=1.
 
     python benchmarks/decode_probe.py --out decode.md      # on the GPU machine
 """
@@ -37,26 +37,27 @@ TOKENS = (1, 2, 4, 8, 16)
 VARIANTS = 4
 
 
-def variants(config, decode, fp8: bool) -> dict:
-    """name -> config: choose_config's two GEMMs (at decode the second a PDL dependent), without
-    PDL; the decode kernel's slice widths (FP8: x quantized by the quantize stage, measured
-    faster than in the kernel)."""
-    out = {"two-GEMM": config,
-           "two-GEMM no PDL": replace(config, down=replace(config.down, dependent=False))}
-    for block_n in (64, 128):
-        kernel = replace(decode.decode, block_n=block_n, quantize_input=not fp8)
-        out[f"decode BN{block_n}"] = replace(decode, decode=kernel)
+def variants(config, decode) -> dict:
+    """name -> config: choose_config's two GEMMs; decode_config's kernel, then its tiles varied."""
+    d = decode.decode
+    out = {"two-GEMM": config, "decode": decode}
+    for name, change in (("stages 3", dict(num_stages=3)),
+                         ("block_n 128 w8", dict(block_n=128, num_warps=8, num_stages=3)),
+                         ("block_h 128 w8", dict(block_h=128, num_warps=8, num_stages=3))):
+        out[f"decode {name}"] = replace(decode, decode=replace(d, **change))
     return out
 
 
 def timed(shape, weights, inputs, config, replays):
+    """(seconds a call, the first input's output)"""
     pipeline._PLANS = type(pipeline._PLANS)()  # a fresh cache per variant
 
     def step(i):
         return run_experts(inputs.hidden_states[i], weights, inputs.topk_ids[i],
                            inputs.topk_weights[i], config=config)
 
-    return time_graph_replays(capture_graph(step, VARIANTS), VARIANTS, replays=replays)
+    first = step(0).float()
+    return time_graph_replays(capture_graph(step, VARIANTS), VARIANTS, replays=replays), first
 
 
 def kernel_breakdown(shape, weights, inputs, config) -> list[str]:
@@ -83,12 +84,14 @@ def main() -> None:
     parser.add_argument("--out", default="decode_probe.md")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--shapes", default=",".join(GRID_SHAPES))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--variants", default="", help="comma-separated names (default: all)")
     args = parser.parse_args()
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     lines = [f"B = {ceilings.bandwidth / 1e12:.2f} TB/s", "",
-             "| shape | format | M | variant | config | us | floor us | of floor |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| shape | format | M | variant | config | us | floor us | of floor | vs two-GEMM "
+             "| difference |", "|---|---|---|---|---|---|---|---|---|---|"]
     breakdown = []
     with torch.no_grad():
         for name in args.shapes.split(","):
@@ -96,7 +99,7 @@ def main() -> None:
             native = ExpertWeights(*random_experts(shape, torch.bfloat16, "cuda"))
             formats = {"bf16": native,
                        "fp8-block": native.to_format(WeightFormat.fp8_block(128, 128))}
-            for num_tokens in TOKENS:
+            for num_tokens in map(int, args.tokens.split(",")):
                 inputs = random_inputs(shape, num_tokens, torch.bfloat16, "cuda", VARIANTS)
                 for fmt, weights in formats.items():
                     fp8 = fmt != "bf16"
@@ -106,18 +109,30 @@ def main() -> None:
                     chosen, decode = choose_config(*sizes), decode_config(*sizes)
                     floor = floor_seconds(layer_bytes(shape, inputs.topk_ids[0], 1 if fp8 else 2),
                                           layer_flops(shape, num_tokens), ceilings, fp8)
-                    for variant, config in variants(chosen, decode, fp8).items():
-                        seconds = timed(shape, weights, inputs, config, args.replays)
+                    base = None
+                    for variant, config in variants(chosen, decode).items():
+                        if args.variants and variant not in args.variants.split(","):
+                            continue
+                        try:
+                            seconds, first = timed(shape, weights, inputs, config, args.replays)
+                        except Exception as error:  # a variant that does not compile: say so
+                            print(f"{name} M={num_tokens} {fmt} {variant}: {error!r}"[:300])
+                            lines.append(f"| {name} | {fmt} | {num_tokens} | {variant} | "
+                                         f"{config.describe()} | failed |  |  |  |  |")
+                            continue
+                        base = (seconds, first) if base is None else base
+                        difference = ((first - base[1]).norm() / base[1].norm()).item()
                         row = dict(shape=name, format=fmt, M=num_tokens, variant=variant,
                                    config=config.describe(), us=round(seconds * 1e6, 1),
-                                   floor_us=round(floor * 1e6, 1))
+                                   floor_us=round(floor * 1e6, 1), difference=difference)
                         print(json.dumps(row), flush=True)
                         lines.append(f"| {name} | {fmt} | {num_tokens} | {variant} | "
                                      f"{row['config']} | {row['us']} | {row['floor_us']} | "
-                                     f"{floor / seconds:.2f} |")
+                                     f"{floor / seconds:.2f} | {seconds / base[0]:.3f} | "
+                                     f"{difference:.1e} |")
                     if name == "Qwen3-30B-A3B" and num_tokens == 1:
-                        for variant in ("two-GEMM", "two-GEMM no PDL", "decode BN64"):
-                            config = variants(chosen, decode, fp8)[variant][0]
+                        for variant in ("two-GEMM", "decode"):
+                            config = variants(chosen, decode)[variant]
                             breakdown += [f"### {fmt} M=1 {variant}: {config.describe()}", "",
                                           "```", *kernel_breakdown(shape, weights, inputs,
                                                                    config), "```", ""]
