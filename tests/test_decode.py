@@ -1,7 +1,8 @@
 """decode: the persistent one-launch expert layer for a few tokens, against float32 references
 (`decode_layer_torch`, `fused_experts_torch`): on the CPU interpreter in its two-launch form at
 small sizes (T = 0, filtered ids, K > E, every activation, FP8 blocks); on the GPU at grid sizes
-in bf16 and FP8, and a race test of its grid barrier and last-arrival sums."""
+in bf16 and FP8, a race test of its grid barrier and last-arrival sums, and one of the default
+two-GEMM path's PDL chain."""
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from moe_triton import (
     LayoutKind,
     MoEConfig,
     WeightFormat,
+    choose_config,
     fused_experts_torch,
     run_experts,
 )
@@ -227,3 +229,58 @@ def test_the_barrier_and_the_last_arrivals_never_read_early(T, fp8):
         torch.cuda.synchronize()
         outputs += [out.clone() for out in captured]
     assert all(torch.equal(out, expected) for out in outputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["two-GEMM", "two-GEMM FP8"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_dependent_kernels_never_read_early(T, path):
+    """The race test of the default decode path: the second GEMM (bf16 and FP8) and finalize
+    launch as PDL dependents of the kernel before them and must wait for its output. Each call
+    runs the planned stages on intermediates NaN-filled by kernels launched before the chain (one
+    between two of its kernels would break their dependency), so a kernel that read its input
+    early returns NaN or a value off the first call's (calls are bit-identical: no atomics): 200
+    eager calls, 10 replays of a graph of 50."""
+    from moe_triton.graphs import capture_graph
+    from moe_triton.pipeline import plan_experts
+    from moe_triton.tools.bench import GRID_SHAPES, random_experts, random_inputs
+
+    shape = GRID_SHAPES["Qwen3-30B-A3B"]
+    weights = ExpertWeights(*random_experts(shape, torch.bfloat16, "cuda"))
+    if path.endswith("FP8"):
+        weights = weights.to_format(WeightFormat.fp8_block(128, 128))
+    inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
+    x, ids, topk_weights = inputs.hidden_states[0], inputs.topk_ids[0], inputs.topk_weights[0]
+    config = choose_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
+                           shape.intermediate_size, torch.device("cuda"), weights.w13.dtype)
+    plan = plan_experts(x, weights, ids, topk_weights, activation=Activation(), config=config,
+                        out=None)
+    assert plan.down.launch.fixed["DEPENDENT"]
+
+    def nan(shape, dtype=torch.float32):  # e4m3fn's NaN too
+        return torch.full(shape, float("nan"), device="cuda").to(dtype)
+
+    def call():
+        layout = plan.expand(ids)
+        out = nan((T, shape.hidden_size), torch.bfloat16)
+        a, a_scales = x, None
+        if plan.quantize is not None:
+            q = (nan(plan.quantize.shape, torch.float8_e4m3fn),
+                 nan((T, plan.quantize.num_groups)))
+            a, a_scales = plan.quantize(x, out=q)
+        h = nan(plan.up.out_shape, plan.up.out_dtype)
+        y = nan(plan.down.out_shape, plan.down.out_dtype)
+        h, h_scales = plan.up(a, weights.w13, layout, a_scales, weights.w13_scale, out=h)
+        plan.down(h, weights.w2, layout, h_scales, weights.w2_scale, out=y)
+        return plan.finalize(y, topk_weights, layout, out)
+
+    first = run_experts(x, weights, ids, topk_weights, config=config)
+    assert not first.isnan().any()
+    outputs = [call() for _ in range(200)]
+    captured = []
+    graph = capture_graph(lambda i: captured.append(call()), 50)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs += [out.clone() for out in captured]
+    assert all(torch.equal(out, first) for out in outputs)
