@@ -9,7 +9,7 @@
                                         (activation.py) in its epilogue: [R, I]
       -> expert GEMM  (expert_gemm.py)  @ w2 [E, H, I]
       -> finalize     (finalize.py)     weighted un-permute into a fresh [T, H]
-    (opt-in for a few tokens: decode.py runs both expert GEMMs in one kernel, sliced along I)
+    (opt-in for a few tokens: decode.py runs the whole layer in one persistent launch)
 
 Legend: T tokens, E experts, K top-k, H hidden, I intermediate, P = T*K (token, slot) pairs,
 R rows after expand; a GEMM computes N output columns over a contraction width C.
