@@ -156,6 +156,20 @@ def test_decode_kernels_compile_for_sm90():
 
 # ---- on the GPU ------------------------------------------------------------------------------
 
+def eager_and_replayed(call) -> list[torch.Tensor]:
+    """The race tests' outputs: 200 eager calls, then 10 replays of a graph of 50 calls."""
+    from moe_triton.graphs import capture_graph
+
+    outputs = [call() for _ in range(200)]
+    captured = []
+    graph = capture_graph(lambda i: captured.append(call()), 50)
+    for _ in range(10):
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs += [out.clone() for out in captured]
+    return outputs
+
+
 def grid_layer(shape_name, T, fp8=False):
     from moe_triton.tools.bench import GRID_SHAPES, random_experts, random_inputs
 
@@ -200,7 +214,6 @@ def test_the_barrier_and_the_last_arrivals_never_read_early(T, fp8):
     Its float scratch is NaN-filled before every call, so an early read gives NaN or other
     bits than the two-launch form's (a kernel boundary in place of the barrier, same sums in
     the same order): 200 eager calls, 10 replays of a graph of 50, all bit-equal to it."""
-    from moe_triton.graphs import capture_graph
     from moe_triton.pipeline import plan_experts
 
     shape, weights, x, ids, topk_weights, config = grid_layer("Qwen3-30B-A3B", T, fp8)
@@ -221,14 +234,7 @@ def test_the_barrier_and_the_last_arrivals_never_read_early(T, fp8):
             plan.decode.scratch[name].fill_(float("nan"))
         return plan.decode(x, weights, layout, topk_weights)
 
-    outputs = [call() for _ in range(200)]
-    captured = []
-    graph = capture_graph(lambda i: captured.append(call()), 50)
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
-        outputs += [out.clone() for out in captured]
-    assert all(torch.equal(out, expected) for out in outputs)
+    assert all(torch.equal(out, expected) for out in eager_and_replayed(call))
 
 
 @pytest.mark.gpu
@@ -241,7 +247,6 @@ def test_dependent_kernels_never_read_early(T, path):
     between two of its kernels would break their dependency), so a kernel that read its input
     early returns NaN or a value off the first call's (calls are bit-identical: no atomics): 200
     eager calls, 10 replays of a graph of 50."""
-    from moe_triton.graphs import capture_graph
     from moe_triton.pipeline import plan_experts
     from moe_triton.tools.bench import GRID_SHAPES, random_experts, random_inputs
 
@@ -276,11 +281,4 @@ def test_dependent_kernels_never_read_early(T, path):
 
     first = run_experts(x, weights, ids, topk_weights, config=config)
     assert not first.isnan().any()
-    outputs = [call() for _ in range(200)]
-    captured = []
-    graph = capture_graph(lambda i: captured.append(call()), 50)
-    for _ in range(10):
-        graph.replay()
-        torch.cuda.synchronize()
-        outputs += [out.clone() for out in captured]
-    assert all(torch.equal(out, first) for out in outputs)
+    assert all(torch.equal(out, first) for out in eager_and_replayed(call))
