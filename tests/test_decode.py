@@ -26,7 +26,12 @@ from moe_triton import (
     run_experts,
 )
 from moe_triton.config import DecodeConfig, decode_config
-from moe_triton.decode import decode_layer, decode_layer_torch, decode_supports
+from moe_triton.decode import (
+    decode_layer,
+    decode_layer_torch,
+    decode_supports,
+    plan_decode_layer,
+)
 from moe_triton.expand import expand, per_pair_layout
 
 H, I = 40, 33  # partial C steps, partial column blocks, partial output blocks
@@ -63,6 +68,23 @@ def test_decode_layer(T, kind, dtype, E, K, tma):
     expected = decode_layer_torch(x, weights, ids, topk_weights, Activation())
     assert out.shape == (T, H) and out.dtype == dtype
     assert_close(out, expected, dtype, scale=2)
+
+
+def test_activations_through_tma_from_a_view_off_a_16_byte_boundary():
+    """x and h through TMA descriptors (16-byte rows: I = 32 here), x a view one value past a
+    16-byte boundary, which a copy realigns before the launch."""
+    g = torch.Generator().manual_seed(3)
+    weights = ExpertWeights(*random_expert_weights(g, 4, H, 32, True, torch.float16))
+    ids, topk_weights = random_ids(3, 2, 4, 3).int(), torch.rand(3, 2)
+    wide = torch.randn(3, H + 8, generator=g).half()  # 96-byte rows
+    x = wide.view(-1)[1:].as_strided((3, H), (H + 8, 1))  # each row one value in
+    layout = per_pair_layout(ids, 4, 16)
+    config = DecodeConfig(16, 16, 16, 16, 16, programs=2)
+    plan = plan_decode_layer(x, weights, layout, topk_weights, config, Activation())
+    assert plan.h_desc is not None and x.data_ptr() % 16
+    out = plan(x, weights, layout, topk_weights)
+    assert_close(out, decode_layer_torch(x, weights, ids, topk_weights, Activation()),
+                 torch.float16, scale=2)
 
 
 def test_programs_change_no_bit():
