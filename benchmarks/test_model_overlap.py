@@ -17,6 +17,15 @@ BATCHES = (1, 4, 16, 64)
 LAYERS = 4
 
 
+@pytest.fixture(autouse=True)
+def overlap_at_every_batch(monkeypatch):
+    """What overlap does at each batch, past the buckets CausalLM overlaps by default too (the
+    measurement its rule comes from)."""
+    import moe_triton.models.causal_lm as causal_lm
+
+    monkeypatch.setattr(causal_lm, "OVERLAP_MAX_BATCH", 1 << 30)
+
+
 @pytest.fixture(scope="module")
 def command_a_plus_like():
     from transformers import Cohere2MoeConfig

@@ -23,6 +23,10 @@ from moe_triton.layer import FusedMoE
 from .layers import Batch, RoutingTape, StaticKVCache, dense
 
 DECODE_INPUTS = ("token_ids", "positions", "slots")
+# Alternate-stream overlap measured 0.99-1.13x at batch 1-16 and 0.97x at 64 (Command-A-Plus-
+# and MiniMax-M3-like blocks; docs/PERFORMANCE.md, "Fourth session"): the branches compete for
+# bandwidth once the step streams enough bytes, so captured buckets past 16 run serially.
+OVERLAP_MAX_BATCH = 16
 FINISHED_CHECK_EVERY = 8
 
 
@@ -118,8 +122,9 @@ class CausalLM(nn.Module):
         return dense(hidden, weight).float() * getattr(self.config, "logit_scale", 1.0)
 
     def batch(self, mode: ForwardMode, positions: torch.Tensor, slots: torch.Tensor) -> Batch:
-        # evaluated while capturing, baked into the graph
-        overlap = self.use_overlap and overlap_enabled(mode)
+        # evaluated while capturing, baked into the graph: overlap in the buckets it wins
+        overlap = (self.use_overlap and overlap_enabled(mode)
+                   and positions.shape[0] <= OVERLAP_MAX_BATCH)
         return Batch(mode, positions, slots, overlap)
 
     def _forward(self, token_ids: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -24,6 +24,22 @@ from moe_triton.graphs import (
 # ---- CPU -------------------------------------------------------------------------------------
 
 
+def test_captured_decode_overlaps_only_in_the_buckets_where_it_measured_faster():
+    from types import SimpleNamespace
+
+    from moe_triton.models.causal_lm import OVERLAP_MAX_BATCH, CausalLM
+
+    def overlaps(batch: int, use_overlap: bool = True) -> bool:
+        model = SimpleNamespace(use_overlap=use_overlap)
+        positions, slots = torch.zeros(batch, 1, dtype=torch.long), torch.arange(batch)
+        return CausalLM.batch(model, ForwardMode.DECODE, positions, slots).overlap
+
+    with capture_mode():
+        assert overlaps(1) and overlaps(OVERLAP_MAX_BATCH)
+        assert not overlaps(OVERLAP_MAX_BATCH + 1) and not overlaps(1, use_overlap=False)
+    assert not overlaps(1)  # eager decode: one stream
+
+
 def test_default_batch_sizes_follow_the_serving_engines():
     sizes = default_batch_sizes()
     assert (sizes[:5] == (1, 2, 4, 8, 16) and sizes[-1] == 256
