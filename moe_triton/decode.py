@@ -293,7 +293,7 @@ class DecodePlan:
         descriptors = ((weight_descriptor(w13, (c.block_n, c.block_c)),
                         weight_descriptor(w2, (c.block_h, c.block_i)))
                        if self.descriptors else (w13, w2))
-        # x's descriptor is new each call (its encoding ~1 us of host time); h's is the plan's.
+        # x's descriptor is new each call (the launcher encodes it each time); h's is the plan's.
         # A copy starts at a 16-byte boundary, as TMA needs; a view into a tensor may not.
         if self.h_desc is not None and x.data_ptr() % 16:
             x = x.clone()
