@@ -411,6 +411,9 @@ CASES[2] += [
     Case(ParallelSpec(ep_size=2), (5, 3), **CAPTURED),  # refused
     Case(ParallelSpec(ep_size=2), (4, 4), module="fused_moe", hidden=24, intermediate=12,
          **CAPTURED),
+    # rows of 2-byte values whose ids could not start on a 4-byte boundary: gathered apart
+    Case(ParallelSpec(ep_size=2), (3, 3), hidden=17, dtype=torch.float16, backend="torch",
+         **CAPTURED),
 ]
 CASES[4] += [
     Case(ParallelSpec(ep_size=4), (3, 3, 3, 3), top_k=4, filtered=True, backend="torch",

@@ -75,7 +75,7 @@ def combine(expert_out: torch.Tensor, plan: DispatchPlan, group: dist.ProcessGro
 
 @dataclass(frozen=True)
 class Gathered:
-    hidden_states: torch.Tensor  # [W * C, H] every EP rank's rows, rank after rank
+    hidden_states: torch.Tensor  # [W * C, H] every EP rank's rows, rank after rank (a strided view)
     topk_ids: torch.Tensor  # [W * C, K] int32 global ids
     topk_weights: torch.Tensor  # [W * C, K] float32
 
@@ -89,10 +89,20 @@ def dispatch_gathered(hidden_states: torch.Tensor, topk_ids: torch.Tensor,
     if not (hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()):
         _check_same_rows(rows, size, group, hidden_states.device)
     meta = torch.cat([topk_ids.int(), topk_weights.float().view(torch.int32)], dim=1)  # [C, 2K]
-    all_meta = meta.new_empty(size * rows, 2 * top_k)  # [W * C, 2K]
-    dist.all_gather_into_tensor(all_meta, meta, group=group)
-    all_x = hidden_states.new_empty(size * rows, hidden_states.shape[1])  # [W * C, H]
-    dist.all_gather_into_tensor(all_x, hidden_states.contiguous(), group=group)
+    hidden = hidden_states.shape[1]
+    x_bytes = hidden * hidden_states.element_size()
+    if x_bytes % meta.element_size():  # the ids could not start on a 4-byte boundary: apart
+        all_meta = meta.new_empty(size * rows, 2 * top_k)  # [W * C, 2K]
+        dist.all_gather_into_tensor(all_meta, meta, group=group)
+        all_x = hidden_states.new_empty(size * rows, hidden)  # [W * C, H]
+        dist.all_gather_into_tensor(all_x, hidden_states.contiguous(), group=group)
+    else:  # one collective: each row's hidden state, ids and weights side by side as bytes
+        packed = torch.cat([hidden_states.contiguous().view(torch.uint8).view(rows, x_bytes),
+                            meta.view(torch.uint8).view(rows, 8 * top_k)], dim=1)  # [C, bytes]
+        everything = packed.new_empty(size * rows, packed.shape[1])  # [W * C, bytes]
+        dist.all_gather_into_tensor(everything, packed, group=group)
+        all_x = everything[:, :x_bytes].view(hidden_states.dtype)  # [W * C, H], strided rows
+        all_meta = everything[:, x_bytes:].view(torch.int32)  # [W * C, 2K]
     return Gathered(all_x, all_meta[:, :top_k].contiguous(),
                     all_meta[:, top_k:].contiguous().view(torch.float32))
 
