@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import triton
 
 from .expand import LayoutKind
 from .weights import MXFP4_DTYPE, MXFP4_GROUP
@@ -260,12 +261,19 @@ def decode_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     # 128-wide steps: one FP8 block; bf16's down steps twice that (fewer, longer copies)
     decode = DecodeConfig(block_m, block_n=64, block_c=128, block_h=64,
                           block_i=128 if dtype.itemsize == 1 else 256, programs=num_sms)
-    return replace(config, decode=_fit_decode(decode, dtype.itemsize, shared_memory))
+    return replace(config, decode=_fit_decode(decode, dtype.itemsize, shared_memory,
+                                              decode_token_columns(num_tokens)))
 
 
-def _fit_decode(config: DecodeConfig, element_size: int, shared_memory: int) -> DecodeConfig:
+def decode_token_columns(num_tokens: int) -> int:
+    """The decode kernel's token columns: every token one, at least the MMA's 16."""
+    return max(16, triton.next_power_of_2(num_tokens))
+
+
+def _fit_decode(config: DecodeConfig, element_size: int, shared_memory: int,
+                token_columns: int) -> DecodeConfig:
     def stage_bytes(c: DecodeConfig) -> int:  # the larger phase's tiles (their buffers alias)
-        up = (2 * c.block_n + 16) * c.block_c  # gate, up and x's 16 token rows
+        up = (2 * c.block_n + token_columns) * c.block_c  # gate, up and x's token rows
         return max(up, (c.block_h + c.block_m) * c.block_i) * element_size
 
     while (config.num_stages > 2

@@ -35,7 +35,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._expert_gemm_kernels import _dot
 from .activation import Activation, _apply_activation, activation_torch
-from .config import DecodeConfig
+from .config import DecodeConfig, decode_token_columns
 from .expand import ExpertLayout, LayoutKind
 from .expert_gemm import takes_descriptor, weight_descriptor
 from .launch import BoundLaunch, interpreter_serialized
@@ -335,8 +335,7 @@ def plan_decode_layer(x: torch.Tensor, weights: ExpertWeights, layout: ExpertLay
                 or FP8_BLOCK % config.block_h or FP8_BLOCK % config.block_i):
         raise ValueError(f"config.decode: FP8 tiles lie within one {FP8_BLOCK}-wide weight block "
                          f"(block_c, block_n, block_h and block_i dividing {FP8_BLOCK}), got "
-                         f"{config}; "
-                         "decode_config's tiles do")
+                         f"{config}; decode_config's tiles do")
     T, K = topk_weights.shape
     if T > MAX_TOKENS:
         raise ValueError(f"config.decode: the decode kernel runs at most {MAX_TOKENS} tokens "
@@ -346,12 +345,7 @@ def plan_decode_layer(x: torch.Tensor, weights: ExpertWeights, layout: ExpertLay
     w13, w2 = weights.w13, weights.w2
     P = T * K
     descriptors = config.tma_weights and takes_descriptor(w13) and takes_descriptor(w2)
-    # x's rows 16-byte aligned (a copy's rows; the address is checked at each call)
-    activation_descriptors = (descriptors and x.stride(1) == 1
-                              and (x.stride(0) * x.element_size()) % 16 == 0)
-    if T == 0 or H == 0:
-        return DecodePlan((T, H), config, descriptors, ())
-    if I == 0:  # no intermediate columns: every token's output is zero
+    if T == 0 or H == 0 or I == 0:  # nothing to launch (no intermediate columns: zeros)
         return DecodePlan((T, H), config, descriptors, ())
     device = x.device
     per_pair = layout.kind is LayoutKind.PER_PAIR
@@ -361,8 +355,10 @@ def plan_decode_layer(x: torch.Tensor, weights: ExpertWeights, layout: ExpertLay
                            device=device)  # the arrivals 16 bytes in: an aligned pointer
     rows = max_blocks * layout.block_m  # up's outputs by block row
     h = torch.empty(rows, I, dtype=x.dtype if fp8 else w13.dtype, device=device)
-    activation_descriptors = activation_descriptors and takes_descriptor(h)
-    block_t = max(16, triton.next_power_of_2(T))
+    # x's rows 16-byte multiples (its start is checked at each call, h's is a fresh tensor's)
+    activation_descriptors = (descriptors and takes_descriptor(h) and x.stride(1) == 1
+                              and (x.stride(0) * x.element_size()) % 16 == 0)
+    block_t = decode_token_columns(T)
     h_desc = (TensorDescriptor.from_tensor(h, [config.block_m, config.block_i])
               if activation_descriptors else None)
     scratch = dict(h_ptr=h,
@@ -401,7 +397,6 @@ def plan_decode_layer(x: torch.Tensor, weights: ExpertWeights, layout: ExpertLay
         launches = (BoundLaunch(_decode_layer_kernel, grid, {**fixed, "PHASES": 3},
                                 {**options, "launch_cooperative_grid": True}),)
     return DecodePlan((T, H), config, descriptors, launches, scratch, block_t, h_desc)
-
 
 
 def decode_layer(x: torch.Tensor, weights: ExpertWeights, layout: ExpertLayout,

@@ -130,10 +130,11 @@ def test_decode_kernel_configs_fit_shared_memory(monkeypatch, dtype):
     limit = 232448
     monkeypatch.setattr(configs, "device_limits", lambda device: (132, limit))
     for shape in (QWEN3_30B_A3B, MIXTRAL_8X7B, DEEPSEEK_V3, E64_K4):
-        for T in (1, 2, 4, 16):
+        for T in (1, 2, 4, 16, 64):
             d = decode_config(T, shape.top_k, shape.num_experts, shape.hidden_size,
                               shape.intermediate_size, torch.device("cuda"), dtype).decode
-            # the larger phase's weight tiles and the activations' tile (the phases' alias)
-            stage = max(2 * d.block_n * d.block_c + 16 * d.block_c,
+            # the larger phase's weight tiles and the activations' tile (the phases' alias):
+            # x's holds every token, 16 rows at the least
+            stage = max(2 * d.block_n * d.block_c + max(16, T) * d.block_c,
                         d.block_h * d.block_i + d.block_m * d.block_i)
             assert d.num_stages * stage * dtype.itemsize <= limit, d
