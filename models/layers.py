@@ -215,7 +215,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
               qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D); the per-head `qk_norm` rides in the
-    rotary kernels (`rotary` None: NoPE); in decode k's path and v's cache write are one kernel.
+    rotary kernels (`rotary` None: NoPE); in decode q's and k's rotary and the K/V cache write are
+    one kernel.
     `sinks` (Hq,): gpt-oss's logit per head in each softmax's denominator, with no value."""
     keys, values = cache.keys[layer], cache.values[layer]
     q_norm, k_norm = (({"norm_weight": n.weight, "norm_eps": n.eps} for n in qk_norm) if qk_norm
@@ -223,10 +224,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
     if rotary is None and qk_norm:  # nothing to ride on
         q, k = qk_norm[0](q), qk_norm[1](k)
         q_norm = k_norm = {}
-    if rotary is not None:
-        q = apply_rotary(q, *rotary, interleaved, **q_norm)
     if batch.mode is ForwardMode.PREFILL:  # the prompt attends to itself; the cache only records it
         if rotary is not None:
+            q = apply_rotary(q, *rotary, interleaved, **q_norm)
             k = apply_rotary(k, *rotary, interleaved, **k_norm)
         L = q.shape[2]
         keys[batch.slots, :, :L] = k
@@ -236,7 +236,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
                          for start in range(0, L, PREFILL_CHUNK)], dim=2)
     else:  # decode: one token per sequence against its cache row, read in place up to its position
         position = batch.positions[:, 0]  # [B]
-        rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved, **k_norm)
+        if rotary is None:
+            rotate_into_cache(k, v, None, keys, values, batch.slots, position, **k_norm)
+        else:  # q rotated in the same launch
+            q = rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved,
+                                  **k_norm, query=q,
+                                  query_norm_weight=q_norm.get("norm_weight"))
         out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling,
                                sliding_window, sinks)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]

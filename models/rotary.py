@@ -75,37 +75,59 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
 
 @interpreter_serialized
 @triton.jit
-def _rotary_into_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, norm_ptr, keys_ptr, values_ptr,
-                              slots_ptr, positions_ptr, R, HEADS, NUM_SLOTS, S, eps,
-                              stride_k_b, stride_k_h, stride_v_b, stride_v_h, stride_c_b,
-                              stride_cache_slot, stride_cache_h, stride_cache_s,
+def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q_norm_ptr, keys_ptr,
+                              values_ptr, q_out_ptr, slots_ptr, positions_ptr, R, HEADS, R_Q,
+                              Q_HEADS, NUM_SLOTS, S, eps, stride_k_b, stride_k_h, stride_v_b,
+                              stride_v_h, stride_q_b, stride_q_h, stride_c_b, stride_cache_slot,
+                              stride_cache_h, stride_cache_s,
                               D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
                               INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
                               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (b, kv head) flattened
-    b, head = rows // HEADS, rows % HEADS
     cols = tl.arange(0, BLOCK_D)
-    row_ok = rows < R
-    slot = tl.load(slots_ptr + b, mask=row_ok, other=0).to(tl.int64)
-    position = tl.load(positions_ptr + b, mask=row_ok, other=0).to(tl.int64)
-    # a (slot, position) outside the cache writes nothing, also inside a graph the host never checks
-    in_cache = (slot >= 0) & (slot < NUM_SLOTS) & (position >= 0) & (position < S)
-    cache_row = (slot * stride_cache_slot + head * stride_cache_h
-                 + position * stride_cache_s)  # [BLOCK_R]
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    store_mask = mask & in_cache[:, None]
-    k_row = b.to(tl.int64) * stride_k_b + head * stride_k_h
-    k = tl.load(k_ptr + k_row[:, None] + cols[None, :], mask=mask, other=0.0)
-    rstd = _rstd(k, D, eps)  # unused without NORM
+    if tl.program_id(1) == 0:  # k and v, rows (b, kv head) flattened
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        b, head = rows // HEADS, rows % HEADS
+        row_ok = rows < R
+        slot = tl.load(slots_ptr + b, mask=row_ok, other=0).to(tl.int64)
+        position = tl.load(positions_ptr + b, mask=row_ok, other=0).to(tl.int64)
+        # a (slot, position) outside the cache writes nothing, also in a graph the host never checks
+        in_cache = (slot >= 0) & (slot < NUM_SLOTS) & (position >= 0) & (position < S)
+        cache_row = (slot * stride_cache_slot + head * stride_cache_h
+                     + position * stride_cache_s)  # [BLOCK_R]
+        mask = row_ok[:, None] & (cols[None, :] < D)
+        store_mask = mask & in_cache[:, None]
+        k = _normed_rotated(k_ptr, b.to(tl.int64) * stride_k_b + head * stride_k_h, row_ok, cols,
+                            cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, norm_ptr, eps, D, D_ROT,
+                            ROTATE, INTERLEAVED, NORM)
+        tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=store_mask)
+        v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h
+                    + cols[None, :], mask=mask, other=0.0)
+        tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=store_mask)
+    else:  # the query, rows (b, query head) flattened, into a fresh (B, Hq, D)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        b, head = rows // Q_HEADS, rows % Q_HEADS
+        row_ok = rows < R_Q
+        q = _normed_rotated(q_ptr, b.to(tl.int64) * stride_q_b + head * stride_q_h, row_ok, cols,
+                            cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, q_norm_ptr, eps, D,
+                            D_ROT, ROTATE, INTERLEAVED, NORM)
+        tl.store(q_out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], q,
+                 mask=row_ok[:, None] & (cols[None, :] < D))
+
+
+@triton.jit
+def _normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps,
+                    D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
+                    INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
+    """Rows x_row [BLOCK_R] of x, normed (NORM) then rotated (ROTATE) by the cos / sin at c_row."""
+    x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < D),
+                other=0.0)
+    rstd = _rstd(x, D, eps)  # unused without NORM
     if NORM:
-        k = _rms_normed(k, rstd, norm_ptr, cols, cols < D)
+        x = _rms_normed(x, rstd, norm_ptr, cols, cols < D)
     if ROTATE:
-        k = _rotated(k, k_ptr, k_row, cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, row_ok, cols,
-                     norm_ptr, rstd, D_ROT, INTERLEAVED, NORM)
-    tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=store_mask)
-    v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h
-                + cols[None, :], mask=mask, other=0.0)
-    tl.store(values_ptr + cache_row[:, None] + cols[None, :], v, mask=store_mask)
+        x = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd, D_ROT,
+                     INTERLEAVED, NORM)
+    return x
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
@@ -178,9 +200,12 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
                       rotary: tuple[torch.Tensor, torch.Tensor] | None, keys: torch.Tensor,
                       values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                       interleaved: bool = False, norm_weight: torch.Tensor | None = None,
-                      norm_eps: float = 0.0) -> None:
+                      norm_eps: float = 0.0, query: torch.Tensor | None = None,
+                      query_norm_weight: torch.Tensor | None = None) -> torch.Tensor | None:
     """k (normed, rotated by `rotary` = (cos, sin) (B, 1, D_rot), or None: NoPE), v (B, Hkv, 1, D)
-    into keys / values [slots[b], :, positions[b]]; rows outside the cache are not written."""
+    into keys / values [slots[b], :, positions[b]]; rows outside the cache are not written. With
+    `query` (B, Hq, 1, D): the same kernel norms it (by `query_norm_weight`) and rotates it into a
+    fresh (B, Hq, 1, D), returned (decode's q and k in one launch)."""
     B, heads, L, D = k.shape
     if (L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D)
             or values.shape != keys.shape):
@@ -188,52 +213,78 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
                          f"same Hkv and D, got k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
     _check_norm(norm_weight, k)
+    if query is not None:
+        if query.dim() != 4 or query.shape[0] != B or query.shape[2:] != (1, D):
+            raise ValueError(f"query must be (B={B}, Hq, 1, D={D}) as k is, got "
+                             f"{tuple(query.shape)}")
+        if (query_norm_weight is None) != (norm_weight is None):
+            raise ValueError("query_norm_weight and norm_weight go together: pass both (q and k "
+                             "normed per head) or neither")
+        _check_norm(query_norm_weight, query)
     cos, sin = rotary if rotary is not None else (None, None)
     if torch.compiler.is_compiling():
-        return torch.ops.moe_triton.rotate_into_cache(k, v, cos, sin, keys, values, slots,
-                                                      positions, interleaved, norm_weight,
-                                                      norm_eps)
-    return _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
-                  norm_eps)
+        q_out = torch.ops.moe_triton.rotate_into_cache(
+            k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps,
+            k[:, :0] if query is None else query, query_norm_weight)
+    else:
+        q_out = _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
+                       norm_eps, query, query_norm_weight)
+    return None if query is None else q_out
 
 
 def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
-           norm_eps: float = 0.0) -> None:
+           norm_eps: float = 0.0, query=None, query_norm_weight=None) -> torch.Tensor | None:
     contiguous = keys.is_contiguous() and values.is_contiguous()
     if not triton_computes_exactly(k.device, k.dtype) or not contiguous:
-        return rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys,
-                                       values, slots, positions, interleaved)
+        rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys,
+                                values, slots, positions, interleaved)
+        if query is None:
+            return None
+        normed = _normed_torch(query, query_norm_weight, norm_eps)
+        q_out = normed if cos is None else rotated_once_torch(normed, cos, sin, interleaved)
+        return q_out.clone() if q_out is query else q_out  # fresh, as the kernel's
     k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))
+    q_out = None if query is None else torch.empty(query.shape, dtype=query.dtype,
+                                                   device=query.device)  # [B, Hq, 1, D]
     if k.shape[0] * k.shape[1]:
         rotate = cos is not None
         # unread without rotation
         cos, sin = (cos.contiguous(), sin.contiguous()) if rotate else (k, k)
         norm = k if norm_weight is None else norm_weight
-        tensors = dict(k_ptr=k, v_ptr=v, cos_ptr=cos, sin_ptr=sin, norm_ptr=norm, keys_ptr=keys,
-                       values_ptr=values, slots_ptr=slots, positions_ptr=positions)
-        _cache_launch(tensors, norm_eps, interleaved, rotate, norm_weight is not None)(**tensors)
+        tensors = dict(k_ptr=k, v_ptr=v, q_ptr=k if query is None else query, cos_ptr=cos,
+                       sin_ptr=sin, norm_ptr=norm,
+                       q_norm_ptr=norm if query_norm_weight is None else query_norm_weight,
+                       keys_ptr=keys, values_ptr=values, q_out_ptr=k if q_out is None else q_out,
+                       slots_ptr=slots, positions_ptr=positions)
+        _cache_launch(tensors, norm_eps, interleaved, rotate, norm_weight is not None,
+                      query is not None)(**tensors)
+    return q_out
 
 
 def _cache_launch(tensors: dict, eps: float, interleaved: bool, rotate: bool,
-                  normed: bool) -> BoundLaunch:
-    signature = (*(tensor_signature(t) for t in tensors.values()), eps, interleaved, rotate, normed)
+                  normed: bool, with_query: bool) -> BoundLaunch:
+    signature = (*(tensor_signature(t) for t in tensors.values()), eps, interleaved, rotate, normed,
+                 with_query)
     launch = _CACHE_LAUNCHES.get(signature)
     if launch is None:
-        k, v, cos, keys = (tensors["k_ptr"], tensors["v_ptr"], tensors["cos_ptr"],
-                           tensors["keys_ptr"])
+        k, v, q, cos, keys = (tensors[name] for name in ("k_ptr", "v_ptr", "q_ptr", "cos_ptr",
+                                                          "keys_ptr"))
         B, heads, _, D = k.shape
-        R = B * heads
+        R, R_Q = B * heads, B * q.shape[1] if with_query else 0
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
-        fixed = dict(R=R, HEADS=heads, NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps,
+        fixed = dict(R=R, HEADS=heads, R_Q=R_Q, Q_HEADS=max(q.shape[1], 1),
+                     NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps,
                      stride_k_b=k.stride(0), stride_k_h=k.stride(1), stride_v_b=v.stride(0),
-                     stride_v_h=v.stride(1), stride_c_b=cos.stride(0),
-                     stride_cache_slot=keys.stride(0), stride_cache_h=keys.stride(1),
-                     stride_cache_s=keys.stride(2), D=D, D_ROT=cos.shape[-1] if rotate else 0,
-                     ROTATE=rotate, INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R,
-                     BLOCK_D=BLOCK_D)
-        launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel,
-                                                            (triton.cdiv(R, BLOCK_R),), fixed))
+                     stride_v_h=v.stride(1), stride_q_b=q.stride(0), stride_q_h=q.stride(1),
+                     stride_c_b=cos.stride(0), stride_cache_slot=keys.stride(0),
+                     stride_cache_h=keys.stride(1), stride_cache_s=keys.stride(2), D=D,
+                     D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
+                     INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+        # axis 1: the k / v programs, then the query's
+        grid = (triton.cdiv(max(R, R_Q), BLOCK_R), 2 if R_Q else 1)
+        launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel, grid,
+                                                            fixed))
     return launch
 
 
@@ -241,16 +292,19 @@ _CACHE_LAUNCHES = PlanCache()
 
 
 def _rotate_into_cache_fake(k, v, cos, sin, keys, values, slots, positions, interleaved,
-                            norm_weight, norm_eps):
-    return None
+                            norm_weight, norm_eps, query, query_norm_weight):
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
 @register_op("rotate_into_cache", _rotate_into_cache_fake, mutates_args=("keys", "values"))
 def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                           sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                           slots: torch.Tensor, positions: torch.Tensor, interleaved: bool,
-                          norm_weight: torch.Tensor | None, norm_eps: float) -> None:
-    _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps)
+                          norm_weight: torch.Tensor | None, norm_eps: float, query: torch.Tensor,
+                          query_norm_weight: torch.Tensor | None) -> torch.Tensor:
+    q_out = _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
+                   norm_eps, query if query.shape[1] else None, query_norm_weight)
+    return query.new_empty(query.shape) if q_out is None else q_out
 
 
 def rotate_into_cache_torch(k, v, cos, sin, keys, values, slots, positions,

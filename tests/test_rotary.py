@@ -132,6 +132,47 @@ def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype, norm):
     assert_close(written, reference[:, :, 0], dtype, scale=2 if norm else 1)
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.float32), ("cpu", torch.float16),
+                                          pytest.param("cuda", torch.bfloat16,
+                                                       marks=pytest.mark.gpu)], ids=str)
+@pytest.mark.parametrize("B,heads,D,D_rot,interleaved", [c for c in CACHE_CASES if c[3]])  # rotary
+def test_the_query_rotates_in_the_cache_write(B, heads, D, D_rot, interleaved, dtype, device,
+                                              norm):
+    """q (B, Hq = 3 Hkv, 1, D) through the cache-write kernel: as apply_rotary (the prefill
+    kernel) rotates it, bit for bit, and within the dtype's tolerance of float32 torch; the cache
+    written as without the query."""
+    k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype, device)
+    q = torch.randn(B, 1, 3 * heads, D, generator=torch.Generator().manual_seed(3)).to(
+        device, dtype).transpose(1, 2)  # a strided view, as the fused projection gives it
+    k_weight, q_weight = ((norm_weight(D, dtype, device), norm_weight(D, dtype, device).flip(0))
+                          if norm else (None, None))
+    expected_keys, expected_values = keys.clone(), values.clone()
+    rotate_into_cache(k, v, rotary, expected_keys, expected_values, slots, positions, interleaved,
+                      norm_weight=k_weight, norm_eps=1e-6)
+    out = rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved,
+                            norm_weight=k_weight, norm_eps=1e-6, query=q,
+                            query_norm_weight=q_weight)
+    assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
+    cos, sin = rotary
+    assert out.shape == q.shape and out.is_contiguous()
+    assert torch.equal(out, apply_rotary(q, cos, sin, interleaved, norm_weight=q_weight,
+                                         norm_eps=1e-6))
+    normed = q.float() if q_weight is None else rms_norm_torch(q.float(), q_weight.float(), 1e-6)
+    assert_close(out, apply_rotary_torch(normed, cos.float(), sin.float(), interleaved), dtype,
+                 scale=2 if norm else 1)
+
+
+def test_the_query_needs_its_own_norm_weight_when_k_has_one():
+    k, v, rotary, keys, values, slots, positions = decode_token(2, 2, 16, 16, torch.float32)
+    q = torch.randn(2, 4, 1, 16)
+    with pytest.raises(ValueError, match="query_norm_weight and norm_weight go together"):
+        rotate_into_cache(k, v, rotary, keys, values, slots, positions,
+                          norm_weight=torch.ones(16), norm_eps=1e-6, query=q)
+    with pytest.raises(ValueError, match="query must be"):
+        rotate_into_cache(k, v, rotary, keys, values, slots, positions, query=q[:1])
+
+
 def in_guards(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(buffer, view): `t` copied into the middle of a buffer three times its size, random
     elsewhere, so a write or read past either end of the view lands in memory the test owns and can
