@@ -23,11 +23,13 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @interpreter_serialized
 @triton.jit
-def _split_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, positions_ptr, part_out_ptr, part_stats_ptr,
-    stride_q_b, stride_q_h, stride_c_slot, stride_c_h, stride_c_s, NUM_SLOTS, S, scale, window,
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, positions_ptr, sinks_ptr, out_ptr, part_out_ptr,
+    part_stats_ptr, counter_ptr, stride_q_b, stride_q_h, stride_c_slot, stride_c_h, stride_c_s,
+    NUM_SLOTS, S, scale, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = tl.load(positions_ptr + b).to(tl.int64)
@@ -41,9 +43,9 @@ def _split_kernel(
     hi = tl.where(in_cache, tl.minimum(lo + chunk, pos + 1), lo)
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP pad to tl.dot's 16-row minimum
-    d_ok = d < D
+    g_ok, d_ok = g < GROUP, d < D
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
-                mask=(g[:, None] < GROUP) & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     row = tl.where(in_cache, slot, 0) * stride_c_slot + kv_head * stride_c_h
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
@@ -63,39 +65,52 @@ def _split_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
-    # a split with no keys leaves (-inf, 0, 0): the combine weighs it 0
-    part = (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split  # [BLOCK_G] (b, head, split)
-    g_ok = g < GROUP
-    tl.store(part_out_ptr + part[:, None] * D + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(part_stats_ptr + part * 2, m, mask=g_ok)
-    tl.store(part_stats_ptr + part * 2 + 1, total, mask=g_ok)
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    out = out_ptr + (b * GROUP * tl.num_programs(1) + heads)[:, None] * D + d[None, :]
+    if SPLITS == 1:
+        _store_combined(out, out_mask, acc, m, total, sinks_ptr, heads, g_ok, HAS_SINKS)
+    else:
+        # a split with no keys leaves (-inf, 0, 0): the combine weighs it 0
+        part = (b * GROUP * tl.num_programs(1) + heads) * SPLITS + split  # [BLOCK_G]
+        tl.store(part_out_ptr + part[:, None] * D + d[None, :], acc, mask=out_mask)
+        tl.store(part_stats_ptr + part * 2, m, mask=g_ok)
+        tl.store(part_stats_ptr + part * 2 + 1, total, mask=g_ok)
+        # release: this split's partials are visible before the count; acquire: the last sees all
+        counter = counter_ptr + b * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            first = (b * GROUP * tl.num_programs(1) + heads) * SPLITS  # [BLOCK_G] split 0's part
+            sp = tl.arange(0, BLOCK_S)
+            stats = part_stats_ptr + (first[:, None] + sp[None, :]) * 2  # [BLOCK_G, BLOCK_S]
+            stats_ok = g_ok[:, None] & (sp[None, :] < SPLITS)
+            ms = tl.load(stats, mask=stats_ok, other=float("-inf"))
+            top = tl.max(ms, 1)  # [BLOCK_G]
+            m = tl.where(top > float("-inf"), top, 0.0)  # no key read: every weight below is 0
+            total = tl.sum(tl.load(stats + 1, mask=stats_ok, other=0.0)
+                           * tl.exp(ms - m[:, None]), 1)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            # split order, whichever program came last; unrolled, so the loads issue together
+            for s in tl.static_range(SPLITS):
+                weight = tl.exp(tl.load(part_stats_ptr + (first + s) * 2, mask=g_ok,
+                                        other=float("-inf")) - m)  # [BLOCK_G]
+                acc += weight[:, None] * tl.load(
+                    part_out_ptr + (first + s)[:, None] * D + d[None, :], mask=out_mask,
+                    other=0.0)
+            m = top
+            _store_combined(out, out_mask, acc, m, total, sinks_ptr, heads, g_ok, HAS_SINKS)
+            tl.atomic_xchg(counter, 0)  # ready for the next call
 
 
-@interpreter_serialized
 @triton.jit
-def _combine_kernel(part_out_ptr, part_stats_ptr, sinks_ptr, out_ptr, stride_o_b, stride_o_h, HQ,
-                    D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-                    BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr):
-    b, head = tl.program_id(0), tl.program_id(1)
-    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    part = (b * HQ + head) * SPLITS + s  # [BLOCK_S]
-    s_ok = s < SPLITS
-    m = tl.load(part_stats_ptr + part * 2, mask=s_ok, other=float("-inf"))
-    total = tl.load(part_stats_ptr + part * 2 + 1, mask=s_ok, other=0.0)
-    top = tl.max(m, 0)
-    read = top > float("-inf")  # no key read: outside the cache, NaN (0 / 0) with a sink too
+def _store_combined(out, out_mask, acc, m, total, sinks_ptr, heads, g_ok, HAS_SINKS: tl.constexpr):
+    """acc / total at the running max m ([BLOCK_G] heads); m = -inf: no key read, NaN (0 / 0)."""
+    read = m > float("-inf")
     if HAS_SINKS:  # gpt-oss: the head's sink logit joins the softmax's denominator, no value
-        sink = tl.load(sinks_ptr + head).to(tl.float32)
-        top = tl.maximum(top, sink)
-    weight = tl.exp(m - top)  # [BLOCK_S]; 0 for empty splits
-    acc = tl.load(part_out_ptr + part[:, None] * D + d[None, :],
-                  mask=s_ok[:, None] & (d[None, :] < D), other=0.0)
-    denominator = tl.sum(total * weight, 0)
-    if HAS_SINKS:
-        denominator += tl.where(read, tl.exp(sink - top), 0.0)
-    out = tl.sum(acc * weight[:, None], 0) / denominator  # [BLOCK_D]
-    tl.store(out_ptr + b * stride_o_b + head * stride_o_h + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < D)
+        sink = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)
+        top = tl.maximum(m, sink)
+        scale = tl.where(read, tl.exp(m - top), 0.0)
+        acc = acc * scale[:, None]
+        total = total * scale + tl.where(read, tl.exp(sink - top), 0.0)
+    tl.store(out, (acc / total[:, None]).to(out.dtype.element_ty), mask=out_mask)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -138,22 +153,30 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int,
     plan = _PLANS.get(signature)
     if plan is None:
         plan = _PLANS.add(signature, _plan(q, keys, scale, window, sinks is not None))
-    part_out = torch.empty(plan.parts + (q.shape[2],), dtype=torch.float32,
-                           device=q.device)  # [B, Hq, splits, D] unnormalised outputs
-    part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32,
-                             device=q.device)  # [B, Hq, splits, 2] (max, sum) per split
-    plan.split(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions,
-               part_out_ptr=part_out, part_stats_ptr=part_stats)
-    plan.combine(part_out_ptr=part_out, part_stats_ptr=part_stats,
-                 sinks_ptr=part_stats if sinks is None else sinks, out_ptr=out)
+    # with one split: unread, each program normalises its own heads
+    part_out = part_stats = out
+    if plan.counters is not None:
+        part_out = torch.empty(plan.parts + (q.shape[2],), dtype=torch.float32,
+                               device=q.device)  # [B, Hq, splits, D] unnormalised outputs
+        part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32,
+                                 device=q.device)  # [B, Hq, splits, 2] (max, sum) per split
+    plan.launch(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions,
+                sinks_ptr=out if sinks is None else sinks, out_ptr=out, part_out_ptr=part_out,
+                part_stats_ptr=part_stats,
+                counter_ptr=out if plan.counters is None else plan.counters)
     return out
 
 
 @dataclass(frozen=True)
 class _AttentionPlan:
+    """One launch: (sequence, KV head, split) programs; the last split of a (sequence, KV head) to
+    finish combines the splits' partial results in split order (so the bits never depend on which
+    came last) and resets its counter, so a plan replays in a CUDA graph. Two calls of one plan
+    must not overlap in time (a model's layers run one after another: overlap streams run a
+    layer's other branches beside its attention, never a second attention)."""
     parts: tuple[int, int, int]  # (B, Hq, splits): one partial result per query head and split
-    split: BoundLaunch
-    combine: BoundLaunch
+    counters: torch.Tensor | None  # [B, Hkv] int32 arrivals, zero between calls; None: one split
+    launch: BoundLaunch
 
 
 def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan:
@@ -162,16 +185,14 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan
     BLOCK_N = 64 if q.is_cuda else 16
     splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
     group = Hq // Hkv
-    split = BoundLaunch(_split_kernel, (B, Hkv, splits), dict(
+    counters = (torch.zeros(B, Hkv, dtype=torch.int32, device=q.device) if splits > 1 else None)
+    launch = BoundLaunch(_decode_attention_kernel, (B, Hkv, splits), dict(
         stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0),
         stride_c_h=keys.stride(1), stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S,
         scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
-        IEEE=q.dtype == torch.float32))
-    combine = BoundLaunch(_combine_kernel, (B, Hq), dict(
-        stride_o_b=Hq * D, stride_o_h=D, HQ=Hq, D=D, BLOCK_D=triton.next_power_of_2(D),
-        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks))
-    return _AttentionPlan((B, Hq, splits), split, combine)
+        BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32))
+    return _AttentionPlan((B, Hq, splits), counters, launch)
 
 
 _PLANS = PlanCache()

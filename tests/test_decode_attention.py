@@ -101,6 +101,37 @@ def test_the_reference_is_sdpa_over_the_context():
         torch.testing.assert_close(ref[b], sdpa, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_last_split_combines_and_leaves_its_counters_at_zero(device):
+    """One launch: the last split of each (sequence, KV head) to finish combines. Called again
+    with new queries (and on the GPU replayed from a CUDA graph), each result matches the
+    reference and the same inputs give the same bits: the arrival counters went back to zero."""
+    from moe_triton.models.decode_attention import num_splits
+
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    B, Hq, Hkv, D, S = (1, 8, 2, 16, 64) if device == "cpu" else (2, 32, 4, 128, 2048)
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype, device)
+    assert num_splits(B, Hkv, S, 16 if device == "cpu" else 64, q.device) > 1
+    sinks = random_sinks(Hq, dtype, device)
+    static_q = q.clone()
+
+    def call():
+        return decode_attention(static_q, keys, values, slots, positions, D**-0.5, None, sinks)
+
+    first = call()
+    if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        call = lambda: (graph.replay(), out)[1]  # noqa: E731
+    for seed in range(3):
+        static_q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)))
+        assert_close(call(), decode_attention_torch(static_q, keys, values, slots, positions,
+                                                    D**-0.5, None, sinks), dtype)
+    static_q.copy_(q)
+    assert torch.equal(call(), first)
+
+
 def test_an_empty_batch_launches_nothing():
     q, keys, values, slots, positions = make_case(1, 4, 2, 16, 8, torch.float32)
     out = decode_attention(q[:0], keys, values, slots[:0], positions[:0], 0.25)
