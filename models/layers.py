@@ -240,8 +240,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
             rotate_into_cache(k, v, None, keys, values, batch.slots, position, **k_norm)
         else:  # q rotated in the same launch
             q = rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved,
-                                  **k_norm, query=q,
-                                  query_norm_weight=q_norm.get("norm_weight"))
+                                  **k_norm, query=q, query_norm_weight=q_norm.get("norm_weight"),
+                                  query_norm_eps=q_norm.get("norm_eps"))
         out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling,
                                sliding_window, sinks)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]

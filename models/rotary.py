@@ -62,22 +62,18 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
     row_ok = rows < R
     x_row = b.to(tl.int64) * stride_x_b + head * stride_x_h + pos * stride_x_l  # [BLOCK_R]
     c_row = b.to(tl.int64) * stride_c_b + pos * stride_c_l
-    mask = row_ok[:, None] & (cols[None, :] < D)
-    x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=mask, other=0.0)  # [BLOCK_R, BLOCK_D]
-    rstd = _rstd(x, D, eps)  # unused without NORM
-    if NORM:
-        x = _rms_normed(x, rstd, norm_ptr, cols, cols < D)
-    out = _rotated(x, x_ptr, x_row, cos_ptr, sin_ptr, c_row, row_ok, cols, norm_ptr, rstd, D_ROT,
-                   INTERLEAVED, NORM)
+    out = _normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps, D,
+                          D_ROT, True, INTERLEAVED, NORM)  # [BLOCK_R, BLOCK_D]
     out_row = rows.to(tl.int64) * D
-    tl.store(out_ptr + out_row[:, None] + cols[None, :], out, mask=mask)
+    tl.store(out_ptr + out_row[:, None] + cols[None, :], out,
+             mask=row_ok[:, None] & (cols[None, :] < D))
 
 
 @interpreter_serialized
 @triton.jit
 def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q_norm_ptr, keys_ptr,
                               values_ptr, q_out_ptr, slots_ptr, positions_ptr, R, HEADS, R_Q,
-                              Q_HEADS, NUM_SLOTS, S, eps, stride_k_b, stride_k_h, stride_v_b,
+                              Q_HEADS, NUM_SLOTS, S, eps, q_eps, stride_k_b, stride_k_h, stride_v_b,
                               stride_v_h, stride_q_b, stride_q_h, stride_c_b, stride_cache_slot,
                               stride_cache_h, stride_cache_s,
                               D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
@@ -108,8 +104,8 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
         b, head = rows // Q_HEADS, rows % Q_HEADS
         row_ok = rows < R_Q
         q = _normed_rotated(q_ptr, b.to(tl.int64) * stride_q_b + head * stride_q_h, row_ok, cols,
-                            cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, q_norm_ptr, eps, D,
-                            D_ROT, ROTATE, INTERLEAVED, NORM)
+                            cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, q_norm_ptr, q_eps,
+                            D, D_ROT, ROTATE, INTERLEAVED, NORM)
         tl.store(q_out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], q,
                  mask=row_ok[:, None] & (cols[None, :] < D))
 
@@ -201,11 +197,13 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
                       values: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                       interleaved: bool = False, norm_weight: torch.Tensor | None = None,
                       norm_eps: float = 0.0, query: torch.Tensor | None = None,
-                      query_norm_weight: torch.Tensor | None = None) -> torch.Tensor | None:
+                      query_norm_weight: torch.Tensor | None = None,
+                      query_norm_eps: float | None = None) -> torch.Tensor | None:
     """k (normed, rotated by `rotary` = (cos, sin) (B, 1, D_rot), or None: NoPE), v (B, Hkv, 1, D)
     into keys / values [slots[b], :, positions[b]]; rows outside the cache are not written. With
-    `query` (B, Hq, 1, D): the same kernel norms it (by `query_norm_weight`) and rotates it into a
-    fresh (B, Hq, 1, D), returned (decode's q and k in one launch)."""
+    `query` (B, Hq, 1, D): the same kernel norms it (by `query_norm_weight`, `query_norm_eps`,
+    norm_eps if None) and rotates it into a fresh (B, Hq, 1, D), returned (decode's q and k in one
+    launch)."""
     B, heads, L, D = k.shape
     if (L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D)
             or values.shape != keys.shape):
@@ -222,25 +220,27 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
                              "normed per head) or neither")
         _check_norm(query_norm_weight, query)
     cos, sin = rotary if rotary is not None else (None, None)
+    q_eps = norm_eps if query_norm_eps is None else query_norm_eps
     if torch.compiler.is_compiling():
         q_out = torch.ops.moe_triton.rotate_into_cache(
             k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps,
-            k[:, :0] if query is None else query, query_norm_weight)
+            k[:, :0] if query is None else query, query_norm_weight, q_eps)
     else:
         q_out = _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
-                       norm_eps, query, query_norm_weight)
+                       norm_eps, query, query_norm_weight, q_eps)
     return None if query is None else q_out
 
 
 def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
-           norm_eps: float = 0.0, query=None, query_norm_weight=None) -> torch.Tensor | None:
+           norm_eps: float = 0.0, query=None, query_norm_weight=None,
+           query_norm_eps: float = 0.0) -> torch.Tensor | None:
     contiguous = keys.is_contiguous() and values.is_contiguous()
     if not triton_computes_exactly(k.device, k.dtype) or not contiguous:
         rotate_into_cache_torch(_normed_torch(k, norm_weight, norm_eps), v, cos, sin, keys,
                                 values, slots, positions, interleaved)
         if query is None:
             return None
-        normed = _normed_torch(query, query_norm_weight, norm_eps)
+        normed = _normed_torch(query, query_norm_weight, query_norm_eps)
         q_out = normed if cos is None else rotated_once_torch(normed, cos, sin, interleaved)
         return q_out.clone() if q_out is query else q_out  # fresh, as the kernel's
     k, v = (t if t.stride(3) == 1 else t.contiguous() for t in (k, v))
@@ -256,15 +256,15 @@ def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, no
                        q_norm_ptr=norm if query_norm_weight is None else query_norm_weight,
                        keys_ptr=keys, values_ptr=values, q_out_ptr=k if q_out is None else q_out,
                        slots_ptr=slots, positions_ptr=positions)
-        _cache_launch(tensors, norm_eps, interleaved, rotate, norm_weight is not None,
-                      query is not None)(**tensors)
+        _cache_launch(tensors, norm_eps, query_norm_eps, interleaved, rotate,
+                      norm_weight is not None, query is not None)(**tensors)
     return q_out
 
 
-def _cache_launch(tensors: dict, eps: float, interleaved: bool, rotate: bool,
+def _cache_launch(tensors: dict, eps: float, q_eps: float, interleaved: bool, rotate: bool,
                   normed: bool, with_query: bool) -> BoundLaunch:
-    signature = (*(tensor_signature(t) for t in tensors.values()), eps, interleaved, rotate, normed,
-                 with_query)
+    signature = (*(tensor_signature(t) for t in tensors.values()), eps, q_eps, interleaved, rotate,
+                 normed, with_query)
     launch = _CACHE_LAUNCHES.get(signature)
     if launch is None:
         k, v, q, cos, keys = (tensors[name] for name in ("k_ptr", "v_ptr", "q_ptr", "cos_ptr",
@@ -274,7 +274,7 @@ def _cache_launch(tensors: dict, eps: float, interleaved: bool, rotate: bool,
         BLOCK_D = triton.next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
         fixed = dict(R=R, HEADS=heads, R_Q=R_Q, Q_HEADS=max(q.shape[1], 1),
-                     NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps,
+                     NUM_SLOTS=keys.shape[0], S=keys.shape[2], eps=eps, q_eps=q_eps,
                      stride_k_b=k.stride(0), stride_k_h=k.stride(1), stride_v_b=v.stride(0),
                      stride_v_h=v.stride(1), stride_q_b=q.stride(0), stride_q_h=q.stride(1),
                      stride_c_b=cos.stride(0), stride_cache_slot=keys.stride(0),
@@ -292,7 +292,7 @@ _CACHE_LAUNCHES = PlanCache()
 
 
 def _rotate_into_cache_fake(k, v, cos, sin, keys, values, slots, positions, interleaved,
-                            norm_weight, norm_eps, query, query_norm_weight):
+                            norm_weight, norm_eps, query, query_norm_weight, query_norm_eps):
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
 
 
@@ -301,9 +301,11 @@ def _rotate_into_cache_op(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | 
                           sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
                           slots: torch.Tensor, positions: torch.Tensor, interleaved: bool,
                           norm_weight: torch.Tensor | None, norm_eps: float, query: torch.Tensor,
-                          query_norm_weight: torch.Tensor | None) -> torch.Tensor:
+                          query_norm_weight: torch.Tensor | None,
+                          query_norm_eps: float) -> torch.Tensor:
     q_out = _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
-                   norm_eps, query if query.shape[1] else None, query_norm_weight)
+                   norm_eps, query if query.shape[1] else None, query_norm_weight,
+                   query_norm_eps)
     return query.new_empty(query.shape) if q_out is None else q_out
 
 

@@ -140,8 +140,8 @@ def test_rotate_into_cache(B, heads, D, D_rot, interleaved, dtype, norm):
 def test_the_query_rotates_in_the_cache_write(B, heads, D, D_rot, interleaved, dtype, device,
                                               norm):
     """q (B, Hq = 3 Hkv, 1, D) through the cache-write kernel: as apply_rotary (the prefill
-    kernel) rotates it, bit for bit, and within the dtype's tolerance of float32 torch; the cache
-    written as without the query."""
+    kernel) rotates it, bit for bit, and within the dtype's tolerance of float32 torch, normed by
+    its own eps (not k's); the cache written as without the query."""
     k, v, rotary, keys, values, slots, positions = decode_token(B, heads, D, D_rot, dtype, device)
     q = torch.randn(B, 1, 3 * heads, D, generator=torch.Generator().manual_seed(3)).to(
         device, dtype).transpose(1, 2)  # a strided view, as the fused projection gives it
@@ -152,13 +152,13 @@ def test_the_query_rotates_in_the_cache_write(B, heads, D, D_rot, interleaved, d
                       norm_weight=k_weight, norm_eps=1e-6)
     out = rotate_into_cache(k, v, rotary, keys, values, slots, positions, interleaved,
                             norm_weight=k_weight, norm_eps=1e-6, query=q,
-                            query_norm_weight=q_weight)
+                            query_norm_weight=q_weight, query_norm_eps=0.25)
     assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)
     cos, sin = rotary
     assert out.shape == q.shape and out.is_contiguous()
     assert torch.equal(out, apply_rotary(q, cos, sin, interleaved, norm_weight=q_weight,
-                                         norm_eps=1e-6))
-    normed = q.float() if q_weight is None else rms_norm_torch(q.float(), q_weight.float(), 1e-6)
+                                         norm_eps=0.25))
+    normed = q.float() if q_weight is None else rms_norm_torch(q.float(), q_weight.float(), 0.25)
     assert_close(out, apply_rotary_torch(normed, cos.float(), sin.float(), interleaved), dtype,
                  scale=2 if norm else 1)
 
