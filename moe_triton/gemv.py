@@ -1,25 +1,32 @@
-"""Decode-size projections, a first design: x (T, C) @ w (N, C).T -> (T, N), T <= 16.
+"""Decode-size projections: x (T, C) @ w (N, C).T (+ bias) -> (T, N), T <= 16.
 
-A decode step's dense projections (attention's qkv and o, the LM head, shared experts) read each
-weight once for a handful of rows: the work is the weight stream. Program (column block, slice of
-C) multiplies all T rows (padded to 16 for the tensor cores) by its BLOCK_N x slice of w, so even
-a narrow N fills the SMs; with more than one slice each program stores its float32 partial sums,
-and the last program of a column block to finish (a counter it bumps with acquire-release
-ordering) adds the slices in slice order and writes the output: no second launch, and the bits do
-not depend on which program finished last. The counters return to zero after each call, so a plan
-can be replayed in a CUDA graph; a plan's calls must not overlap in time (one stream).
-`gemv_torch`: the reference. Not wired into models/ yet: measured level with cuBLAS on a decode
-step (docs/PERFORMANCE.md, issue 30), the first design of the projections' kernel.
+A decode step's dense projections (attention's qkv and o, the router, shared experts) read each
+weight once for a handful of rows: the work is the weight stream, 0.5-21 MB a projection, 1-5 µs
+of bytes, and a kernel's ramp (the first bytes ~2 µs after launch) costs as much as its bytes
+(docs/PERFORMANCE.md, issue 30). So a program (column block, slice of C) loads its first weight
+tile before it waits for the kernel in front (programmatic dependent launch, `prefetch_weight`):
+the weights stream while that kernel (the norm, the attention) still runs, which must let its
+dependents launch early (platform.gdc_launch_dependents), and the grid is sized so that every
+program is resident at launch. One row (batch-1 decode) goes by FMAs into a float32 tile summed
+across C once, at the end; more rows (padded to 16) through the tensor cores. With more than one
+slice each program stores its float32 partial sums, and the last program of a column block to
+finish (a counter it bumps with acquire-release ordering) adds the slices in slice order and
+writes the output: no second launch, and the bits do not depend on which program finished last.
+The counters return to zero after each call, so a plan can be replayed in a CUDA graph; a plan's
+calls must not overlap in time (one stream). `gemv_torch`: the reference.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from . import checks
+from .config import device_limits
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
+from .platform import dependent_launch, gdc_wait
 from .weights import tensor_signature
 
 MAX_ROWS = 16  # the tensor cores' smallest row tile: decode batches up to it
@@ -27,28 +34,39 @@ MAX_ROWS = 16  # the tensor cores' smallest row tile: decode batches up to it
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_n: int = 64  # output columns per program
-    block_c: int = 128  # contraction step
+    block_n: int = 32  # output columns per program
+    block_c: int = 128  # contraction step: one weight tile a load
     slices: int = 1  # programs along C per column block (> 1: partials summed by the last)
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 8
+    num_stages: int = 1  # 1: the kernel keeps only its next weight tile in flight itself
+    tensor_cores: bool = False  # a 16-row tile through tl.dot; False: one row (T = 1) by FMAs
 
 
-def choose_gemv_config(N: int, C: int, num_sms: int) -> GemvConfig:
-    """Two programs per SM or more, each slice at least four steps of the contraction."""
-    config = GemvConfig()
-    column_blocks = triton.cdiv(N, config.block_n)
-    most = max(1, C // (4 * config.block_c))
-    slices = min(most, max(1, triton.cdiv(2 * num_sms, column_blocks)))
-    return GemvConfig(slices=slices)
+PROGRAMS_PER_SM = 4  # one row's programs resident at once (8 warps each): all prefetch at launch
+
+
+def choose_gemv_config(T: int, N: int, C: int, num_sms: int) -> GemvConfig:
+    """One row by FMAs, 32 x 128 tiles; more rows through the tensor cores, 64 x 256. Slices: the
+    largest power of two that keeps the grid within PROGRAMS_PER_SM (FMAs; the tensor-core tile:
+    two) programs an SM, each slice at least two steps (FMAs) or one. Measured best at a Qwen3
+    step's qkv, o and router projections, behind a norm (docs/PERFORMANCE.md, issue 30)."""
+    config = GemvConfig() if T == 1 else GemvConfig(block_n=64, block_c=256, num_warps=4,
+                                                     tensor_cores=True)
+    per_sm = 2 if config.tensor_cores else PROGRAMS_PER_SM
+    steps = triton.cdiv(C, config.block_c)
+    most = steps if config.tensor_cores else max(1, steps // 2)
+    wanted = min(most, triton.cdiv(per_sm * num_sms, triton.cdiv(N, config.block_n)))
+    return replace(config, slices=1 << (wanted.bit_length() - 1))
 
 
 @interpreter_serialized
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, partial_ptr, counter_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     T, N, C, stride_x_t, stride_w_n, stride_out_t,
-    SLICES: tl.constexpr, IEEE_FP32: tl.constexpr,
+    SLICES: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DEPENDENT: tl.constexpr,  # launched by PDL: w read before the kernel in front ends, x after
+    DOT: tl.constexpr,  # tensor cores (BLOCK_T >= 16); else one row by FMAs (BLOCK_T == 1)
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
@@ -56,21 +74,35 @@ def _gemv_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     steps = tl.cdiv(C, BLOCK_C)
     per_slice = tl.cdiv(steps, SLICES)
+    first, end = pid_s * per_slice, tl.minimum((pid_s + 1) * per_slice, steps)
+    c_end = tl.minimum(end * BLOCK_C, C)  # this slice's end along C
+    w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w_n  # [BLOCK_N, 1]
+    cs = first * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
+                other=0.0)  # [BLOCK_N, BLOCK_C]: the first tile, issued before the wait
+    if DEPENDENT:
+        gdc_wait()  # x (the kernel in front's output) complete and visible from here on
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for step in range(pid_s * per_slice, min((pid_s + 1) * per_slice, steps)):
-        cs = step * BLOCK_C + tl.arange(0, BLOCK_C)
+    lanes = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)  # FMA: summed across C once, at the end
+    for _ in range(first, end):
         x = tl.load(x_ptr + rows[:, None] * stride_x_t + cs[None, :],
                     mask=(rows[:, None] < T) & (cs[None, :] < C), other=0.0)  # [BLOCK_T, BLOCK_C]
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w_n + cs[:, None],
-                    mask=(cols[None, :] < N) & (cs[:, None] < C), other=0.0)  # [BLOCK_C, BLOCK_N]
-        if IEEE_FP32:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+        if not DOT:
+            lanes += w.to(tl.float32) * x.to(tl.float32)
+        elif IEEE_FP32:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w, acc)
+            acc = tl.dot(x, tl.trans(w), acc)
+        cs += BLOCK_C  # the next tile, in flight while this one is summed
+        w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
+                    other=0.0)
+    if not DOT:
+        acc = tl.sum(lanes, 1)[None, :]
     out_mask = (rows[:, None] < T) & (cols[None, :] < N)
     out = out_ptr + rows[:, None] * stride_out_t + cols[None, :]
     if SLICES == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out, _with_bias(acc, bias_ptr, cols, N, HAS_BIAS).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
     else:
         tile = rows[:, None] * N + cols[None, :]  # [BLOCK_T, BLOCK_N] of a slice's (T, N)
         tl.store(partial_ptr + pid_s * T * N + tile, acc, mask=out_mask)
@@ -78,10 +110,20 @@ def _gemv_kernel(
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SLICES - 1:
             total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for s in range(SLICES):  # slice order, whichever program came last
+            for s in tl.static_range(SLICES):  # slice order; unrolled, so the loads issue at once
                 total += tl.load(partial_ptr + s * T * N + tile, mask=out_mask, other=0.0)
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(out, _with_bias(total, bias_ptr, cols, N, HAS_BIAS).to(
+                out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call
+
+
+@triton.jit
+def _with_bias(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N] float32 + bias (N,) at cols, before the one rounding (as cuBLAS's
+    epilogue adds F.linear's bias)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return acc
 
 
 @dataclass(frozen=True)
@@ -91,56 +133,85 @@ class GemvPlan:
     counters: torch.Tensor | None  # [N / BLOCK_N] int32, zero between calls
     launch: BoundLaunch | None  # None: no rows or no columns
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)  # [T, N]
         if self.launch is not None:
-            self.launch(x_ptr=x, w_ptr=w, out_ptr=out,
+            self.launch(x_ptr=x, w_ptr=w, bias_ptr=out if bias is None else bias, out_ptr=out,
                         partial_ptr=self.partials if self.partials is not None else out,
                         counter_ptr=self.counters if self.counters is not None else out)
         return out
 
 
-def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> GemvPlan:
+def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
+              prefetch_weight: bool = False, has_bias: bool = False) -> GemvPlan:
     T, C = x.shape
     N = w.shape[0]
     if T == 0 or N == 0:
         return GemvPlan((T, N), None, None, None)
     if config is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        config = choose_gemv_config(N, C, num_sms)
+        config = choose_gemv_config(T, N, C, device_limits(x.device)[0])
     column_blocks = triton.cdiv(N, config.block_n)
     partials = counters = None
     if config.slices > 1:
         partials = torch.empty(config.slices, T, N, dtype=torch.float32, device=x.device)
         counters = torch.zeros(column_blocks, dtype=torch.int32, device=x.device)
+    dependent = prefetch_weight and dependent_launch(x.device)
+    dot = T > 1 or config.tensor_cores
     fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0), stride_out_t=N,
-                 SLICES=config.slices, IEEE_FP32=x.dtype == torch.float32, BLOCK_T=MAX_ROWS,
-                 BLOCK_N=config.block_n, BLOCK_C=config.block_c)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+                 SLICES=config.slices, IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias,
+                 DEPENDENT=dependent,
+                 DOT=dot, BLOCK_T=MAX_ROWS if dot else 1, BLOCK_N=config.block_n,
+                 BLOCK_C=config.block_c)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages) | (
+        dict(launch_pdl=True) if dependent else {})
     return GemvPlan((T, N), partials, counters,
                     BoundLaunch(_gemv_kernel, (column_blocks, config.slices), fixed, options))
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x (T <= 16, C) @ w (N, C).T -> a fresh (T, N) in x's dtype; both with unit last stride and
-    one dtype and device."""
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None, *, prefetch_weight: bool = False) -> torch.Tensor:
+    """x (T <= 16, C) @ w (N, C).T (+ bias (N,)) -> a fresh (T, N) in x's dtype, as F.linear; x
+    and w with unit last stride and one dtype and device. `prefetch_weight`: w and bias are not
+    written by the work queued before this call (a model's parameters), so on SM90 the kernel
+    reads w while that work still runs (PDL)."""
     T, C = x.shape
     if (T > MAX_ROWS or w.dim() != 2 or w.shape[1] != C or x.stride(1) != 1 or w.stride(1) != 1
             or x.dtype != w.dtype):
         raise ValueError(f"gemv takes x (T <= {MAX_ROWS}, C) and w (N, C) of one dtype with unit "
                          f"last strides, got x {x.dtype} {tuple(x.shape)} {x.stride()}, "
                          f"w {w.dtype} {tuple(w.shape)} {w.stride()}")
-    signature = (tensor_signature(x), tensor_signature(w), config,
+    if bias is not None and (bias.shape != w.shape[:1] or bias.stride(0) != 1):
+        raise ValueError(f"bias must be ({w.shape[0]},) with unit stride, one per output column, "
+                         f"got {tuple(bias.shape)}")
+    signature = (tensor_signature(x), tensor_signature(w), tensor_signature(bias), config,
+                 prefetch_weight,
                  torch.cuda.current_stream(x.device).stream_id if x.is_cuda else None)
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.add(signature, plan_gemv(x, w, config))
-    return plan(x, w)
+        plan = _PLANS.add(signature, plan_gemv(x, w, config, prefetch_weight, bias is not None))
+    return plan(x, w, bias)
+
+
+def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """A batch-1 decode step's projection x (..., C) @ w (N, C).T on a CUDA GPU, bf16 / fp16 alike,
+    one row, contiguous, eager (not traced by torch.compile), no gradients needed (the kernel has
+    no backward), and a weight whose programs are resident at once (N <= block_n x
+    PROGRAMS_PER_SM x SMs: not an LM head, whose own stream hides its ramp, where cuBLAS reads at
+    ~0.9 of the bandwidth). More rows: F.linear (the tensor-core tile measured slower than
+    cuBLAS at qkv, docs/PERFORMANCE.md, issue 30)."""
+    if torch.compiler.is_compiling():  # first: the shape tests below would guard a trace
+        return False
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and x.numel() == x.shape[-1] and x.is_contiguous() and w.stride(-1) == 1
+            and w.shape[0] <= GemvConfig.block_n * PROGRAMS_PER_SM * device_limits(x.device)[0]
+            and not checks.grad_needed(x, w, bias))
 
 
 _PLANS = PlanCache()
 
 
-def gemv_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def gemv_torch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: float32 torch, in x's dtype."""
-    return (x.float() @ w.float().T).to(x.dtype)
+    out = x.float() @ w.float().T
+    return (out if bias is None else out + bias.float()).to(x.dtype)

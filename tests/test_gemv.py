@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import assert_close, relative_error, test_device
 
-from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv, gemv_torch
+from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv, gemv_applies, gemv_torch
 
 
 def operands(T, N, C, dtype, seed=0):
@@ -18,13 +18,17 @@ def operands(T, N, C, dtype, seed=0):
 # N and C off the tiles (100 of 64-column blocks, 200 of 32-wide steps: a short last slice)
 @pytest.mark.parametrize("slices", [1, 3], ids=lambda s: f"slices{s}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("T", [1, 5, 16])
-def test_gemv_matches_the_reference(T, dtype, slices):
+# one row by FMAs or through the tensor cores' 16-row tile; more rows: the tile
+@pytest.mark.parametrize("T,fma", [(1, True), (1, False), (5, False), (16, False)])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_gemv_matches_the_reference(T, fma, dtype, slices, bias):
     x, w = operands(T, 100, 200, dtype, seed=T)
-    config = GemvConfig(block_c=32, slices=slices)
-    expected = gemv_torch(x, w)
+    b = torch.randn(100, generator=torch.Generator().manual_seed(5)).to(x.device, dtype) if bias \
+        else None
+    config = GemvConfig(block_c=32, slices=slices, tensor_cores=not fma)
+    expected = gemv_torch(x, w, b)
     for _ in range(2):  # the second call finds the counters back at zero
-        assert_close(gemv(x, w, config), expected, dtype)
+        assert_close(gemv(x, w, b, config=config), expected, dtype)
 
 
 def test_empty_batch_and_bad_input():
@@ -33,16 +37,21 @@ def test_empty_batch_and_bad_input():
     x, w = operands(17, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="T <= 16"):
         gemv(x, w)
-
-
-def test_the_split_fills_the_sms_and_keeps_four_steps_a_slice():
-    assert choose_gemv_config(N=2048, C=4096, num_sms=132).slices == 8  # o_proj: 32 blocks
-    assert choose_gemv_config(N=5120, C=2048, num_sms=132).slices == 4  # qkv: 80 blocks
-    assert choose_gemv_config(N=151936, C=2048, num_sms=132).slices == 1  # the LM head
+    with pytest.raises(ValueError, match=r"bias must be \(64,\)"):
+        gemv(x[:1], w, torch.zeros(63))
 
 
 QWEN3_STEP = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048),
               "lm_head": (151936, 2048), "shared up": (1536, 2048)}
+
+
+def test_slices_fill_the_sms_in_powers_of_two():
+    one_row = {name: choose_gemv_config(1, N, C, num_sms=132).slices
+               for name, (N, C) in QWEN3_STEP.items()}
+    assert one_row == {"qkv": 4, "o": 8, "router": 8, "lm_head": 1, "shared up": 8}
+    assert choose_gemv_config(8, 5120, 2048, num_sms=132).slices == 4  # qkv: 80 blocks of 64
+    assert choose_gemv_config(8, 2048, 4096, num_sms=132).slices == 8
+    assert choose_gemv_config(8, 128, 2048, num_sms=132).slices == 8  # capped: one step a slice
 
 
 @pytest.mark.gpu
@@ -54,6 +63,8 @@ def test_gemv_at_a_decode_steps_shapes_on_the_gpu(name, T):
     expected = (x.float() @ w.float().T)
     assert relative_error(gemv(x, w), expected) < 1e-2
     assert torch.equal(gemv(x, w), gemv(x, w))  # the slices' order is fixed
+    # models/ take it at one row, below an LM head's width
+    assert gemv_applies(x, w) == (T == 1 and name != "lm_head")
     graph, out = torch.cuda.CUDAGraph(), None
     gemv(x, w)
     with torch.cuda.graph(graph):
@@ -61,3 +72,36 @@ def test_gemv_at_a_decode_steps_shapes_on_the_gpu(name, T):
     for _ in range(3):
         graph.replay()
         assert torch.equal(out, gemv(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16])
+def test_prefetched_weights_behind_a_norm_equal_the_plain_launch(T):
+    """PDL: the weight loads start under the norm, x is read after it; a graph of norm ->
+    projection links, replayed, gives the plain launch's bits."""
+    from moe_triton.models.rms_norm import add_rms_norm
+
+    N, C = QWEN3_STEP["qkv"]
+    x, _ = operands(T, N, C, torch.bfloat16, seed=T)
+    weights = [operands(T, N, C, torch.bfloat16, seed=10 + i)[1] for i in range(4)]
+    residual, norm_weight = torch.randn_like(x), torch.rand(C, device="cuda").bfloat16()
+
+    def links(prefetch):
+        outs = []
+        for w in weights:
+            h, _ = add_rms_norm(x, residual, norm_weight, 1e-6)
+            outs.append(gemv(h, w, prefetch_weight=prefetch))
+        return outs
+
+    expected = links(False)
+    for out, plain in zip(links(True), expected, strict=True):
+        assert torch.equal(out, plain)
+    links(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = links(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        for out, plain in zip(outs, links(False), strict=True):
+            assert torch.equal(out, plain)
