@@ -10,7 +10,7 @@ import triton.language as tl
 from moe_triton.config import device_limits
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
-from moe_triton.platform import triton_computes_exactly
+from moe_triton.platform import dependent_launch, gdc_launch_dependents, triton_computes_exactly
 from moe_triton.weights import tensor_signature
 
 
@@ -29,8 +29,10 @@ def _decode_attention_kernel(
     NUM_SLOTS, S, scale, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:  # the next kernel (o_proj, gemv.py) may launch and load its weights now
+        gdc_launch_dependents()
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = tl.load(positions_ptr + b).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -191,7 +193,8 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan
         stride_c_h=keys.stride(1), stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S,
         scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32))
+        BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32,
+        TRIGGER=dependent_launch(q.device)))
     return _AttentionPlan((B, Hq, splits), counters, launch)
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import SILU_AND_MUL, Activation, activate, activation_torch
+from moe_triton.gemv import gemv, gemv_applies
 from moe_triton.graphs import ForwardMode
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.linear import linear
@@ -45,22 +46,30 @@ class RMSNorm(nn.Module):
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x (..., C), weight (N, C)); in batch-invariant mode (moe_triton.batch_invariant)
-    moe_triton.linear, whose rows' bits never depend on the rest of the batch (torch's BLAS picks
-    kernels by the row count)."""
-    if not batch_invariant_enabled():
-        return F.linear(x, weight)
-    return linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+    """F.linear(x (..., C), weight (N, C)); a batch-1 decode call on the GPU through
+    moe_triton.gemv, its weight streamed while the kernel in front (the norm, the attention) still
+    runs (`gemv_applies`); in batch-invariant mode (moe_triton.batch_invariant) moe_triton.linear,
+    whose rows' bits never depend on the rest of the batch (torch's BLAS picks kernels by the row
+    count)."""
+    if batch_invariant_enabled():
+        return linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+    if gemv_applies(x, weight):
+        return gemv(x.reshape(1, -1), weight, prefetch_weight=True).view(*x.shape[:-1], -1)
+    return F.linear(x, weight)
 
 
 class Linear(nn.Linear):
-    """nn.Linear; in batch-invariant mode through `dense`."""
+    """nn.Linear; a batch-1 decode call through moe_triton.gemv (the bias in its epilogue), in
+    batch-invariant mode through `dense` (the bias added after)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not batch_invariant_enabled():
-            return super().forward(x)
-        out = dense(x, self.weight)
-        return out if self.bias is None else out + self.bias  # an exact add: row by row
+        if batch_invariant_enabled():
+            out = dense(x, self.weight)
+            return out if self.bias is None else out + self.bias  # an exact add: row by row
+        if gemv_applies(x, self.weight, self.bias):
+            return gemv(x.reshape(1, -1), self.weight, self.bias, prefetch_weight=True).view(
+                *x.shape[:-1], -1)
+        return super().forward(x)
 
 
 def gated_activation(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL) -> torch.Tensor:

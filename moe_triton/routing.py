@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import checks
+from .gemv import gemv, gemv_applies
 from .invariance import batch_invariant_enabled
 from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from .linear import linear
@@ -231,6 +232,8 @@ def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec: 
     if batch_invariant_enabled():
         logits = linear(x, w)
         return logits if b is None else logits + b
+    if gemv_applies(x, w, b):  # batch-1 decode: the weight streamed behind the norm (gemv.py)
+        return gemv(x, w, b, prefetch_weight=True)
     return torch.nn.functional.linear(x, w, b)
 
 
