@@ -188,6 +188,27 @@ def kernel_times(fn: Callable[[], object]) -> dict[str, list[float]]:
     return by_name
 
 
+def record_where_time_goes(record, table: str, fn: Callable[[], object], seconds: float,
+                           layers: int, top: int | None = None) -> None:
+    """A row per kernel of one call of `fn` (`seconds` long, timed apart) by GPU time: launches a
+    layer, µs and share of the call; the `top` first alone and the rest summed (None: all), and
+    the time no kernel ran (negative where kernels overlap: PDL launches early)."""
+    by_name = kernel_times(fn)
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
+    call_us = seconds * 1e6
+
+    def row(kernel: str, per_layer: str, us: float) -> None:
+        record(table, dict(kernel=kernel, per_layer=per_layer, us=f"{us:.0f}",
+                           share=f"{us / call_us:.1%}"))
+
+    for name, times in ranked[:top]:
+        row(name, f"{len(times) / layers:.2f}", sum(times))
+    if top is not None and len(ranked) > top:
+        row(f"({len(ranked) - top} other kernels)", "-",
+            sum(sum(times) for _, times in ranked[top:]))
+    row("(idle between kernels)", "-", call_us - sum(sum(t) for t in by_name.values()))
+
+
 def gpt_oss_config(size: str = "120b"):
     """gpt-oss-120b's config (36 layers, H = I = 2880, 128 experts top-4, 64 / 8 heads of 64,
     sliding window 128 on every other layer, YaRN), or gpt-oss-20b's (24 layers, 32 experts)."""

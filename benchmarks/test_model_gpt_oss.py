@@ -23,8 +23,8 @@ from measure import (
     gpt_oss_config,
     gpt_oss_decode_step_bytes,
     gpt_oss_prefill_flops,
-    kernel_times,
     random_mxfp4_,
+    record_where_time_goes,
 )
 
 from moe_triton.context import ModelContext
@@ -52,21 +52,6 @@ def build(size: str):
     return model
 
 
-def where_time_goes(record, table: str, fn, seconds: float, layers: int, top: int = 12) -> None:
-    """The `top` kernels of one call by GPU time, their launches per layer, and the rest."""
-    by_name = kernel_times(fn)
-    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))
-    for name, times in ranked[:top]:
-        record(table, dict(kernel=name, per_layer=f"{len(times) / layers:.2f}",
-                           us=f"{sum(times):.0f}", share=f"{sum(times) / (seconds * 1e6):.1%}"))
-    rest = sum(sum(times) for _, times in ranked[top:])
-    busy = sum(sum(times) for times in by_name.values())
-    record(table, dict(kernel=f"({len(ranked) - top} other kernels)", per_layer="-",
-                       us=f"{rest:.0f}", share=f"{rest / (seconds * 1e6):.1%}"))
-    record(table, dict(kernel="(idle between kernels)", per_layer="-",
-                       us=f"{seconds * 1e6 - busy:.0f}", share=f"{1 - busy / (seconds * 1e6):.1%}"))
-
-
 def free(model) -> None:
     model.cache = model.graphs = None
     torch.cuda.empty_cache()
@@ -91,8 +76,9 @@ def test_gpt_oss_decode_and_prefill(benchmark, size, ceilings, record):
                    batch=batch, step_us=f"{step_s * 1e6:.0f}", floor_us=f"{floor_s * 1e6:.0f}",
                    floor_frac=f"{floor_s / step_s:.2f}", tokens_per_s=f"{batch / step_s:.0f}"))
         if batch == 1 and size == "120b":
-            where_time_goes(record, f"Where a gpt-oss-{size} decode step goes: batch 1, one "
-                            "replay", lambda: model.graphs.run(inputs), step_s, layers)
+            record_where_time_goes(record, f"Where a gpt-oss-{size} decode step goes: batch 1, "
+                                   "one replay", lambda: model.graphs.run(inputs), step_s, layers,
+                                   top=12)
     for tokens in PREFILL:
         free(model)
         model.setup(max_batch=1, max_seq=tokens, batch_sizes=(1,))
@@ -103,7 +89,8 @@ def test_gpt_oss_decode_and_prefill(benchmark, size, ceilings, record):
             tokens=tokens, prefill_ms=f"{seconds * 1e3:.1f}", floor_ms=f"{floor_s * 1e3:.1f}",
             compute_frac=f"{floor_s / seconds:.2f}", tokens_per_s=f"{tokens / seconds:.0f}"))
         if tokens == PREFILL[-1] and size == "120b":
-            where_time_goes(record, f"Where a gpt-oss-{size} prefill of {tokens} tokens goes",
-                            lambda: model.prefill_last(ids), seconds, layers)
+            record_where_time_goes(record, f"Where a gpt-oss-{size} prefill of {tokens} tokens "
+                                   "goes", lambda: model.prefill_last(ids), seconds, layers,
+                                   top=12)
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)  # the tables are the result

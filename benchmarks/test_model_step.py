@@ -21,9 +21,9 @@ import torch
 from measure import (
     decode_step_bytes,
     event_median_seconds,
-    kernel_times,
     qwen3_30b_a3b_config,
     random_weights_,
+    record_where_time_goes,
 )
 
 from moe_triton.models import default_dtype
@@ -105,16 +105,8 @@ def test_decode_step_profile(benchmark, model, batch, record):
     layers = model.config.num_hidden_layers
     inputs = decode_setup(model, batch, 1024)
     step_s = event_median_seconds(lambda: model.graphs.run(inputs))
-    by_name = kernel_times(lambda: model.graphs.run(inputs))
-    busy_us = sum(sum(times) for times in by_name.values())
-    table = (f"Where a decode step goes: batch {batch}, context 1k, one replay "
-             f"({step_s * 1e6:.0f} us a step)")
-    for name, times in sorted(by_name.items(), key=lambda item: -sum(item[1])):
-        record(table, dict(kernel=name, per_layer=f"{len(times) / layers:.2f}",
-                           us_per_step=f"{sum(times):.0f}",
-                           share=f"{sum(times) / (step_s * 1e6):.1%}"))
-    record(table, dict(kernel="(idle between kernels)", per_layer="-",
-                       us_per_step=f"{step_s * 1e6 - busy_us:.0f}",
-                       share=f"{1 - busy_us / (step_s * 1e6):.1%}"))
+    record_where_time_goes(record, f"Where a decode step goes: batch {batch}, context 1k, one "
+                           f"replay ({step_s * 1e6:.0f} us a step)",
+                           lambda: model.graphs.run(inputs), step_s, layers)
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)
