@@ -15,7 +15,8 @@ def operands(T, N, C, dtype, seed=0):
     return x, w
 
 
-# N and C off the tiles (100 of 64-column blocks, 200 of 32-wide steps: a short last slice)
+# N and C off the tiles (100 off 32- and 64-column blocks, 200 off 32-wide steps: a short last
+# slice)
 @pytest.mark.parametrize("slices", [1, 3], ids=lambda s: f"slices{s}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 # one row by FMAs or through the tensor cores' 16-row tile; more rows: the tile
