@@ -177,13 +177,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     reads w while that work still runs (PDL)."""
     T, C = x.shape
     if (T > MAX_ROWS or w.dim() != 2 or w.shape[1] != C or x.stride(1) != 1 or w.stride(1) != 1
-            or x.dtype != w.dtype):
+            or x.dtype != w.dtype or x.device != w.device):
         raise ValueError(f"gemv takes x (T <= {MAX_ROWS}, C) and w (N, C) of one dtype with unit "
-                         f"last strides, got x {x.dtype} {tuple(x.shape)} {x.stride()}, "
-                         f"w {w.dtype} {tuple(w.shape)} {w.stride()}")
-    if bias is not None and (bias.shape != w.shape[:1] or bias.stride(0) != 1):
-        raise ValueError(f"bias must be ({w.shape[0]},) with unit stride, one per output column, "
-                         f"got {tuple(bias.shape)}")
+                         f"last strides on one device, got x {x.dtype} {tuple(x.shape)} "
+                         f"{x.stride()} on {x.device}, w {w.dtype} {tuple(w.shape)} {w.stride()} "
+                         f"on {w.device}")
+    if bias is not None and (bias.shape != w.shape[:1] or bias.stride(0) != 1
+                             or bias.device != x.device or not bias.dtype.is_floating_point):
+        raise ValueError(f"bias must be a float ({w.shape[0]},) with unit stride on {x.device}, "
+                         f"one per output column, got {bias.dtype} {tuple(bias.shape)} on "
+                         f"{bias.device}")
     signature = (tensor_signature(x), tensor_signature(w), tensor_signature(bias), config,
                  prefetch_weight,
                  torch.cuda.current_stream(x.device).stream_id if x.is_cuda else None)
@@ -203,6 +206,7 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     if torch.compiler.is_compiling():  # first: the shape tests below would guard a trace
         return False
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
+            and w.device == x.device and (bias is None or bias.device == x.device)
             and x.numel() == x.shape[-1] and x.is_contiguous() and w.stride(-1) == 1
             and w.shape[0] <= GemvConfig.block_n * PROGRAMS_PER_SM * device_limits(x.device)[0]
             and not checks.grad_needed(x, w, bias))

@@ -38,8 +38,10 @@ def test_empty_batch_and_bad_input():
     x, w = operands(17, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="T <= 16"):
         gemv(x, w)
-    with pytest.raises(ValueError, match=r"bias must be \(64,\)"):
+    with pytest.raises(ValueError, match=r"bias must be a float \(64,\)"):
         gemv(x[:1], w, torch.zeros(63))
+    with pytest.raises(ValueError, match="on one device"):  # before any launch: no crash
+        gemv(x[:1], w.to("meta"))
 
 
 QWEN3_STEP = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048),
