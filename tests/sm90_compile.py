@@ -1,34 +1,43 @@
-"""Compile for SM90, without a GPU, every kernel that `run_experts` calls launch: Triton's
-frontend and ptxas then check what the H200 would (an 8-bit tl.dot's K >= 32, M and N >= 16,
-the TMA descriptors' shapes). Nothing runs; the tensors are CPU stand-ins with the shapes,
-strides and dtypes of the GPU call, and the tiles are choose_config's for an H200, whose shared
-memory each kernel must fit.
+"""Compile for SM90, without a GPU, every kernel that `run_experts` calls launch (or a decode
+projection, moe_triton.gemv): Triton's frontend and ptxas then check what the H200 would (an
+8-bit tl.dot's K >= 32, M and N >= 16, the TMA descriptors' shapes), with the specialization the
+JIT would give each call (integers equal to 1 as constants, pointers and integers divisible by 16
+marked so: its vector loads follow from them). Nothing runs; the tensors are CPU stand-ins with
+the shapes, strides and dtypes of the GPU call, and the tiles are choose_config's for an H200,
+whose shared memory each kernel must fit. Each kernel's registers a thread (ptxas, read back by
+cuobjdump) are printed: "regs=<name>:<n>".
 
-Run by tests/test_fp8.py in a process of its own: kernels must be JIT functions, so
-TRITON_INTERPRET must be off.
+Run by tests/test_fp8.py, test_decode.py and test_gemv.py in a process of its own: kernels must
+be JIT functions, so TRITON_INTERPRET must be off.
 
     python tests/sm90_compile.py '[{"E": 8, "K": 2, "H": 64, "I": 48, "T": 1, "format": "block",
-                                    "block": [16, 16]}, ...]'
+                                    "block": [16, 16]}, {"gemv": [1, 5120, 2048]}, ...]'
 
 A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or "native"
 (bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
-fewer); "decode": true takes decode_config's tiles (the decode kernel). Prints one line per
-case; exits non-zero at the first kernel that does not compile.
+fewer); "decode": true takes decode_config's tiles (the decode kernel). A "gemv": [T, N, C] case
+is one bf16 projection with choose_gemv_config's tiles, its weights prefetched (PDL). Prints one
+line per case; exits non-zero at the first kernel that does not compile.
 """
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 
 assert not os.environ.get("TRITON_INTERPRET"), "unset TRITON_INTERPRET: the kernels are compiled"
 
 import triton  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import mangle_type  # noqa: E402
 
 import moe_triton.config as configs  # noqa: E402
+import moe_triton.gemv as gemvs  # noqa: E402
 from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
 from moe_triton.activation import SILU_AND_MUL  # noqa: E402
 from moe_triton.launch import BoundLaunch  # noqa: E402
@@ -38,26 +47,47 @@ from moe_triton.weights import NATIVE  # noqa: E402
 H200 = (132, 232448)  # SM count, shared memory per block (opt-in)
 SM90 = GPUTarget("cuda", 90, 32)
 compiled: dict[tuple, str] = {}
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                         "cuobjdump")
+
+
+def specialization(launch: BoundLaunch, args: dict) -> tuple[dict, dict, dict]:
+    """The signature, constants and attributes Triton's JIT gives a call with these arguments."""
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(launch.kernel.params):
+        kind, key = ("constexpr", None) if param.is_constexpr else native_specialize_impl(
+            CUDABackend, args[param.name], False, not param.do_not_specialize,
+            not param.do_not_specialize_on_alignment)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[param.name] = args[param.name]
+        elif key:
+            attrs[(i,)] = CUDABackend.parse_attr(key)
+    return signature, constexprs, attrs
 
 
 def compile_launch(launch: BoundLaunch, **tensors) -> None:
     """In place of a launch: compile the kernel for SM90 with this call's arguments."""
-    args = {**launch.fixed, **tensors}
-    signature, constexprs = {}, {}
-    for param in launch.kernel.params:
-        value = args[param.name]
-        signature[param.name] = "constexpr" if param.is_constexpr else mangle_type(value)
-        if param.is_constexpr:
-            constexprs[param.name] = value
+    signature, constexprs, attrs = specialization(launch, {**launch.fixed, **tensors})
     key = (launch.kernel.fn.__name__, tuple(signature.items()), tuple(constexprs.items()),
-           tuple(launch.options.items()))
+           tuple(sorted(attrs)), tuple(launch.options.items()))
     if key not in compiled:
-        source = ASTSource(launch.kernel, signature, constexprs)
+        source = ASTSource(launch.kernel, signature, constexprs, attrs)
         kernel = triton.compile(source, target=SM90, options=launch.options)
         name = launch.kernel.fn.__name__
         shared = kernel.metadata.shared
         assert shared <= H200[1], f"{name} needs {shared} bytes of shared memory"
-        compiled[key] = name
+        compiled[key] = f"{name}:{registers(kernel.asm['cubin'])}"
+
+
+def registers(cubin: bytes) -> int:
+    """Registers a thread of a compiled kernel, as ptxas allotted them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", file.name], capture_output=True,
+                               text=True, check=True).stdout
+    return int(re.search(r"REG:(\d+)", usage).group(1))
 
 
 def weight_format(case: dict) -> WeightFormat:
@@ -69,7 +99,16 @@ def weight_format(case: dict) -> WeightFormat:
     return getattr(WeightFormat, f"fp8_{name}")()
 
 
+def compile_gemv(T: int, N: int, C: int) -> str:
+    config = gemvs.choose_gemv_config(T, N, C, H200[0])
+    x, w = torch.zeros(T, C, dtype=torch.bfloat16), torch.zeros(N, C, dtype=torch.bfloat16)
+    gemvs.plan_gemv(x, w, config, prefetch_weight=True)(x, w)
+    return f"gemv T={T} N={N} C={C}: {config}"
+
+
 def compile_case(case: dict) -> str:
+    if "gemv" in case:
+        return compile_gemv(*case["gemv"])
     E, K, H, I, T = (case[k] for k in "EKHIT")
     fmt = weight_format(case)
     dtype = fmt.storage_dtype(torch.bfloat16)
@@ -91,9 +130,13 @@ def compile_case(case: dict) -> str:
 
 def main(cases: list[dict]) -> None:
     configs.device_limits = lambda device: H200
+    gemvs.dependent_launch = lambda device: True  # the stand-ins are CPU tensors; the H200 has PDL
     BoundLaunch.__call__ = compile_launch
     for case in cases:
-        print(compile_case(case), flush=True)
+        before = set(compiled)
+        line = compile_case(case)
+        new = ",".join(compiled[k] for k in compiled if k not in before)
+        print(f"{line} regs={new or '(compiled above)'}", flush=True)
 
 
 if __name__ == "__main__":

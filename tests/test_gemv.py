@@ -1,11 +1,26 @@
 """gemv.py: decode-size projections, against float32 torch; the split contraction's partials
-summed by the last program, calls repeated (the counters return to zero) and, on the H200, at a
-Qwen3-30B-A3B step's shapes and inside a CUDA graph."""
+summed by the last program, calls repeated (the counters return to zero), compiled for sm_90
+without a GPU and, on the H200, at a Qwen3-30B-A3B step's shapes, behind a norm (PDL) and inside a
+CUDA graph."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import assert_close, relative_error, test_device
 
-from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv, gemv_applies, gemv_torch
+from moe_triton.gemv import (
+    PROGRAMS_PER_SM,
+    GemvConfig,
+    choose_gemv_config,
+    gemv,
+    gemv_applies,
+    gemv_torch,
+)
 
 
 def operands(T, N, C, dtype, seed=0):
@@ -55,6 +70,25 @@ def test_slices_fill_the_sms_in_powers_of_two():
     assert choose_gemv_config(8, 5120, 2048, num_sms=132).slices == 4  # qkv: 80 blocks of 64
     assert choose_gemv_config(8, 2048, 4096, num_sms=132).slices == 8
     assert choose_gemv_config(8, 128, 2048, num_sms=132).slices == 8  # capped: one step a slice
+
+
+def test_the_projections_compile_for_sm90_with_their_programs_resident():
+    """Every Qwen3 decode projection, one row and 16, compiled for sm_90 without a GPU, weights
+    prefetched (tests/sm90_compile.py); one row's programs fit PROGRAMS_PER_SM to an SM's 64K
+    registers, as choose_gemv_config's grid assumes (every program prefetching at launch)."""
+    cases = [{"gemv": [T, N, C]} for T in (1, 16) for N, C in QWEN3_STEP.values()]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    harness = str(Path(__file__).with_name("sm90_compile.py"))
+    run = subprocess.run([sys.executable, harness, json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(cases), run.stdout
+    warps = GemvConfig().num_warps
+    for line in lines[:len(QWEN3_STEP)]:  # one row
+        for registers in re.findall(r"_gemv_kernel:(\d+)", line):
+            threads = 32 * warps * PROGRAMS_PER_SM
+            assert -(-int(registers) // 8) * 8 * threads <= 65536, line  # ptxas allots by 8
 
 
 @pytest.mark.gpu
