@@ -17,6 +17,7 @@ calls must not overlap in time (one stream). `gemv_torch`: the reference.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,7 +28,7 @@ from . import checks
 from .config import device_limits
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
 from .platform import dependent_launch, gdc_wait
-from .weights import tensor_signature
+from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, tensor_signature
 
 MAX_ROWS = 16  # the tensor cores' smallest row tile: decode batches up to it
 
@@ -45,13 +46,17 @@ class GemvConfig:
 PROGRAMS_PER_SM = 4  # one row's programs resident at once (8 warps each): all prefetch at launch
 
 
-def choose_gemv_config(T: int, N: int, C: int, num_sms: int) -> GemvConfig:
+def choose_gemv_config(T: int, N: int, C: int, num_sms: int,
+                       scale_block_c: int | None = None) -> GemvConfig:
     """One row by FMAs, 32 x 128 tiles; more rows through the tensor cores, 64 x 256. Slices: the
     largest power of two that keeps the grid within PROGRAMS_PER_SM (FMAs; the tensor-core tile:
     two) programs an SM, each slice at least two steps (FMAs) or one. Measured best at a Qwen3
-    step's qkv, o and router projections, behind a norm (docs/PERFORMANCE.md, issue 30)."""
+    step's qkv, o and router projections, behind a norm (docs/PERFORMANCE.md, issue 30). FP8
+    block scales `scale_block_c` columns wide: steps that divide them (one scale a row a step)."""
     config = GemvConfig() if T == 1 else GemvConfig(block_n=64, block_c=256, num_warps=4,
                                                      tensor_cores=True)
+    if scale_block_c is not None:
+        config = replace(config, block_c=math.gcd(config.block_c, scale_block_c))
     per_sm = 2 if config.tensor_cores else PROGRAMS_PER_SM
     steps = triton.cdiv(C, config.block_c)
     most = steps if config.tensor_cores else max(1, steps // 2)
@@ -62,9 +67,12 @@ def choose_gemv_config(T: int, N: int, C: int, num_sms: int) -> GemvConfig:
 @interpreter_serialized
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    T, N, C, stride_x_t, stride_w_n, stride_out_t,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
+    T, N, C, stride_x_t, stride_w_n, stride_s_n, stride_out_t,
     SLICES: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    # FP8 w: 0 none; 1 a float32 scale per output row (stride 0: one per tensor), on the sums;
+    # 2 one per SCALE_N x SCALE_C block (SCALE_C a multiple of BLOCK_C), on each step's tile
+    SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_C: tl.constexpr,
     DEPENDENT: tl.constexpr,  # launched by PDL: w read before the kernel in front ends, x after
     DOT: tl.constexpr,  # tensor cores (BLOCK_T >= 16); else one row by FMAs (BLOCK_T == 1)
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -84,20 +92,32 @@ def _gemv_kernel(
         gdc_wait()  # x (the kernel in front's output) complete and visible from here on
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     lanes = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)  # FMA: summed across C once, at the end
-    for _ in range(first, end):
+    for step in range(first, end):
         x = tl.load(x_ptr + rows[:, None] * stride_x_t + cs[None, :],
                     mask=(rows[:, None] < T) & (cs[None, :] < C), other=0.0)  # [BLOCK_T, BLOCK_C]
+        if SCALE == 2:  # the step's column of the block grid, one scale a row
+            block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
+                                  + step * BLOCK_C // SCALE_C, mask=cols < N, other=0.0)
         if not DOT:
-            lanes += w.to(tl.float32) * x.to(tl.float32)
-        elif IEEE_FP32:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            w32 = w.to(tl.float32)
+            if SCALE == 2:
+                w32 = w32 * block_scale[:, None]
+            lanes += w32 * x.to(tl.float32)
+        else:  # FP8 w -> x's dtype: exact (e4m3 fits bf16 and fp16)
+            w_x = tl.trans(w.to(x.dtype))
+            if SCALE == 2:
+                acc += _dot(x, w_x, IEEE_FP32) * block_scale[None, :]
+            elif IEEE_FP32:
+                acc = tl.dot(x, w_x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w_x, acc)
         cs += BLOCK_C  # the next tile, in flight while this one is summed
         w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
                     other=0.0)
     if not DOT:
         acc = tl.sum(lanes, 1)[None, :]
+    if SCALE == 1:
+        acc *= tl.load(scale_ptr + cols * stride_s_n, mask=cols < N, other=0.0)[None, :]
     out_mask = (rows[:, None] < T) & (cols[None, :] < N)
     out = out_ptr + rows[:, None] * stride_out_t + cols[None, :]
     if SLICES == 1:
@@ -118,6 +138,13 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _dot(a, b, IEEE_FP32: tl.constexpr):
+    if IEEE_FP32:  # float32: full-precision products (the default would round operands to tf32)
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _with_bias(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr):
     """acc [BLOCK_T, BLOCK_N] float32 + bias (N,) at cols, before the one rounding (as cuBLAS's
     epilogue adds F.linear's bias)."""
@@ -133,24 +160,67 @@ class GemvPlan:
     counters: torch.Tensor | None  # [N / BLOCK_N] int32, zero between calls
     launch: BoundLaunch | None  # None: no rows or no columns
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)  # [T, N]
         if self.launch is not None:
             self.launch(x_ptr=x, w_ptr=w, bias_ptr=out if bias is None else bias, out_ptr=out,
+                        scale_ptr=out if weight_scale is None else weight_scale,
                         partial_ptr=self.partials if self.partials is not None else out,
                         counter_ptr=self.counters if self.counters is not None else out)
         return out
 
 
+@dataclass(frozen=True)
+class WeightScaling:
+    """How the kernel reads an FP8 weight's float32 scale: `kind` 0 none, 1 one a row (`stride_n`
+    0: one for the tensor), 2 one a (block_n x block_c) block, row blocks `stride_n` apart."""
+    kind: int = 0
+    stride_n: int = 0
+    block_n: int = 1
+    block_c: int = 1
+
+    @classmethod
+    def of(cls, w: torch.Tensor, scale: torch.Tensor | None,
+           fmt: WeightFormat | None) -> WeightScaling:
+        """The scaling of w (N, C) and its checkpoint-layout scale in `fmt`, checked."""
+        if w.dtype != FP8_DTYPE:
+            if scale is not None:
+                raise ValueError(f"weight_scale is for {FP8_DTYPE} weights, w is {w.dtype}: "
+                                 "drop it")
+            return cls()
+        N, C = w.shape
+        if fmt is None or fmt.fp8 is None or fmt.static_input or scale is None:
+            raise ValueError(f"an {FP8_DTYPE} w needs weight_scale and a dynamic FP8 "
+                             f"weight_format (WeightFormat.fp8_block() / fp8_channel() / "
+                             f"fp8_tensor()), got {fmt} and scale {scale is not None}")
+        if (tuple(scale.shape) not in fmt.linear_scale_shapes(N, C)
+                or scale.dtype != torch.float32 or scale.device != w.device):
+            raise ValueError(f"weight_scale must be float32 of shape "
+                             f"{' or '.join(map(str, fmt.linear_scale_shapes(N, C)))} on "
+                             f"{w.device} for a ({N}, {C}) weight in {fmt}, got {scale.dtype} "
+                             f"{tuple(scale.shape)} on {scale.device} (pass scale.float())")
+        if fmt.block is None:
+            return cls(1, scale.stride(0) if fmt.fp8 is Fp8Scaling.CHANNEL else 0)
+        if scale.stride(1) != 1:
+            raise ValueError(f"weight_scale's block grid is read row by row: pass "
+                             f"scale.contiguous(), got strides {scale.stride()}")
+        return cls(2, scale.stride(0), *fmt.block)
+
+
 def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
-              prefetch_weight: bool = False, has_bias: bool = False) -> GemvPlan:
+              prefetch_weight: bool = False, has_bias: bool = False,
+              scaling: WeightScaling = WeightScaling()) -> GemvPlan:
     T, C = x.shape
     N = w.shape[0]
     if T == 0 or N == 0:
         return GemvPlan((T, N), None, None, None)
     if config is None:
-        config = choose_gemv_config(T, N, C, device_limits(x.device)[0])
+        config = choose_gemv_config(T, N, C, device_limits(x.device)[0],
+                                    scaling.block_c if scaling.kind == 2 else None)
+    if scaling.kind == 2 and scaling.block_c % config.block_c:
+        raise ValueError(f"config.block_c={config.block_c} must divide the FP8 scale blocks' "
+                         f"{scaling.block_c} columns")
     column_blocks = triton.cdiv(N, config.block_n)
     partials = counters = None
     if config.slices > 1:
@@ -158,9 +228,10 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
         counters = torch.zeros(column_blocks, dtype=torch.int32, device=x.device)
     dependent = prefetch_weight and dependent_launch(x.device)
     dot = T > 1 or config.tensor_cores
-    fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0), stride_out_t=N,
-                 SLICES=config.slices, IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias,
-                 DEPENDENT=dependent,
+    fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0),
+                 stride_s_n=scaling.stride_n, stride_out_t=N, SLICES=config.slices,
+                 IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias, SCALE=scaling.kind,
+                 SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, DEPENDENT=dependent,
                  DOT=dot, BLOCK_T=MAX_ROWS if dot else 1, BLOCK_N=config.block_n,
                  BLOCK_C=config.block_c)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages) | (
@@ -170,30 +241,36 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, *, prefetch_weight: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None,
+         weight_format: WeightFormat | None = None,
+         prefetch_weight: bool = False) -> torch.Tensor:
     """x (T <= 16, C) @ w (N, C).T (+ bias (N,)) -> a fresh (T, N) in x's dtype, as F.linear; x
-    and w with unit last stride and one dtype and device. `prefetch_weight`: w and bias are not
-    written by the work queued before this call (a model's parameters), so on SM90 the kernel
-    reads w while that work still runs (PDL)."""
+    and w with unit last stride and one dtype (or w FP8, read as `weight_format` says its float32
+    `weight_scale` is laid out: per tensor, per row or per block, as checkpoints store it) and
+    device. `prefetch_weight`: w, its scale and bias are not written by the work queued before
+    this call (a model's parameters), so on SM90 the kernel reads w while that work still runs
+    (PDL)."""
     T, C = x.shape
     if (T > MAX_ROWS or w.dim() != 2 or w.shape[1] != C or x.stride(1) != 1 or w.stride(1) != 1
-            or x.dtype != w.dtype or x.device != w.device):
-        raise ValueError(f"gemv takes x (T <= {MAX_ROWS}, C) and w (N, C) of one dtype with unit "
-                         f"last strides on one device, got x {x.dtype} {tuple(x.shape)} "
-                         f"{x.stride()} on {x.device}, w {w.dtype} {tuple(w.shape)} {w.stride()} "
-                         f"on {w.device}")
+            or w.dtype not in (x.dtype, FP8_DTYPE) or x.device != w.device):
+        raise ValueError(f"gemv takes x (T <= {MAX_ROWS}, C) and w (N, C) of x's dtype or "
+                         f"{FP8_DTYPE} with unit last strides on one device, got x {x.dtype} "
+                         f"{tuple(x.shape)} {x.stride()} on {x.device}, w {w.dtype} "
+                         f"{tuple(w.shape)} {w.stride()} on {w.device}")
+    scaling = WeightScaling.of(w, weight_scale, weight_format)
     if bias is not None and (bias.shape != w.shape[:1] or bias.stride(0) != 1
                              or bias.device != x.device or not bias.dtype.is_floating_point):
         raise ValueError(f"bias must be a float ({w.shape[0]},) with unit stride on {x.device}, "
                          f"one per output column, got {bias.dtype} {tuple(bias.shape)} on "
                          f"{bias.device}")
-    signature = (tensor_signature(x), tensor_signature(w), tensor_signature(bias), config,
-                 prefetch_weight,
+    signature = (tensor_signature(x), tensor_signature(w), tensor_signature(bias), scaling,
+                 config, prefetch_weight,
                  torch.cuda.current_stream(x.device).stream_id if x.is_cuda else None)
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.add(signature, plan_gemv(x, w, config, prefetch_weight, bias is not None))
-    return plan(x, w, bias)
+        plan = _PLANS.add(signature, plan_gemv(x, w, config, prefetch_weight, bias is not None,
+                                               scaling))
+    return plan(x, w, bias, weight_scale)
 
 
 def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -215,7 +292,12 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
 _PLANS = PlanCache()
 
 
-def gemv_torch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference: float32 torch, in x's dtype."""
+def gemv_torch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               weight_scale: torch.Tensor | None = None,
+               weight_format: WeightFormat | None = None) -> torch.Tensor:
+    """The reference: float32 torch (an FP8 w dequantized by weights.dequantize_weight), in x's
+    dtype."""
+    if weight_scale is not None:
+        w = dequantize_weight(w, weight_scale, weight_format)
     out = x.float() @ w.float().T
     return (out if bias is None else out + bias.float()).to(x.dtype)

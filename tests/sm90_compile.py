@@ -16,8 +16,9 @@ be JIT functions, so TRITON_INTERPRET must be off.
 A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or "native"
 (bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
 fewer); "decode": true takes decode_config's tiles (the decode kernel). A "gemv": [T, N, C] case
-is one bf16 projection with choose_gemv_config's tiles, its weights prefetched (PDL). Prints one
-line per case; exits non-zero at the first kernel that does not compile.
+is one projection with choose_gemv_config's tiles, its weights prefetched (PDL), bf16 or in a
+"format" as above. Prints one line per case; exits non-zero at the first kernel that does not
+compile.
 """
 import json
 import os
@@ -42,7 +43,7 @@ from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
 from moe_triton.activation import SILU_AND_MUL  # noqa: E402
 from moe_triton.launch import BoundLaunch  # noqa: E402
 from moe_triton.pipeline import LayerPlan, default_config  # noqa: E402
-from moe_triton.weights import NATIVE  # noqa: E402
+from moe_triton.weights import NATIVE, quantize_weight  # noqa: E402
 
 H200 = (132, 232448)  # SM count, shared memory per block (opt-in)
 SM90 = GPUTarget("cuda", 90, 32)
@@ -99,16 +100,20 @@ def weight_format(case: dict) -> WeightFormat:
     return getattr(WeightFormat, f"fp8_{name}")()
 
 
-def compile_gemv(T: int, N: int, C: int) -> str:
-    config = gemvs.choose_gemv_config(T, N, C, H200[0])
+def compile_gemv(T: int, N: int, C: int, fmt: WeightFormat) -> str:
     x, w = torch.zeros(T, C, dtype=torch.bfloat16), torch.zeros(N, C, dtype=torch.bfloat16)
-    gemvs.plan_gemv(x, w, config, prefetch_weight=True)(x, w)
-    return f"gemv T={T} N={N} C={C}: {config}"
+    scale = None
+    if fmt.quantized:
+        w, scale = quantize_weight(w, fmt)
+    scaling = gemvs.WeightScaling.of(w, scale, fmt)
+    plan = gemvs.plan_gemv(x, w, None, prefetch_weight=True, scaling=scaling)
+    plan(x, w, None, scale)
+    return f"gemv {fmt} T={T} N={N} C={C}: {plan.launch.fixed['BLOCK_C']}-wide steps"
 
 
 def compile_case(case: dict) -> str:
     if "gemv" in case:
-        return compile_gemv(*case["gemv"])
+        return compile_gemv(*case["gemv"], weight_format(case) if "format" in case else NATIVE)
     E, K, H, I, T = (case[k] for k in "EKHIT")
     fmt = weight_format(case)
     dtype = fmt.storage_dtype(torch.bfloat16)
@@ -130,6 +135,7 @@ def compile_case(case: dict) -> str:
 
 def main(cases: list[dict]) -> None:
     configs.device_limits = lambda device: H200
+    gemvs.device_limits = configs.device_limits
     gemvs.dependent_launch = lambda device: True  # the stand-ins are CPU tensors; the H200 has PDL
     BoundLaunch.__call__ = compile_launch
     for case in cases:

@@ -21,6 +21,7 @@ from moe_triton.gemv import (
     gemv_applies,
     gemv_torch,
 )
+from moe_triton.weights import WeightFormat, quantize_weight
 
 
 def operands(T, N, C, dtype, seed=0):
@@ -45,6 +46,41 @@ def test_gemv_matches_the_reference(T, fma, dtype, slices, bias):
     expected = gemv_torch(x, w, b)
     for _ in range(2):  # the second call finds the counters back at zero
         assert_close(gemv(x, w, b, config=config), expected, dtype)
+
+
+FP8_FORMATS = {"tensor": WeightFormat.fp8_tensor(), "channel": WeightFormat.fp8_channel(),
+               "block128": WeightFormat.fp8_block(), "block16x32": WeightFormat.fp8_block(16, 32)}
+
+
+@pytest.mark.parametrize("slices", [1, 3], ids=lambda s: f"slices{s}")
+@pytest.mark.parametrize("fmt", list(FP8_FORMATS))
+@pytest.mark.parametrize("T,fma", [(1, True), (5, False)])
+def test_fp8_weights_match_the_dequantized_reference(T, fma, fmt, slices):
+    """An FP8 w read with its checkpoint-layout scale: as F.linear over the dequantized weight
+    (the same quantized values both sides, so fp16's tolerance), N and C off every tile."""
+    x, w = operands(T, 100, 200, torch.float16, seed=T)
+    q, scale = quantize_weight(w.float(), FP8_FORMATS[fmt])
+    config = GemvConfig(block_c=32 if fmt != "block16x32" else 16, slices=slices,
+                        tensor_cores=not fma)
+    expected = gemv_torch(x, q, weight_scale=scale, weight_format=FP8_FORMATS[fmt])
+    out = gemv(x, q, config=config, weight_scale=scale, weight_format=FP8_FORMATS[fmt])
+    assert_close(out, expected, torch.float16)
+
+
+def test_fp8_weights_need_a_float32_scale_in_their_format():
+    x, w = operands(1, 64, 64, torch.float16)
+    q, scale = quantize_weight(w.float(), WeightFormat.fp8_block(32, 32))
+    with pytest.raises(ValueError, match="needs weight_scale and a dynamic FP8 weight_format"):
+        gemv(x, q)
+    with pytest.raises(ValueError, match=r"float32 of shape \(2, 2\)"):
+        gemv(x, q, weight_scale=scale.half(), weight_format=WeightFormat.fp8_block(32, 32))
+    with pytest.raises(ValueError, match=r"float32 of shape \(64, 1\) or \(64,\)"):
+        gemv(x, q, weight_scale=scale, weight_format=WeightFormat.fp8_channel())
+    with pytest.raises(ValueError, match="weight_scale is for"):
+        gemv(x, w, weight_scale=scale)
+    with pytest.raises(ValueError, match="read row by row"):
+        gemv(x, q, weight_scale=scale.t().contiguous().t(),
+             weight_format=WeightFormat.fp8_block(32, 32))
 
 
 def test_empty_batch_and_bad_input():
@@ -73,10 +109,13 @@ def test_slices_fill_the_sms_in_powers_of_two():
 
 
 def test_the_projections_compile_for_sm90_with_their_programs_resident():
-    """Every Qwen3 decode projection, one row and 16, compiled for sm_90 without a GPU, weights
-    prefetched (tests/sm90_compile.py); one row's programs fit PROGRAMS_PER_SM to an SM's 64K
-    registers, as choose_gemv_config's grid assumes (every program prefetching at launch)."""
+    """Every Qwen3 decode projection, one row and 16, bf16 and qkv's in FP8 (block and channel
+    scales), compiled for sm_90 without a GPU, weights prefetched (tests/sm90_compile.py); one
+    row's programs fit PROGRAMS_PER_SM to an SM's 64K registers, as choose_gemv_config's grid
+    assumes (every program prefetching at launch)."""
     cases = [{"gemv": [T, N, C]} for T in (1, 16) for N, C in QWEN3_STEP.values()]
+    cases += [{"gemv": [T, 5120, 2048], **fmt} for T in (1, 16)
+              for fmt in ({"format": "block", "block": [128, 128]}, {"format": "channel"})]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     harness = str(Path(__file__).with_name("sm90_compile.py"))
     run = subprocess.run([sys.executable, harness, json.dumps(cases)], env=env,
@@ -85,7 +124,7 @@ def test_the_projections_compile_for_sm90_with_their_programs_resident():
     lines = run.stdout.splitlines()
     assert len(lines) == len(cases), run.stdout
     warps = GemvConfig().num_warps
-    for line in lines[:len(QWEN3_STEP)]:  # one row
+    for line in lines[:len(QWEN3_STEP)] + lines[-4:-2]:  # one row
         for registers in re.findall(r"_gemv_kernel:(\d+)", line):
             threads = 32 * warps * PROGRAMS_PER_SM
             assert -(-int(registers) // 8) * 8 * threads <= 65536, line  # ptxas allots by 8
@@ -109,6 +148,22 @@ def test_gemv_at_a_decode_steps_shapes_on_the_gpu(name, T):
     for _ in range(3):
         graph.replay()
         assert torch.equal(out, gemv(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["block128", "channel", "tensor"])
+@pytest.mark.parametrize("T", [1, 16])
+def test_fp8_weights_at_a_decode_steps_shape_on_the_gpu(T, fmt):
+    """bf16 rows, FP8 qkv weights: within bf16's rounding of the dequantized float32 product,
+    prefetched or not, the same bits."""
+    N, C = QWEN3_STEP["qkv"]
+    x, w = operands(T, N, C, torch.bfloat16, seed=T)
+    q, scale = quantize_weight(w.float(), FP8_FORMATS[fmt])
+    stored = dict(weight_scale=scale, weight_format=FP8_FORMATS[fmt])
+    expected = gemv_torch(x.float(), q, **stored)
+    out = gemv(x, q, **stored)
+    assert relative_error(out, expected) < 1e-2
+    assert torch.equal(out, gemv(x, q, **stored, prefetch_weight=True))
 
 
 @pytest.mark.gpu
