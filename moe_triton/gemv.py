@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import checks
 from .config import device_limits
+from .expert_gemm import ScaleAlongC
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
 from .platform import dependent_launch, gdc_wait
 from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, tensor_signature
@@ -70,8 +71,9 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
     T, N, C, stride_x_t, stride_w_n, stride_s_n, stride_out_t,
     SLICES: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
-    # FP8 w: 0 none; 1 a float32 scale per output row (stride 0: one per tensor), on the sums;
-    # 2 one per SCALE_N x SCALE_C block (SCALE_C a multiple of BLOCK_C), on each step's tile
+    # FP8 w's float32 scales, an expert_gemm.ScaleAlongC: PER_STEP (1) one a SCALE_N x SCALE_C
+    # block (SCALE_C a multiple of BLOCK_C), on each step's tile; PER_SUM (2) one an output row
+    # (stride 0: one for the tensor), on the sums
     SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_C: tl.constexpr,
     DEPENDENT: tl.constexpr,  # launched by PDL: w read before the kernel in front ends, x after
     DOT: tl.constexpr,  # tensor cores (BLOCK_T >= 16); else one row by FMAs (BLOCK_T == 1)
@@ -95,17 +97,17 @@ def _gemv_kernel(
     for step in range(first, end):
         x = tl.load(x_ptr + rows[:, None] * stride_x_t + cs[None, :],
                     mask=(rows[:, None] < T) & (cs[None, :] < C), other=0.0)  # [BLOCK_T, BLOCK_C]
-        if SCALE == 2:  # the step's column of the block grid, one scale a row
+        if SCALE == 1:  # the step's column of the block grid, one scale a row
             block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
                                   + step * BLOCK_C // SCALE_C, mask=cols < N, other=0.0)
         if not DOT:
             w32 = w.to(tl.float32)
-            if SCALE == 2:
+            if SCALE == 1:
                 w32 = w32 * block_scale[:, None]
             lanes += w32 * x.to(tl.float32)
         else:  # FP8 w -> x's dtype: exact (e4m3 fits bf16 and fp16)
             w_x = tl.trans(w.to(x.dtype))
-            if SCALE == 2:
+            if SCALE == 1:
                 acc += _dot(x, w_x, IEEE_FP32) * block_scale[None, :]
             elif IEEE_FP32:
                 acc = tl.dot(x, w_x, acc, input_precision="ieee")
@@ -116,7 +118,7 @@ def _gemv_kernel(
                     other=0.0)
     if not DOT:
         acc = tl.sum(lanes, 1)[None, :]
-    if SCALE == 1:
+    if SCALE == 2:
         acc *= tl.load(scale_ptr + cols * stride_s_n, mask=cols < N, other=0.0)[None, :]
     out_mask = (rows[:, None] < T) & (cols[None, :] < N)
     out = out_ptr + rows[:, None] * stride_out_t + cols[None, :]
@@ -173,9 +175,10 @@ class GemvPlan:
 
 @dataclass(frozen=True)
 class WeightScaling:
-    """How the kernel reads an FP8 weight's float32 scale: `kind` 0 none, 1 one a row (`stride_n`
-    0: one for the tensor), 2 one a (block_n x block_c) block, row blocks `stride_n` apart."""
-    kind: int = 0
+    """How the kernel reads an FP8 weight's float32 scale: `along` PER_SUM, one a row (`stride_n`
+    0: one for the tensor); PER_STEP, one a (block_n x block_c) block, row blocks `stride_n`
+    apart; NONE: not FP8."""
+    along: ScaleAlongC = ScaleAlongC.NONE
     stride_n: int = 0
     block_n: int = 1
     block_c: int = 1
@@ -201,11 +204,12 @@ class WeightScaling:
                              f"{w.device} for a ({N}, {C}) weight in {fmt}, got {scale.dtype} "
                              f"{tuple(scale.shape)} on {scale.device} (pass scale.float())")
         if fmt.block is None:
-            return cls(1, scale.stride(0) if fmt.fp8 is Fp8Scaling.CHANNEL else 0)
+            return cls(ScaleAlongC.PER_SUM,
+                       scale.stride(0) if fmt.fp8 is Fp8Scaling.CHANNEL else 0)
         if scale.stride(1) != 1:
             raise ValueError(f"weight_scale's block grid is read row by row: pass "
                              f"scale.contiguous(), got strides {scale.stride()}")
-        return cls(2, scale.stride(0), *fmt.block)
+        return cls(ScaleAlongC.PER_STEP, scale.stride(0), *fmt.block)
 
 
 def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
@@ -217,8 +221,9 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
         return GemvPlan((T, N), None, None, None)
     if config is None:
         config = choose_gemv_config(T, N, C, device_limits(x.device)[0],
-                                    scaling.block_c if scaling.kind == 2 else None)
-    if scaling.kind == 2 and scaling.block_c % config.block_c:
+                                    scaling.block_c if scaling.along is ScaleAlongC.PER_STEP
+                                    else None)
+    if scaling.along is ScaleAlongC.PER_STEP and scaling.block_c % config.block_c:
         raise ValueError(f"config.block_c={config.block_c} must divide the FP8 scale blocks' "
                          f"{scaling.block_c} columns")
     column_blocks = triton.cdiv(N, config.block_n)
@@ -230,7 +235,7 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
     dot = T > 1 or config.tensor_cores
     fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0),
                  stride_s_n=scaling.stride_n, stride_out_t=N, SLICES=config.slices,
-                 IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias, SCALE=scaling.kind,
+                 IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias, SCALE=scaling.along.value,
                  SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, DEPENDENT=dependent,
                  DOT=dot, BLOCK_T=MAX_ROWS if dot else 1, BLOCK_N=config.block_n,
                  BLOCK_C=config.block_c)
