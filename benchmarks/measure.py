@@ -257,15 +257,19 @@ def gpt_oss_decode_step_bytes(config, batch: int, context: int) -> float:
     return total + config.vocab_size * H * 2 + batch * H * 2
 
 
-def gpt_oss_prefill_flops(config, tokens: int) -> float:
+def prefill_flops(config, tokens: int) -> float:
     """FLOPs of one prompt's prefill up to its last token's logits: projections, router, the
-    experts each token runs (K of them), causal attention (a sliding layer: its window)."""
-    H, I, K = config.hidden_size, config.intermediate_size, config.num_experts_per_tok
-    D, Hq, Hkv, E = (config.head_dim, config.num_attention_heads, config.num_key_value_heads,
-                     config.num_local_experts)
+    experts each token runs (K of them), causal attention (a sliding layer: its window); every
+    layer sparse (Qwen3-30B-A3B's and gpt-oss's are)."""
+    H, K = config.hidden_size, config.num_experts_per_tok
+    I = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    E = getattr(config, "num_experts", None) or config.num_local_experts
+    D, Hq, Hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     per_token = 2 * (2 * H * Hq * D + 2 * H * Hkv * D + E * H + K * 3 * H * I)
+    layer_types = (getattr(config, "layer_types", None)
+                   or ["full_attention"] * config.num_hidden_layers)
     total = 0.0
-    for layer_type in config.layer_types:
+    for layer_type in layer_types:
         if layer_type == "sliding_attention":
             pairs = sum(min(t + 1, config.sliding_window) for t in range(tokens))
         else:

@@ -8,7 +8,7 @@ scales; 120b ~65 GB), never written to a checkpoint.
   step reads at its stored size, the experts the batch hits, the K/V of the context, a sliding
   layer's only its window) over the copy bandwidth B measured in the same run.
 - Prefill: one sequence of 2k and 8k tokens (eager, as prefill runs) against its compute floor
-  (measure.gpt_oss_prefill_flops over the bf16 matmul rate F of the same run).
+  (measure.prefill_flops over the bf16 matmul rate F of the same run).
 
 Targets (issue 32): 120b batch 1 <= 1.5x its floor (floor_frac >= 0.67), batch 32 >= 0.80;
 prefill at 8k >= 0.5 of its compute floor.
@@ -22,7 +22,7 @@ from measure import (
     event_median_seconds,
     gpt_oss_config,
     gpt_oss_decode_step_bytes,
-    gpt_oss_prefill_flops,
+    prefill_flops,
     random_mxfp4_,
     record_where_time_goes,
 )
@@ -84,7 +84,7 @@ def test_gpt_oss_decode_and_prefill(benchmark, size, ceilings, record):
         model.setup(max_batch=1, max_seq=tokens, batch_sizes=(1,))
         ids = torch.randint(0, config.vocab_size, (1, tokens), device="cuda")
         seconds = event_median_seconds(lambda: model.prefill_last(ids), iterations=3)
-        floor_s = gpt_oss_prefill_flops(config, tokens) / ceilings.matmul_flops
+        floor_s = prefill_flops(config, tokens) / ceilings.matmul_flops
         record(f"gpt-oss-{size}-shaped prefill, one sequence, MXFP4 experts (eager)", dict(
             tokens=tokens, prefill_ms=f"{seconds * 1e3:.1f}", floor_ms=f"{floor_s * 1e3:.1f}",
             compute_frac=f"{floor_s / seconds:.2f}", tokens_per_s=f"{tokens / seconds:.0f}"))
