@@ -196,7 +196,8 @@ class WeightScaling:
         if fmt is None or fmt.fp8 is None or fmt.static_input or scale is None:
             raise ValueError(f"an {FP8_DTYPE} w needs weight_scale and a dynamic FP8 "
                              f"weight_format (WeightFormat.fp8_block() / fp8_channel() / "
-                             f"fp8_tensor()), got {fmt} and scale {scale is not None}")
+                             f"fp8_tensor()), got weight_format={fmt}, weight_scale="
+                             f"{'a tensor' if scale is not None else None}")
         if (tuple(scale.shape) not in fmt.linear_scale_shapes(N, C)
                 or scale.dtype != torch.float32 or scale.device != w.device):
             raise ValueError(f"weight_scale must be float32 of shape "
