@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from . import checks
+from ._expert_gemm_kernels import _dot
 from .config import device_limits
 from .expert_gemm import ScaleAlongC
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
@@ -108,11 +109,10 @@ def _gemv_kernel(
         else:  # FP8 w -> x's dtype: exact (e4m3 fits bf16 and fp16)
             w_x = tl.trans(w.to(x.dtype))
             if SCALE == 1:
-                acc += _dot(x, w_x, IEEE_FP32) * block_scale[None, :]
-            elif IEEE_FP32:
-                acc = tl.dot(x, w_x, acc, input_precision="ieee")
+                step_sum = _dot(x, w_x, tl.zeros([BLOCK_T, BLOCK_N], tl.float32), IEEE_FP32)
+                acc += step_sum * block_scale[None, :]
             else:
-                acc = tl.dot(x, w_x, acc)
+                acc = _dot(x, w_x, acc, IEEE_FP32)
         cs += BLOCK_C  # the next tile, in flight while this one is summed
         w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
                     other=0.0)
@@ -137,13 +137,6 @@ def _gemv_kernel(
             tl.store(out, _with_bias(total, bias_ptr, cols, N, HAS_BIAS).to(
                 out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call
-
-
-@triton.jit
-def _dot(a, b, IEEE_FP32: tl.constexpr):
-    if IEEE_FP32:  # float32: full-precision products (the default would round operands to tf32)
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
 
 
 @triton.jit
