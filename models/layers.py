@@ -45,31 +45,25 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x (..., C), weight (N, C)); a batch-1 decode call on the GPU through
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x (..., C), weight (N, C), bias); a batch-1 decode call on the GPU through
     moe_triton.gemv, its weight streamed while the kernel in front (the norm, the attention) still
-    runs (`gemv_applies`); in batch-invariant mode (moe_triton.batch_invariant) moe_triton.linear,
-    whose rows' bits never depend on the rest of the batch (torch's BLAS picks kernels by the row
-    count)."""
+    runs (`gemv_applies`; the bias in its epilogue); in batch-invariant mode
+    (moe_triton.batch_invariant) moe_triton.linear, whose rows' bits never depend on the rest of
+    the batch (torch's BLAS picks kernels by the row count), the bias added after."""
     if batch_invariant_enabled():
-        return linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
-    if gemv_applies(x, weight):
-        return gemv(x.reshape(1, -1), weight, prefetch_weight=True).view(*x.shape[:-1], -1)
-    return F.linear(x, weight)
+        out = linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return out if bias is None else out + bias  # an exact add: row by row
+    if gemv_applies(x, weight, bias):
+        return gemv(x.reshape(1, -1), weight, bias, prefetch_weight=True).view(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """nn.Linear; a batch-1 decode call through moe_triton.gemv (the bias in its epilogue), in
-    batch-invariant mode through `dense` (the bias added after)."""
+    """nn.Linear through `dense` (gemv at batch-1 decode, batch-invariant mode's linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if batch_invariant_enabled():
-            out = dense(x, self.weight)
-            return out if self.bias is None else out + self.bias  # an exact add: row by row
-        if gemv_applies(x, self.weight, self.bias):
-            return gemv(x.reshape(1, -1), self.weight, self.bias, prefetch_weight=True).view(
-                *x.shape[:-1], -1)
-        return super().forward(x)
+        return dense(x, self.weight, self.bias)
 
 
 def gated_activation(gate_up: torch.Tensor, activation: Activation = SILU_AND_MUL) -> torch.Tensor:
