@@ -8,10 +8,24 @@ sets it) before any test module, and distributed_harness.py sets it itself befor
 """
 import contextlib
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from moe_triton.quant_config import QuantFormat
+
+
+def compile_for_sm90(cases: list[dict], timeout: int) -> subprocess.CompletedProcess:
+    """tests/sm90_compile.py over `cases` in a process of its own, TRITON_INTERPRET unset (its
+    kernels must be JIT functions); the caller asserts on the run."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    harness = str(Path(__file__).with_name("sm90_compile.py"))
+    return subprocess.run([sys.executable, harness, json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
 
 # ---- comparing and poisoning -------------------------------------------------------------------
 

@@ -3,15 +3,16 @@
 small sizes (T = 0, filtered ids, K > E, every activation, FP8 blocks); on the GPU at grid sizes
 in bf16 and FP8, a race test of its grid barrier and last-arrival sums, and one of the default
 two-GEMM path's PDL chain."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close, random_expert_weights, random_ids, relative_error
+from helpers import (
+    assert_close,
+    compile_for_sm90,
+    random_expert_weights,
+    random_ids,
+    relative_error,
+)
 
 from moe_triton import (
     Activation,
@@ -168,10 +169,7 @@ def test_decode_kernels_compile_for_sm90():
     shape = dict(E=4, E_real=128, K=8, H=2048, I=768, block=[128, 128])
     cases = [dict(shape, T=1, format="native", decode=True),
              dict(shape, T=4, format="block", decode=True), dict(shape, T=2, format="native")]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    harness = str(Path(__file__).with_name("sm90_compile.py"))
-    run = subprocess.run([sys.executable, harness, json.dumps(cases)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = compile_for_sm90(cases, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count(" decode ") == 2 and run.stdout.count("/pdl") == 1, run.stdout
 

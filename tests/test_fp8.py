@@ -12,15 +12,10 @@ is exact and whose casts we do not use), against two independent float32 computa
   FP8_RMS_TOL.
 """
 import functools
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close, copy_experts_
+from helpers import assert_close, compile_for_sm90, copy_experts_
 
 from moe_triton import (
     ExpertWeights,
@@ -255,10 +250,7 @@ def test_fp8_kernels_compile_for_sm90(cases):
     8-bit tl.dot with K = 16 raised a CompilationError. Every kernel of these calls, with
     choose_config's H200 tiles, compiled for sm_90 by Triton and ptxas without a GPU
     (tests/sm90_compile.py), each within an H200's shared memory."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    harness = str(Path(__file__).with_name("sm90_compile.py"))
-    run = subprocess.run([sys.executable, harness, json.dumps(SM90_CASES[cases])],
-                         capture_output=True, text=True, env=env, timeout=900)
+    run = compile_for_sm90(SM90_CASES[cases], timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert run.stdout.count("new kernels compiled") == len(SM90_CASES[cases])
 

@@ -2,16 +2,11 @@
 summed by the last program, calls repeated (the counters return to zero), compiled for sm_90
 without a GPU and, on the H200, at a Qwen3-30B-A3B step's shapes, behind a norm (PDL) and inside a
 CUDA graph."""
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_close, relative_error, test_device
+from helpers import assert_close, compile_for_sm90, relative_error, test_device
 
 from moe_triton.gemv import (
     PROGRAMS_PER_SM,
@@ -116,17 +111,13 @@ def test_the_projections_compile_for_sm90_with_their_programs_resident():
     cases = [{"gemv": [T, N, C]} for T in (1, 16) for N, C in QWEN3_STEP.values()]
     cases += [{"gemv": [T, 5120, 2048], **fmt} for T in (1, 16)
               for fmt in ({"format": "block", "block": [128, 128]}, {"format": "channel"})]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    harness = str(Path(__file__).with_name("sm90_compile.py"))
-    run = subprocess.run([sys.executable, harness, json.dumps(cases)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = compile_for_sm90(cases, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == len(cases), run.stdout
-    warps = GemvConfig().num_warps
+    threads = 32 * GemvConfig().num_warps * PROGRAMS_PER_SM  # an SM's one-row programs
     for line in lines[:len(QWEN3_STEP)] + lines[-4:-2]:  # one row
         for registers in re.findall(r"_gemv_kernel:(\d+)", line):
-            threads = 32 * warps * PROGRAMS_PER_SM
             assert -(-int(registers) // 8) * 8 * threads <= 65536, line  # ptxas allots by 8
 
 
