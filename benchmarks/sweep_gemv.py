@@ -11,7 +11,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 import triton
-from test_gemv import LINKS, link_seconds
+from test_gemv import chain_inputs, link_seconds
 
 from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv
 
@@ -33,10 +33,7 @@ def configs(T: int, N: int, C: int):
 def main():
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for (name, (N, C)), T in itertools.product(SHAPES.items(), (1, 8)):
-        weights = [torch.randn(N, C, device="cuda", dtype=torch.bfloat16) / C**0.5
-                   for _ in range(LINKS)]
-        x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
-        residual, norm_weight = torch.randn_like(x), torch.rand(C, device="cuda").bfloat16()
+        weights, x, residual, norm_weight = chain_inputs(T, N, C)
         args = (x, residual, norm_weight, weights)
         norm = link_seconds(None, *args)
         cublas = link_seconds(lambda h, w: F.linear(h, w), *args)

@@ -48,19 +48,31 @@ def link_seconds(project, x, residual, norm_weight, weights) -> float:
     return event_median_seconds(graph.replay) / len(weights)
 
 
+def chain_inputs(T: int, N: int, C: int):
+    """A chain's LINKS bf16 weights (N, C), one a link, and its x (T, C), residual, norm weight."""
+    weights = [torch.randn(N, C, device="cuda", dtype=torch.bfloat16) / C**0.5
+               for _ in range(LINKS)]
+    x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
+    return weights, x, torch.randn_like(x), torch.rand(C, device="cuda").bfloat16()
+
+
+def link_medians(variants: dict, x, residual, norm_weight, rounds: int = 3) -> dict[str, float]:
+    """Median seconds a link of each variant (name -> (project, the links' weights)), the
+    variants timed in turn, `rounds` times."""
+    times = {kind: [] for kind in variants}
+    for _ in range(rounds):
+        for kind, (project, weights) in variants.items():
+            times[kind].append(link_seconds(project, x, residual, norm_weight, weights))
+    return {kind: statistics.median(t) for kind, t in times.items()}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8])
 def test_gemv_behind_a_norm_in_graphs(benchmark, T, ceilings, record):
     for name, (N, C) in SHAPES.items():
-        weights = [torch.randn(N, C, device="cuda", dtype=torch.bfloat16) / C**0.5
-                   for _ in range(LINKS)]
-        x = torch.randn(T, C, device="cuda", dtype=torch.bfloat16)
-        residual, norm_weight = torch.randn_like(x), torch.rand(C, device="cuda").bfloat16()
-        times = {kind: [] for kind in PROJECTIONS}
-        for _ in range(3):
-            for kind, project in PROJECTIONS.items():
-                times[kind].append(link_seconds(project, x, residual, norm_weight, weights))
-        link = {kind: statistics.median(t) for kind, t in times.items()}
+        weights, *link_inputs = chain_inputs(T, N, C)
+        link = link_medians({kind: (project, weights) for kind, project in PROJECTIONS.items()},
+                            *link_inputs)
         floor = N * C * 2 / ceilings.bandwidth
         row = dict(commit=commit(), shape=f"{name} {N}x{C}", T=T, floor_us=f"{floor * 1e6:.1f}",
                    norm_us=f"{link['norm only'] * 1e6:.1f}")
@@ -82,21 +94,14 @@ def test_fp8_gemv_behind_a_norm_in_graphs(benchmark, ceilings, record):
     an FP8 checkpoint's projections are dequantized to at load today (issue 30); floors at the
     stored bytes (1 a weight, the scales aside)."""
     for name, (N, C) in SHAPES.items():
-        weights = [torch.randn(N, C, device="cuda", dtype=torch.bfloat16) / C**0.5
-                   for _ in range(LINKS)]
-        x = torch.randn(1, C, device="cuda", dtype=torch.bfloat16)
-        residual, norm_weight = torch.randn_like(x), torch.rand(C, device="cuda").bfloat16()
+        weights, *link_inputs = chain_inputs(1, N, C)
         variants = {"norm only": (None, weights), "F.linear bf16": (F.linear, weights)}
         for kind, fmt in FP8_FORMATS.items():
             stored = [quantize_weight(w, fmt) for w in weights]
             variants[f"gemv fp8 {kind}"] = (
                 lambda h, w, fmt=fmt: gemv(h, w[0], weight_scale=w[1], weight_format=fmt,
                                            prefetch_weight=True), stored)
-        times = {kind: [] for kind in variants}
-        for _ in range(3):
-            for kind, (project, stored) in variants.items():
-                times[kind].append(link_seconds(project, x, residual, norm_weight, stored))
-        link = {kind: statistics.median(t) for kind, t in times.items()}
+        link = link_medians(variants, *link_inputs)
         floor = N * C / ceilings.bandwidth
         row = dict(commit=commit(), shape=f"{name} {N}x{C}", fp8_floor_us=f"{floor * 1e6:.1f}",
                    norm_us=f"{link['norm only'] * 1e6:.1f}")
