@@ -11,10 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import SILU_AND_MUL, Activation, activate, activation_torch
-from moe_triton.gemv import gemv, gemv_applies
 from moe_triton.graphs import ForwardMode
 from moe_triton.invariance import batch_invariant_enabled
-from moe_triton.linear import linear
+from moe_triton.linear import dense
 from moe_triton.routing import RouteTape
 
 from .decode_attention import decode_attention
@@ -45,22 +44,9 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x (..., C), weight (N, C), bias); a batch-1 decode call on the GPU through
-    moe_triton.gemv, its weight streamed while the kernel in front (the norm, the attention) still
-    runs (`gemv_applies`; the bias in its epilogue); in batch-invariant mode
-    (moe_triton.batch_invariant) moe_triton.linear, whose rows' bits never depend on the rest of
-    the batch (torch's BLAS picks kernels by the row count), the bias added after."""
-    if batch_invariant_enabled():
-        out = linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
-        return out if bias is None else out + bias  # an exact add: row by row
-    if gemv_applies(x, weight, bias):
-        return gemv(x.reshape(1, -1), weight, bias, prefetch_weight=True).view(*x.shape[:-1], -1)
-    return F.linear(x, weight, bias)
-
-
 class Linear(nn.Linear):
-    """nn.Linear through `dense` (gemv at batch-1 decode, batch-invariant mode's linear)."""
+    """nn.Linear through moe_triton.linear.dense (gemv at batch-1 decode, batch-invariant mode's
+    linear)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense(x, self.weight, self.bias)

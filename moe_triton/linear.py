@@ -1,4 +1,5 @@
-"""The batch-invariant dense matmul: x (T, C) @ w (N, C).T -> (T, N) in x's dtype.
+"""The batch-invariant dense matmul: x (T, C) @ w (N, C).T -> (T, N) in x's dtype; and `dense`,
+which picks a dense projection's kernel (this one in batch-invariant mode, gemv at one row).
 
 One tile configuration for every T, no split along C: each output element sums its C products in
 the same order whatever the number of rows, so a row's bits never depend on the others (torch's
@@ -10,10 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import checks
+from .gemv import gemv, gemv_applies
+from .invariance import batch_invariant_enabled
 from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from .platform import interpreter_hint, triton_can_run_on
 from .weights import tensor_signature
@@ -67,6 +71,20 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if plan is None:
         plan = _PLANS.add(signature, plan_linear(x, w))
     return plan(x, w)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x (..., C), weight (N, C), bias), by the kernel that suits the call: a batch-1
+    decode call on the GPU through gemv, its weight streamed while the kernel in front (the norm,
+    the attention) still runs (`gemv_applies`; the bias in its epilogue); in batch-invariant mode
+    (invariance.py) `linear`, whose rows' bits never depend on the rest of the batch (torch's BLAS
+    picks kernels by the row count), the bias added after; else torch's."""
+    if batch_invariant_enabled():
+        out = linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+        return out if bias is None else out + bias  # an exact add: row by row
+    if gemv_applies(x, weight, bias):
+        return gemv(x.reshape(1, -1), weight, bias, prefetch_weight=True).view(*x.shape[:-1], -1)
+    return F.linear(x, weight, bias)
 
 
 @dataclass(frozen=True)

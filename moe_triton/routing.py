@@ -19,10 +19,8 @@ import triton
 import triton.language as tl
 
 from . import checks
-from .gemv import gemv, gemv_applies
-from .invariance import batch_invariant_enabled
 from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
-from .linear import linear
+from .linear import dense
 from .platform import interpreter_hint, triton_can_run_on
 from .weights import tensor_signature
 
@@ -222,19 +220,14 @@ def _route_kernel(
 def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec,
                   gate_bias: torch.Tensor | None = None) -> torch.Tensor:
     """hidden_states (T, H) @ gate_weight (E, H).T (+ gate_bias (E,), gpt-oss) -> logits (T, E),
-    float32 if the spec says; batch-invariant mode: by `linear.linear`, whose rows never depend on
-    the others."""
+    float32 if the spec says; by `linear.dense` (batch-invariant mode: `linear.linear`, whose
+    rows never depend on the others; batch-1 decode: gemv)."""
     if spec.router_in_float32:
         x, w = hidden_states.float(), gate_weight.float()
         b = gate_bias.float() if gate_bias is not None else None
     else:
         x, w, b = hidden_states.to(gate_weight.dtype), gate_weight, gate_bias
-    if batch_invariant_enabled():
-        logits = linear(x, w)
-        return logits if b is None else logits + b
-    if gemv_applies(x, w, b):  # batch-1 decode: the weight streamed behind the norm (gemv.py)
-        return gemv(x, w, b, prefetch_weight=True)
-    return torch.nn.functional.linear(x, w, b)
+    return dense(x, w, b)
 
 
 def route(logits, spec: RoutingSpec, correction_bias=None, *, out=None,
