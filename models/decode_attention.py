@@ -10,7 +10,7 @@ import triton.language as tl
 from moe_triton.config import device_limits
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
-from moe_triton.platform import dependent_launch, gdc_launch_dependents, triton_computes_exactly
+from moe_triton.platform import dependent_launch, triton_computes_exactly, wait_then_release
 from moe_triton.weights import tensor_signature
 
 
@@ -29,10 +29,10 @@ def _decode_attention_kernel(
     NUM_SLOTS, S, scale, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
-    IEEE: tl.constexpr, TRIGGER: tl.constexpr,
+    IEEE: tl.constexpr, CHAINED: tl.constexpr,
 ):
-    if TRIGGER:  # the next kernel (o_proj, gemv.py) may launch and load its weights now
-        gdc_launch_dependents()
+    # behind the kernel in front (PDL); the next (o_proj, gemv.py) may launch and load its weights
+    wait_then_release(CHAINED)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = tl.load(positions_ptr + b).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -188,13 +188,14 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan
     splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
     group = Hq // Hkv
     counters = (torch.zeros(B, Hkv, dtype=torch.int32, device=q.device) if splits > 1 else None)
+    chained = dependent_launch(q.device)
     launch = BoundLaunch(_decode_attention_kernel, (B, Hkv, splits), dict(
         stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0),
         stride_c_h=keys.stride(1), stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S,
         scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32,
-        TRIGGER=dependent_launch(q.device)))
+        CHAINED=chained), dict(launch_pdl=True) if chained else None)
     return _AttentionPlan((B, Hq, splits), counters, launch)
 
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
-from moe_triton.platform import dependent_launch, gdc_launch_dependents, triton_computes_exactly
+from moe_triton.platform import dependent_launch, triton_computes_exactly, wait_then_release
 from moe_triton.weights import tensor_signature
 
 
@@ -15,9 +15,10 @@ from moe_triton.weights import tensor_signature
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, R, N, eps, stride_x_r,
                      stride_residual_r, stride_out_r, ADD_RESIDUAL: tl.constexpr,
-                     TRIGGER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-    if TRIGGER:  # the next kernel (a projection, gemv.py) may launch and load its weights now
-        gdc_launch_dependents()
+                     CHAINED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    # launched behind the kernel in front (PDL); the next (a projection, gemv.py) may then launch
+    # and load its weights while this one runs
+    wait_then_release(CHAINED)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < R) & (cols[None, :] < N)
@@ -95,12 +96,13 @@ def _norm_launch(rows, residual_rows, weight, eps: float, add_residual: bool) ->
         R, N = rows.shape
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
+        chained = dependent_launch(rows.device)
         fixed = dict(R=R, N=N, eps=eps, stride_x_r=rows.stride(0),
                      stride_residual_r=residual_rows.stride(0), stride_out_r=N,
-                     ADD_RESIDUAL=add_residual, TRIGGER=dependent_launch(rows.device),
-                     BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+                     ADD_RESIDUAL=add_residual, CHAINED=chained, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
+        options = dict(launch_pdl=True) if chained else None
         launch = _LAUNCHES.add(signature, BoundLaunch(_rms_norm_kernel, (triton.cdiv(R, BLOCK_R),),
-                                                      fixed))
+                                                      fixed, options))
     return launch
 
 

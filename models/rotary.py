@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
-from moe_triton.platform import triton_computes_exactly
+from moe_triton.platform import dependent_launch, triton_computes_exactly, wait_then_release
 from moe_triton.weights import tensor_signature
 
 from .rms_norm import rms_norm_torch
@@ -78,7 +78,9 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
                               stride_cache_h, stride_cache_s,
                               D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
                               INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                              CHAINED: tl.constexpr, BLOCK_R: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    wait_then_release(CHAINED)  # behind qkv's projection (PDL); decode attention launches now
     cols = tl.arange(0, BLOCK_D)
     if tl.program_id(1) == 0:  # k and v, rows (b, kv head) flattened
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -280,11 +282,13 @@ def _cache_launch(tensors: dict, eps: float, q_eps: float, interleaved: bool, ro
                      stride_c_b=cos.stride(0), stride_cache_slot=keys.stride(0),
                      stride_cache_h=keys.stride(1), stride_cache_s=keys.stride(2), D=D,
                      D_ROT=cos.shape[-1] if rotate else 0, ROTATE=rotate,
-                     INTERLEAVED=interleaved, NORM=normed, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
+                     INTERLEAVED=interleaved, NORM=normed, CHAINED=dependent_launch(k.device),
+                     BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
         # axis 1: the k / v programs, then the query's
         grid = (triton.cdiv(max(R, R_Q), BLOCK_R), 2 if R_Q else 1)
+        options = dict(launch_pdl=True) if fixed["CHAINED"] else None
         launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel, grid,
-                                                            fixed))
+                                                            fixed, options))
     return launch
 
 

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from .activation import _apply_activation
 from .launch import interpreter_serialized
-from .platform import gdc_launch_dependents, gdc_wait
+from .platform import wait_then_release
 from .quantize import fp8_scale, nan_max, quantize_tile
 
 
@@ -194,8 +194,7 @@ def _expert_gemm_kernel(
     A_DESC: tl.constexpr,  # row-space a through a TMA descriptor over (R, C)
     W_DESC: tl.constexpr,  # weights through a TMA descriptor over the (E * N_w, C) view
     PERSISTENT: tl.constexpr,  # the grid's programs walk the tiles of the rows in use (SORTED)
-    TRIGGER: tl.constexpr,  # let the next kernel launch now (PDL; it waits for this grid's end)
-    DEPENDENT: tl.constexpr,  # launched by PDL behind the kernel that writes a: wait for it first
+    CHAINED: tl.constexpr,  # launched by PDL behind the kernel in front, and the next behind it
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
@@ -233,8 +232,7 @@ def _expert_gemm_kernel(
                 A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, W_FP4, HAS_BIAS,
                 ACT_LIMIT, ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
     else:
-        if TRIGGER:
-            gdc_launch_dependents()
+        wait_then_release(CHAINED)  # the routing and layout too may be the kernel before's
         pid_m, pid_n = _tile_coordinates(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         if PER_PAIR:
@@ -248,8 +246,6 @@ def _expert_gemm_kernel(
             expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
         if (expert < 0) | (expert >= E):  # a filtered pair (PER_PAIR) or an unused block
             return
-        if DEPENDENT:  # the routing and layout are older than the kernel before: read already
-            gdc_wait()  # a (the kernel before's output) is complete and visible from here on
         _gemm_tile(
             pid_m, pid_n, rows, pair, expert,
             a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,

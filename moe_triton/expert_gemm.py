@@ -202,13 +202,13 @@ def plan_expert_gemm(
     activation: Activation | None = None,
     scales: Fp8Scales | Mxfp4Scales | None = None,
     out_dtype: torch.dtype | None = None,
-    trigger: bool = False,
-    dependent: bool = False,
+    chained: bool = False,
     bias: torch.Tensor | None = None,
 ) -> ExpertGemmPlan:
-    """trigger: the next kernel is a PDL dependent; dependent: this one is (platform.py's
-    dependent_launch must allow both). bias [E, N] (any float dtype) is added to each row's sum
-    before the activation; with split-C, to the first slice's partial."""
+    """chained: launched by PDL behind the kernel in front, and the next behind this one
+    (platform.wait_then_release; its dependent_launch must allow it). bias [E, N] (any float
+    dtype) is added to each row's sum before the activation; with split-C, to the first slice's
+    partial."""
     if config.block_m != layout.block_m:
         raise ValueError(f"config.block_m={config.block_m} must equal the layout's "
                          f"block_m={layout.block_m}")
@@ -252,7 +252,7 @@ def plan_expert_gemm(
         stride_os_m=out_scales_shape[1] if out_scales_shape is not None else 0,
         stride_b_e=bias.stride(0) if bias is not None else 0, HAS_BIAS=bias is not None,
         A_DESC=a_descriptor, W_DESC=descriptor, PERSISTENT=persistent,
-        TRIGGER=trigger and not persistent, DEPENDENT=dependent and not persistent,
+        CHAINED=chained and not persistent,
         PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
         GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=a.dtype == torch.float32,
@@ -263,7 +263,7 @@ def plan_expert_gemm(
     )
     tiles = num_m_blocks * triton.cdiv(n_out, config.block_n)  # the worst case's
     grid = (min(tiles, config.persistent_programs) if persistent else tiles, split_c)
-    options = config.launch_options() | (dict(launch_pdl=True) if fixed["DEPENDENT"] else {})
+    options = config.launch_options() | (dict(launch_pdl=True) if fixed["CHAINED"] else {})
     return plan(BoundLaunch(_expert_gemm_kernel, grid, fixed, options))
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .expand import ExpertLayout, LayoutKind
 from .launch import BoundLaunch, interpreter_serialized
-from .platform import gdc_wait
+from .platform import wait_then_release
 
 
 @interpreter_serialized
@@ -25,11 +25,10 @@ def _finalize_kernel(
     PER_PAIR_ROWS: tl.constexpr,
     Y_SPLITS: tl.constexpr,  # split-C partials per row of y (1: plain rows)
     SPLIT_BLOCK: tl.constexpr,  # > 1: partials read SPLIT_BLOCK at a time (a loop's latency each)
-    PDL: tl.constexpr,  # launched as a dependent of y's kernel: wait for it before reading y
+    CHAINED: tl.constexpr,  # launched by PDL behind y's kernel: wait for it, release the next
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    if PDL:
-        gdc_wait()
+    wait_then_release(CHAINED)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_token = tokens < T
@@ -86,9 +85,9 @@ class FinalizePlan:
 
 def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout,
                   out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                  dependent: bool = False) -> FinalizePlan:
+                  chained: bool = False) -> FinalizePlan:
     """The plan of `finalize` (see there); calls given an `out` must pass one of its row stride.
-    `dependent`: launched by PDL right behind y's kernel, which must let it (platform.py)."""
+    `chained`: launched by PDL right behind y's kernel, which must let it (platform.py)."""
     T = layout.num_pairs // max(layout.top_k, 1)
     H = y.shape[-1]
     out_dtype = out_dtype or y.dtype
@@ -108,11 +107,11 @@ def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLay
         stride_w_t=topk_weights.stride(0), stride_w_k=topk_weights.stride(1),
         stride_out_t=out.stride(0) if out is not None else H,
         PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=splits, SPLIT_BLOCK=SPLIT_BLOCK,
-        PDL=dependent,
+        CHAINED=chained,
         TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    options = dict(launch_pdl=True) if dependent else None
+    options = dict(launch_pdl=True) if chained else None
     return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed, options))
 
 

@@ -235,20 +235,21 @@ class LayerPlan:
         if weights.format.fp4:  # W4A16: activations as they are, the weights' E8M0 bytes
             up_scales = Mxfp4Scales(weights.w13_scale, weights.w13_scale_up_offset)
             down_scales = Mxfp4Scales(weights.w2_scale)
-        # decode: down and finalize launch as PDL dependents (config.down.dependent)
+        # decode: up, down and finalize launch as PDL dependents (config.down.dependent), up
+        # behind the routing (or quantize) kernel
         pdl = config.down.dependent and dependent_launch(hidden_states.device)
         up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
                               scales=up_scales, out_dtype=FP8_DTYPE if fp8 else dtype,
-                              trigger=pdl, bias=weights.w13_bias)
+                              chained=pdl, bias=weights.w13_bias)
         h, h_scales = up.outputs("meta")
         if fp8:  # the intermediate: one scale per row and up.block_n columns
             down_scales = Fp8Scales(h_scales, config.up.block_n, weights.w2_scale,
                                     weights.format.block)
         down = plan_expert_gemm(h, weights.w2, layout, config.down, gather=False,
-                                scales=down_scales, out_dtype=dtype, trigger=pdl, dependent=pdl,
+                                scales=down_scales, out_dtype=dtype, chained=pdl,
                                 bias=weights.w2_bias)
         y, _ = down.outputs("meta")
-        finalize = plan_finalize(y, topk_weights, layout, dtype, out, dependent=pdl)
+        finalize = plan_finalize(y, topk_weights, layout, dtype, out, chained=pdl)
         return cls(T, H, expand, quantize, up, down, None, finalize)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 try:  # grid dependency control: programmatic dependent launch (PDL)
@@ -52,6 +53,18 @@ def dependent_launch(device: torch.device) -> bool:
     """A kernel may launch while the one before it drains (PDL: SM90 and later, compiled)."""
     return (gdc_wait is not None and device.type == "cuda" and not interpreter_enabled()
             and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@triton.jit
+def wait_then_release(CHAINED: tl.constexpr):
+    """A chained kernel's first step (launched by PDL, `launch_pdl`, behind the kernel in front):
+    wait until that kernel's grid is complete and its writes visible, then let the next kernel
+    launch. Releasing only after waiting keeps the chain's one invariant: when a kernel launches,
+    everything before the kernel in front is complete, so what is older than that kernel may be
+    read before waiting (weights always: no kernel writes them)."""
+    if CHAINED:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:

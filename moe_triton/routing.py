@@ -21,7 +21,7 @@ import triton.language as tl
 from . import checks
 from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from .linear import dense
-from .platform import interpreter_hint, triton_can_run_on
+from .platform import dependent_launch, interpreter_hint, triton_can_run_on, wait_then_release
 from .weights import tensor_signature
 
 
@@ -135,7 +135,9 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
     TAPE: tl.constexpr,  # record into (and replay from) a RouteTape
+    CHAINED: tl.constexpr,  # behind the router's projection (PDL); the experts' GEMM launches now
 ):
+    wait_then_release(CHAINED)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     cols = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     kcols = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
@@ -298,10 +300,11 @@ def plan_route(logits: torch.Tensor, spec: RoutingSpec, config: RouteConfig | No
     config = config or route_config(num_tokens, num_experts)
     fixed = dict(num_tokens=num_tokens, num_experts=num_experts, stride_logits_t=logits.stride(0),
                  stride_logits_e=logits.stride(1), E_PAD=triton.next_power_of_2(num_experts),
-                 **spec.kernel_args(), **config.kernel_args(), TAPE=tape)
+                 **spec.kernel_args(), **config.kernel_args(), TAPE=tape,
+                 CHAINED=dependent_launch(logits.device))
     grid = (triton.cdiv(num_tokens, config.block_t),)
-    return RoutePlan(num_tokens, spec.top_k,
-                     BoundLaunch(_route_kernel, grid, fixed, config.launch_options()))
+    options = config.launch_options() | (dict(launch_pdl=True) if fixed["CHAINED"] else {})
+    return RoutePlan(num_tokens, spec.top_k, BoundLaunch(_route_kernel, grid, fixed, options))
 
 
 _PLANS = PlanCache()
