@@ -1,11 +1,13 @@
 """Sweep moe_triton.gemv's tiles at a decode step's projections, behind a norm, in graphs.
 
 Not a test: a script for the GPU machine that informs `moe_triton.gemv.choose_gemv_config`.
-    python benchmarks/sweep_gemv.py > sweep-gemv.txt
+    python benchmarks/sweep_gemv.py > sweep-gemv.txt           # bf16, one row and 8
+    python benchmarks/sweep_gemv.py --fp8 > sweep-gemv-fp8.txt  # FP8 weights, one row
 Each (shape, rows, config) is a captured chain of 48 [add_rms_norm -> projection] links, each
 link its own weight (HBM-resident, as a step's layers), weights prefetched under the norm (PDL);
 µs a link, beside F.linear's link and the norm-only link, and the weight's floor at B.
 """
+import argparse
 import itertools
 
 import torch
@@ -14,43 +16,60 @@ import triton
 from test_gemv import chain_inputs, link_seconds
 
 from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv
+from moe_triton.weights import WeightFormat, quantize_weight
 
 SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}
 BANDWIDTH = 4.2e12  # bytes/s, the copy bandwidth measured beside (benchmarks/conftest.py)
 
 
-def configs(T: int, N: int, C: int):
+def configs(T: int, N: int, C: int, block_cs=(128, 256)):
     if T > 1:  # the tensor-core tile
         for block_n, slices in itertools.product((32, 64), (2, 4, 8)):
             yield GemvConfig(block_n=block_n, block_c=256, slices=slices, tensor_cores=True)
         return
-    for block_n, block_c, warps in itertools.product((16, 32, 64), (128, 256), (4, 8)):
+    for block_c, stages in itertools.product(block_cs, (1, 2, 3)):
         steps = triton.cdiv(C, block_c)
         for slices in sorted({steps // 2, steps // 4, steps // 8} - {0}):
-            yield GemvConfig(block_n=block_n, block_c=block_c, slices=slices, num_warps=warps)
+            yield GemvConfig(block_c=block_c, slices=slices, num_stages=stages)
+
+
+FP8_FORMATS = {"block 128": WeightFormat.fp8_block(), "channel": WeightFormat.fp8_channel()}
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights (block and channel)")
+    parser.add_argument("--rows", default="1,8", help="rows (T) to sweep, comma-separated")
+    args = parser.parse_args()
+    fp8, rows = args.fp8, [int(r) for r in args.rows.split(",")]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (name, (N, C)), T in itertools.product(SHAPES.items(), (1, 8)):
+    formats = FP8_FORMATS if fp8 else {"bf16": None}
+    for (name, (N, C)), T in itertools.product(SHAPES.items(), rows):
         weights, x, residual, norm_weight = chain_inputs(T, N, C)
         args = (x, residual, norm_weight, weights)
         norm = link_seconds(None, *args)
         cublas = link_seconds(lambda h, w: F.linear(h, w), *args)
-        print(f"# {name} {N}x{C} T={T}: floor {N * C * 2 / BANDWIDTH * 1e6:.1f} us, norm link "
-              f"{norm * 1e6:.1f}, F.linear link {cublas * 1e6:.1f}; "
-              f"chosen {choose_gemv_config(T, N, C, num_sms)}", flush=True)
-        results = []
-        for config in configs(T, N, C):
-            try:
-                t = link_seconds(lambda h, w, c=config: gemv(h, w, config=c, prefetch_weight=True),
-                                 *args)
-            except Exception as error:  # a config that does not compile: say so, go on
-                print(f"  {config}: {type(error).__name__}", flush=True)
-                continue
-            results.append((t, config))
-        for t, config in sorted(results, key=lambda r: r[0])[:8]:
-            print(f"  {t * 1e6:6.1f} us ({t / cublas:.3f} of F.linear)  {config}", flush=True)
+        for kind, fmt in formats.items():
+            stored = [quantize_weight(w, fmt) for w in weights] if fmt else [(w, None)
+                                                                          for w in weights]
+            scale_c = fmt.block[1] if fmt is not None and fmt.block else None
+            element = 1 if fmt else 2
+            print(f"# {name} {N}x{C} T={T} {kind}: floor {N * C * element / BANDWIDTH * 1e6:.1f}"
+                  f" us, norm link {norm * 1e6:.1f}, F.linear bf16 link {cublas * 1e6:.1f}; "
+                  f"chosen {choose_gemv_config(T, N, C, num_sms, scale_c)}", flush=True)
+            results = []
+            for config in configs(T, N, C, (128,) if scale_c else (128, 256)):
+                def project(h, w, c=config, fmt=fmt):
+                    return gemv(h, w[0], config=c, weight_scale=w[1], weight_format=fmt,
+                                prefetch_weight=True)
+                try:
+                    t = link_seconds(project, x, residual, norm_weight, stored)
+                except Exception as error:  # a config that does not compile: say so, go on
+                    print(f"  {config}: {type(error).__name__}", flush=True)
+                    continue
+                results.append((t, config))
+            for t, config in sorted(results, key=lambda r: r[0])[:8]:
+                print(f"  {t * 1e6:6.1f} us ({t / cublas:.3f} of F.linear)  {config}", flush=True)
 
 
 if __name__ == "__main__":

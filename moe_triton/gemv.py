@@ -6,7 +6,7 @@ of bytes, and a kernel's ramp (the first bytes ~2 µs after launch) costs as muc
 (docs/PERFORMANCE.md, issue 30). So a program (column block, slice of C) loads its first weight
 tile before it waits for the kernel in front (programmatic dependent launch, `prefetch_weight`):
 the weights stream while that kernel (the norm, the attention) still runs, which must let its
-dependents launch early (platform.gdc_launch_dependents), and the grid is sized so that every
+dependents launch early (platform.wait_then_release), and the grid is sized so that every
 program is resident at launch. One row (batch-1 decode) goes by FMAs into a float32 tile summed
 across C once, at the end; more rows (padded to 16) through the tensor cores. With more than one
 slice each program stores its float32 partial sums, and the last program of a column block to
@@ -29,7 +29,7 @@ from ._expert_gemm_kernels import _dot
 from .config import device_limits
 from .expert_gemm import ScaleAlongC
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
-from .platform import dependent_launch, gdc_wait
+from .platform import dependent_launch, wait_then_release
 from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, tensor_signature
 
 MAX_ROWS = 16  # the tensor cores' smallest row tile: decode batches up to it
@@ -53,8 +53,11 @@ def choose_gemv_config(T: int, N: int, C: int, num_sms: int,
     """One row by FMAs, 32 x 128 tiles; more rows through the tensor cores, 64 x 256. Slices: the
     largest power of two that keeps the grid within PROGRAMS_PER_SM (FMAs; the tensor-core tile:
     two) programs an SM, each slice at least two steps (FMAs) or one. Measured best at a Qwen3
-    step's qkv, o and router projections, behind a norm (docs/PERFORMANCE.md, issue 30). FP8
-    block scales `scale_block_c` columns wide: steps that divide them (one scale a row a step)."""
+    step's qkv, o and router projections, behind a norm (docs/PERFORMANCE.md, issue 30); FP8
+    weights alike (a second tile in flight and num_stages 2-3 measured no faster:
+    docs/sweep-gemv-fp8-2026-12-03.txt, docs/sweep-gemv-stages-2026-12-03.txt).
+    FP8 block scales `scale_block_c` columns wide: steps that divide them (one scale a row a
+    step)."""
     config = GemvConfig() if T == 1 else GemvConfig(block_n=64, block_c=256, num_warps=4,
                                                      tensor_cores=True)
     if scale_block_c is not None:
@@ -76,7 +79,7 @@ def _gemv_kernel(
     # block (SCALE_C a multiple of BLOCK_C), on each step's tile; PER_SUM (2) one an output row
     # (stride 0: one for the tensor), on the sums
     SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_C: tl.constexpr,
-    DEPENDENT: tl.constexpr,  # launched by PDL: w read before the kernel in front ends, x after
+    CHAINED: tl.constexpr,  # chained (PDL): w read before the kernel in front ends, x after
     DOT: tl.constexpr,  # tensor cores (BLOCK_T >= 16); else one row by FMAs (BLOCK_T == 1)
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -91,16 +94,16 @@ def _gemv_kernel(
     cs = first * BLOCK_C + tl.arange(0, BLOCK_C)
     w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
                 other=0.0)  # [BLOCK_N, BLOCK_C]: the first tile, issued before the wait
-    if DEPENDENT:
-        gdc_wait()  # x (the kernel in front's output) complete and visible from here on
+    if SCALE == 1:  # the tile's column of the block grid, one scale a row
+        block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
+                              + first * BLOCK_C // SCALE_C,
+                              mask=cols < tl.where(first < end, N, 0), other=0.0)
+    wait_then_release(CHAINED)  # x (the kernel in front's output) complete from here on
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     lanes = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)  # FMA: summed across C once, at the end
     for step in range(first, end):
         x = tl.load(x_ptr + rows[:, None] * stride_x_t + cs[None, :],
                     mask=(rows[:, None] < T) & (cs[None, :] < C), other=0.0)  # [BLOCK_T, BLOCK_C]
-        if SCALE == 1:  # the step's column of the block grid, one scale a row
-            block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
-                                  + step * BLOCK_C // SCALE_C, mask=cols < N, other=0.0)
         if not DOT:
             w32 = w.to(tl.float32)
             if SCALE == 1:
@@ -113,9 +116,13 @@ def _gemv_kernel(
                 acc += step_sum * block_scale[None, :]
             else:
                 acc = _dot(x, w_x, acc, IEEE_FP32)
-        cs += BLOCK_C  # the next tile, in flight while this one is summed
+        cs += BLOCK_C  # the next tile and its scales, in flight while this one is summed
         w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
                     other=0.0)
+        if SCALE == 1:
+            block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
+                                  + (step + 1) * BLOCK_C // SCALE_C,
+                                  mask=cols < tl.where(step + 1 < end, N, 0), other=0.0)
     if not DOT:
         acc = tl.sum(lanes, 1)[None, :]
     if SCALE == 2:
@@ -225,16 +232,16 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
     if config.slices > 1:
         partials = torch.empty(config.slices, T, N, dtype=torch.float32, device=x.device)
         counters = torch.zeros(column_blocks, dtype=torch.int32, device=x.device)
-    dependent = prefetch_weight and dependent_launch(x.device)
+    chained = prefetch_weight and dependent_launch(x.device)
     dot = T > 1 or config.tensor_cores
     fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0),
                  stride_s_n=scaling.stride_n, stride_out_t=N, SLICES=config.slices,
                  IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias, SCALE=scaling.along.value,
-                 SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, DEPENDENT=dependent,
-                 DOT=dot, BLOCK_T=MAX_ROWS if dot else 1, BLOCK_N=config.block_n,
-                 BLOCK_C=config.block_c)
+                 SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, CHAINED=chained,
+                 DOT=dot, BLOCK_T=MAX_ROWS if dot else 1,
+                 BLOCK_N=config.block_n, BLOCK_C=config.block_c)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages) | (
-        dict(launch_pdl=True) if dependent else {})
+        dict(launch_pdl=True) if chained else {})
     return GemvPlan((T, N), partials, counters,
                     BoundLaunch(_gemv_kernel, (column_blocks, config.slices), fixed, options))
 
