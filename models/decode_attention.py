@@ -1,4 +1,8 @@
-"""Flash-decoding over the static KV cache in place: only each sequence's context, no host read."""
+"""Flash-decoding over the static KV cache in place: only each sequence's context, no host read.
+Given the step's own token (`NewToken`: its k, v and q as the projection left them), the same
+launch norms and rotates q and k (rotary.py's kernels' code) and writes k and v into the cache:
+the split holding the token's position takes its key from registers (no program reads a row
+another writes), one kernel a decode layer instead of two."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +16,8 @@ from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from moe_triton.platform import dependent_launch, triton_computes_exactly, wait_then_release
 from moe_triton.weights import tensor_signature
+
+from .rotary import _normed_rotated, rotate_into_cache
 
 
 @triton.jit
@@ -30,6 +36,12 @@ def _decode_attention_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
     IEEE: tl.constexpr, CHAINED: tl.constexpr,
+    # the step's own token (NEW_TOKEN): k / v (B, Hkv, D) rows, q raw; normed (NORM) and rotated
+    # (ROTATE: D_ROT columns, INTERLEAVED pairs) here, k and v written into the cache at pos
+    new_k_ptr, new_v_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr, q_eps, k_eps,
+    stride_nk_b, stride_nk_h, stride_nv_b, stride_nv_h, stride_cos_b,
+    NEW_TOKEN: tl.constexpr, ROTATE: tl.constexpr, D_ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
 ):
     # behind the kernel in front (PDL); the next (o_proj, gemv.py) may launch and load its weights
     wait_then_release(CHAINED)
@@ -46,15 +58,22 @@ def _decode_attention_kernel(
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP pad to tl.dot's 16-row minimum
     g_ok, d_ok = g < GROUP, d < D
-    q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if NEW_TOKEN:  # q as the projection left it: normed and rotated as rotary.py does
+        c_row = b * stride_cos_b + tl.zeros([BLOCK_G], tl.int64)
+        q = _normed_rotated(q_ptr, b * stride_q_b + heads.to(tl.int64) * stride_q_h, g_ok, d,
+                            cos_ptr, sin_ptr, c_row, q_norm_ptr, q_eps, D, D_ROT, ROTATE,
+                            INTERLEAVED, NORM)  # [BLOCK_G, BLOCK_D]
+    else:
+        q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     row = tl.where(in_cache, slot, 0) * stride_c_slot + kv_head * stride_c_h
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    cache_hi = tl.minimum(hi, pos) if NEW_TOKEN else hi  # the new key is not in the cache yet
+    for n0 in range(lo, cache_hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
+        n_ok = n < cache_hi
         tile = row + n[:, None].to(tl.int64) * stride_c_s + d[None, :]
         k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :],
                     other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -67,6 +86,13 @@ def _decode_attention_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
+    if NEW_TOKEN:
+        if (lo <= pos) & (pos < hi):  # this split holds pos (hi > pos only inside the cache)
+            m, total, acc = _attend_new_token(
+                q, m, total, acc, new_k_ptr, new_v_ptr, k_ptr, v_ptr, row + pos * stride_c_s,
+                b * stride_nk_b + kv_head * stride_nk_h, b * stride_nv_b + kv_head * stride_nv_h,
+                cos_ptr, sin_ptr, c_row, k_norm_ptr, k_eps, scale, g, d, d_ok, D, D_ROT, ROTATE,
+                INTERLEAVED, NORM)
     out_mask = g_ok[:, None] & d_ok[None, :]
     out = out_ptr + (b * GROUP * tl.num_programs(1) + heads)[:, None] * D + d[None, :]
     if SPLITS == 1:
@@ -103,6 +129,32 @@ def _decode_attention_kernel(
 
 
 @triton.jit
+def _attend_new_token(q, m, total, acc, new_k_ptr, new_v_ptr, k_ptr, v_ptr, cache_row, k_row,
+                      v_row, cos_ptr, sin_ptr, c_row, k_norm_ptr, k_eps, scale, g, d, d_ok,
+                      D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
+    """The new token's key and value into the cache row `cache_row`, and into the running softmax
+    (m, total, acc) of q [BLOCK_G, BLOCK_D]: k normed and rotated as rotary.py's cache kernel
+    writes it, every one of the BLOCK_G rows that one key (so the score is an elementwise sum)."""
+    every = tl.full(g.shape, 1, tl.int1)
+    k = _normed_rotated(new_k_ptr, k_row + tl.zeros(g.shape, tl.int64), every, d, cos_ptr,
+                        sin_ptr, c_row, k_norm_ptr, k_eps, D, D_ROT, ROTATE, INTERLEAVED,
+                        NORM)  # [BLOCK_G, BLOCK_D], the rows alike
+    v = tl.load(new_v_ptr + v_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None],
+                mask=d_ok[None, :], other=0.0)
+    first = (g[:, None] == 0) & d_ok[None, :]
+    tl.store(k_ptr + cache_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None], k, mask=first)
+    tl.store(v_ptr + cache_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None], v, mask=first)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale  # [BLOCK_G]
+    m_new = tl.maximum(m, s)
+    p = tl.exp(s - m_new)
+    alpha = tl.exp(m - m_new)  # 0 where no key came before (m = -inf)
+    total = total * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)
+    return m_new, total, acc
+
+
+@triton.jit
 def _store_combined(out, out_mask, acc, m, total, sinks_ptr, heads, g_ok, HAS_SINKS: tl.constexpr):
     """acc / total at the running max m ([BLOCK_G] heads); m = -inf: no key read, NaN (0 / 0)."""
     read = m > float("-inf")
@@ -115,25 +167,73 @@ def _store_combined(out, out_mask, acc, m, total, sinks_ptr, heads, g_ok, HAS_SI
     tl.store(out, (acc / total[:, None]).to(out.dtype.element_ty), mask=out_mask)
 
 
+@dataclass(frozen=True)
+class NewToken:
+    """The decode step's own token, as the qkv projection left it: k, v (B, Hkv, 1, D), to be
+    normed per head by `k_norm` (weight, eps; None: not), rotated by `rotary` (cos, sin (B, 1,
+    D_rot); None: NoPE) and written into the cache at each row's position; the query is normed
+    by `q_norm` and rotated alike (rotary.rotate_into_cache's arguments)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    interleaved: bool = False
+    q_norm: tuple[torch.Tensor, float] | None = None
+    k_norm: tuple[torch.Tensor, float] | None = None
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      slots: torch.Tensor, positions: torch.Tensor, scale: float,
-                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     window: int | None = None, sinks: torch.Tensor | None = None,
+                     new_token: NewToken | None = None) -> torch.Tensor:
     """q (B, Hq, D) at `positions` (B,) over cache rows `slots` (B,) of keys / values (slots + 1,
     Hkv, S, D): a fresh (B, Hq, D). A `window` W reads (pos - W, pos]; outside the cache: NaN.
-    `sinks` (Hq,): a logit per head in the softmax's denominator only (gpt-oss)."""
+    `sinks` (Hq,): a logit per head in the softmax's denominator only (gpt-oss). `new_token`:
+    q is raw, and the token's k / v enter the cache first (NewToken), in the same launch where
+    the kernel runs eagerly, else by rotary.rotate_into_cache before."""
     _check(q, keys, values, slots, positions, sinks)
+    if new_token is not None and (torch.compiler.is_compiling() or not _fuses(new_token, q, keys)):
+        q = _rotate_into_cache(q, keys, values, slots, positions, new_token)
+        new_token = None
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.decode_attention(q, keys, values, slots, positions, scale,
                                                      window or 0, sinks)
-    return _compute(q, keys, values, slots, positions, scale, window or 0, sinks)
+    return _compute(q, keys, values, slots, positions, scale, window or 0, sinks, new_token)
+
+
+def _fuses(new: NewToken, q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """One launch: the kernel runs (CUDA, or the interpreter in fp16 / fp32) on a contiguous
+    cache; else rotate_into_cache (which checks the token's shapes) and then the attention."""
+    Hkv, D = keys.shape[1], keys.shape[3]
+    return (triton_computes_exactly(q.device, q.dtype) and keys.is_contiguous()
+            and new.k.shape == new.v.shape == (q.shape[0], Hkv, 1, D)
+            and new.k.stride(3) == new.v.stride(3) == 1 and new.k.dtype == q.dtype
+            and all(w.shape == (D,) for w, _ in filter(None, (new.q_norm, new.k_norm)))
+            and (new.q_norm is None) == (new.k_norm is None)
+            and (new.rotary is None or _rotary_fits(new.rotary, q.shape[0], D)))
+
+
+def _rotary_fits(rotary, B: int, D: int) -> bool:
+    cos, sin = rotary
+    return (cos.shape == sin.shape and cos.dim() == 3 and cos.shape[:2] == (B, 1)
+            and cos.shape[2] <= D and cos.shape[2] % 2 == 0)
+
+
+def _rotate_into_cache(q, keys, values, slots, positions, new: NewToken) -> torch.Tensor:
+    """The two-launch form: the token's k / v into the cache, q normed and rotated."""
+    q_norm, k_norm = new.q_norm or (None, None), new.k_norm or (None, 0.0)
+    rotated = rotate_into_cache(new.k, new.v, new.rotary, keys, values, slots, positions,
+                                new.interleaved, norm_weight=k_norm[0], norm_eps=k_norm[1],
+                                query=q[:, :, None], query_norm_weight=q_norm[0],
+                                query_norm_eps=q_norm[1])
+    return rotated[:, :, 0]
 
 
 def _compute(q, keys, values, slots, positions, scale: float, window: int,
-             sinks: torch.Tensor | None) -> torch.Tensor:
-    if not triton_computes_exactly(q.device, q.dtype):
+             sinks: torch.Tensor | None, new_token: NewToken | None = None) -> torch.Tensor:
+    if not triton_computes_exactly(q.device, q.dtype):  # new_token None: decode_attention's
         return decode_attention_torch(q, keys, values, slots, positions, scale,
                                       window or None, sinks).to(q.dtype)
-    return _launch(q, keys, values, slots, positions, scale, window, sinks)
+    return _launch(q, keys, values, slots, positions, scale, window, sinks, new_token)
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
@@ -146,15 +246,26 @@ def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: to
 
 
 def _launch(q, keys, values, slots, positions, scale: float, window: int,
-            sinks: torch.Tensor | None) -> torch.Tensor:
+            sinks: torch.Tensor | None, new: NewToken | None) -> torch.Tensor:
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     if q.shape[0] == 0:
         return out
-    signature = (tuple(tensor_signature(t) for t in (q, keys, values, slots, positions))
-                 + (scale, window, batch_invariant_enabled(), sinks is not None))
+    token = {}  # the new token's tensors; unread without one
+    if new is not None:
+        cos, sin = ((t.contiguous() for t in new.rotary) if new.rotary is not None
+                    else (new.k, new.k))
+        token = dict(new_k_ptr=new.k, new_v_ptr=new.v, cos_ptr=cos, sin_ptr=sin,
+                     q_norm_ptr=new.q_norm[0] if new.q_norm else out,
+                     k_norm_ptr=new.k_norm[0] if new.k_norm else out)
+    signature = (tuple(tensor_signature(t) for t in (q, keys, values, slots, positions,
+                                                     *token.values()))
+                 + (scale, window, batch_invariant_enabled(), sinks is not None)
+                 + ((new.interleaved, new.rotary is not None, new.q_norm and new.q_norm[1],
+                     new.k_norm and new.k_norm[1]) if new is not None else ()))
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS.add(signature, _plan(q, keys, scale, window, sinks is not None))
+        plan = _PLANS.add(signature, _plan(q, keys, scale, window, sinks is not None, new,
+                                           token))
     # with one split: unread, each program normalises its own heads
     part_out = part_stats = out
     if plan.counters is not None:
@@ -162,10 +273,12 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int,
                                device=q.device)  # [B, Hq, splits, D] unnormalised outputs
         part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32,
                                  device=q.device)  # [B, Hq, splits, 2] (max, sum) per split
+    token = token or dict(new_k_ptr=out, new_v_ptr=out, cos_ptr=out, sin_ptr=out, q_norm_ptr=out,
+                          k_norm_ptr=out)
     plan.launch(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions,
                 sinks_ptr=out if sinks is None else sinks, out_ptr=out, part_out_ptr=part_out,
                 part_stats_ptr=part_stats,
-                counter_ptr=out if plan.counters is None else plan.counters)
+                counter_ptr=out if plan.counters is None else plan.counters, **token)
     return out
 
 
@@ -181,7 +294,8 @@ class _AttentionPlan:
     launch: BoundLaunch
 
 
-def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan:
+def _plan(q, keys, scale: float, window: int, has_sinks: bool, new: NewToken | None,
+          token: dict) -> _AttentionPlan:
     B, Hq, D = q.shape
     _, Hkv, S, _ = keys.shape
     BLOCK_N = 64 if q.is_cuda else 16
@@ -195,8 +309,25 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool) -> _AttentionPlan
         scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32,
-        CHAINED=chained), dict(launch_pdl=True) if chained else None)
+        CHAINED=chained, **_new_token_args(new, token)),
+        dict(launch_pdl=True) if chained else None)
     return _AttentionPlan((B, Hq, splits), counters, launch)
+
+
+def _new_token_args(new: NewToken | None, token: dict) -> dict:
+    """The kernel's fixed new-token arguments (NEW_TOKEN False: unread)."""
+    if new is None:
+        return dict(q_eps=0.0, k_eps=0.0, stride_nk_b=0, stride_nk_h=0, stride_nv_b=0,
+                    stride_nv_h=0, stride_cos_b=0, NEW_TOKEN=False, ROTATE=False, D_ROT=0,
+                    INTERLEAVED=False, NORM=False)
+    return dict(q_eps=new.q_norm[1] if new.q_norm else 0.0,
+                k_eps=new.k_norm[1] if new.k_norm else 0.0,
+                stride_nk_b=new.k.stride(0), stride_nk_h=new.k.stride(1),
+                stride_nv_b=new.v.stride(0), stride_nv_h=new.v.stride(1),
+                stride_cos_b=token["cos_ptr"].stride(0) if new.rotary is not None else 0,
+                NEW_TOKEN=True, ROTATE=new.rotary is not None,
+                D_ROT=new.rotary[0].shape[-1] if new.rotary is not None else 0,
+                INTERLEAVED=new.interleaved, NORM=new.k_norm is not None)
 
 
 _PLANS = PlanCache()

@@ -16,9 +16,9 @@ from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.linear import dense
 from moe_triton.routing import RouteTape
 
-from .decode_attention import decode_attention
+from .decode_attention import NewToken, decode_attention
 from .rms_norm import add_rms_norm, rms_norm
-from .rotary import apply_rotary, rotate_into_cache
+from .rotary import apply_rotary
 
 
 def head_dim_of(config) -> int:
@@ -204,8 +204,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
               qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D) -> (B, L, Hq * D); the per-head `qk_norm` rides in the
-    rotary kernels (`rotary` None: NoPE); in decode q's and k's rotary and the K/V cache write are
-    one kernel.
+    rotary kernels (`rotary` None: NoPE); in decode q's and k's rotary, the K/V cache write and
+    the attention are one kernel.
     `sinks` (Hq,): gpt-oss's logit per head in each softmax's denominator, with no value."""
     keys, values = cache.keys[layer], cache.values[layer]
     q_norm, k_norm = (({"norm_weight": n.weight, "norm_eps": n.eps} for n in qk_norm) if qk_norm
@@ -224,15 +224,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: StaticKV
                                         sliding_window, sinks)
                          for start in range(0, L, PREFILL_CHUNK)], dim=2)
     else:  # decode: one token per sequence against its cache row, read in place up to its position
-        position = batch.positions[:, 0]  # [B]
-        if rotary is None:
-            rotate_into_cache(k, v, None, keys, values, batch.slots, position, **k_norm)
-        else:  # q rotated in the same launch
-            q = rotate_into_cache(k, v, rotary, keys, values, batch.slots, position, interleaved,
-                                  **k_norm, query=q, query_norm_weight=q_norm.get("norm_weight"),
-                                  query_norm_eps=q_norm.get("norm_eps"))
-        out = decode_attention(q[:, :, 0], keys, values, batch.slots, position, scaling,
-                               sliding_window, sinks)  # [B, Hq, D]
+        # the token's q and k normed and rotated, k and v written into the cache: one launch
+        new = NewToken(k, v, rotary, interleaved, *((n["norm_weight"], n["norm_eps"]) if n
+                                                    else None for n in (q_norm, k_norm)))
+        out = decode_attention(q[:, :, 0], keys, values, batch.slots, batch.positions[:, 0],
+                               scaling, sliding_window, sinks, new)  # [B, Hq, D]
         return out.flatten(1)[:, None]  # [B, 1, Hq * D]
     return out.transpose(1, 2).flatten(2)
 

@@ -1,13 +1,16 @@
 """models/decode_attention.py against its float32 reference (and that against SDPA), under the
 interpreter in float16 / float32 on CPU and compiled on the GPU. The cache is poisoned with NaN
 outside every sequence's context (the unused tail, the other slots, the window's excluded past):
-reading any of it would show."""
+reading any of it would show. With the step's own token (NewToken), against the float32 torch
+forms of its two steps: rotary.py's references (norm, rotation, cache write), then attention's."""
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close, relative_error
 
-from moe_triton.models.decode_attention import decode_attention, decode_attention_torch
+from moe_triton.models.decode_attention import NewToken, decode_attention, decode_attention_torch
+from moe_triton.models.rms_norm import rms_norm_torch
+from moe_triton.models.rotary import rotate_into_cache_torch, rotated_once_torch
 
 CASES = [  # B, Hq, Hkv, D, S, window
     (2, 4, 2, 16, 32, None),
@@ -68,6 +71,64 @@ def test_decode_attention(B, Hq, Hkv, D, S, window, with_sinks, dtype):
     if with_sinks:  # the sinks take a visible share
         without = decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window)
         assert relative_error(without, expected) > 0.05
+
+
+NEW_TOKEN_FORMS = {  # (rotary dims: None NoPE, interleaved pairs, per-head q / k norm)
+    "norm, rotary": (None, False, True), "partial interleaved": (8, True, False),
+    "NoPE": (0, False, False)}
+
+
+def new_token_case(B, Hkv, D, form, dtype, device, seed=2):
+    """The step's token: k, v (B, Hkv, 1, D), rotary (cos, sin (B, 1, D_rot)), q / k norms."""
+    rotary_dims, interleaved, normed = NEW_TOKEN_FORMS[form]
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(B, Hkv, 1, D, generator=g).to(device, dtype) for _ in range(2))
+    d_rot = D - D % 2 if rotary_dims is None else rotary_dims
+    rotary = tuple(torch.randn(B, 1, d_rot, generator=g).to(device, dtype)
+                   for _ in range(2)) if d_rot else None
+    norms = [(torch.rand(D, generator=g).to(device, dtype) + 0.5, eps) for eps in (1e-6, 1e-2)]
+    return NewToken(k, v, rotary, interleaved, *(norms if normed else (None, None)))
+
+
+def new_token_reference(q, keys, values, slots, positions, scale, window, sinks, new):
+    """Float32 torch: the token normed, rotated and written into copies of the cache, then the
+    attention; (out, keys, values)."""
+    def normed_rotated(x, norm):
+        x = x.float() if norm is None else rms_norm_torch(x.float(), norm[0].float(), norm[1])
+        return x if new.rotary is None else rotated_once_torch(x, *new.rotary, new.interleaved)
+    keys, values = keys.float(), values.float()
+    rotate_into_cache_torch(normed_rotated(new.k, new.k_norm), new.v.float(), None, None, keys,
+                            values, slots, positions)
+    q = normed_rotated(q[:, :, None], new.q_norm)[:, :, 0]
+    out = decode_attention_torch(q, keys, values, slots, positions, scale, window, sinks)
+    return out, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("form", list(NEW_TOKEN_FORMS))
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,window,with_sinks",
+                         [case + (False,) for case in CASES] + [SINK_CASES[1] + (True,)])
+def test_the_new_token_enters_the_cache_and_the_attention_in_one_launch(
+        B, Hq, Hkv, D, S, window, with_sinks, form, dtype, device="cpu"):
+    """Its position's cache row poisoned: read before it is written, it would show (NaN)."""
+    q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype, device)
+    positions[-1] = S  # a row past the cache: writes nothing, attends to nothing (NaN)
+    inside = positions < S
+    keys[slots[inside], :, positions[inside]] = float("nan")
+    values[slots[inside], :, positions[inside]] = float("nan")
+    if window:
+        poison_outside_window(keys, values, slots, positions, window)
+    sinks = random_sinks(Hq, dtype, device) if with_sinks else None
+    new = new_token_case(B, Hkv, D, form, dtype, device)
+    expected, expected_keys, expected_values = new_token_reference(
+        q, keys, values, slots, positions, D**-0.5, window, sinks, new)
+    out = decode_attention(q, keys, values, slots, positions, D**-0.5, window, sinks, new)
+    assert out[-1].isnan().all() and expected[-1].isnan().all()
+    assert_close(out[:-1], expected[:-1], dtype)
+    rows = (slots[inside], slice(None), positions[inside])  # the written rows; the rest unchanged
+    assert_close(keys[rows], expected_keys[rows], dtype)
+    assert_close(values[rows], expected_values[rows], dtype)
+    assert torch.equal(keys.isnan(), expected_keys.isnan())
 
 
 def test_the_sinks_reference_is_transformers_gpt_oss_attention():
@@ -202,6 +263,17 @@ def test_decode_attention_on_the_gpu(B, Hq, Hkv, D, S, window, dtype, with_sinks
     out = decode_attention(q, keys, values, slots, positions, D**-0.5, window, sinks)
     assert_close(out, decode_attention_torch(q, keys, values, slots, positions, D**-0.5, window,
                                              sinks), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("form", list(NEW_TOKEN_FORMS))
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,window", [(1, 32, 4, 128, 4096, None),
+                                                 (8, 32, 4, 128, 1104, None),
+                                                 (2, 16, 8, 128, 2048, 512)])
+def test_the_new_token_in_one_launch_on_the_gpu(B, Hq, Hkv, D, S, window, form, dtype):
+    test_the_new_token_enters_the_cache_and_the_attention_in_one_launch(
+        B, Hq, Hkv, D, S, window, False, form, dtype, device="cuda")
 
 
 @pytest.mark.gpu
