@@ -17,7 +17,7 @@ from moe_triton.launch import BoundLaunch, PlanCache, interpreter_serialized, re
 from moe_triton.platform import dependent_launch, triton_computes_exactly, wait_then_release
 from moe_triton.weights import tensor_signature
 
-from .rotary import _normed_rotated, rotate_into_cache
+from .rotary import normed_rotated, rotate_into_cache
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _decode_attention_kernel(
     g_ok, d_ok = g < GROUP, d < D
     if NEW_TOKEN:  # q as the projection left it: normed and rotated as rotary.py does
         c_row = b * stride_cos_b + tl.zeros([BLOCK_G], tl.int64)
-        q = _normed_rotated(q_ptr, b * stride_q_b + heads.to(tl.int64) * stride_q_h, g_ok, d,
+        q = normed_rotated(q_ptr, b * stride_q_b + heads.to(tl.int64) * stride_q_h, g_ok, d,
                             cos_ptr, sin_ptr, c_row, q_norm_ptr, q_eps, D, D_ROT, ROTATE,
                             INTERLEAVED, NORM)  # [BLOCK_G, BLOCK_D]
     else:
@@ -137,7 +137,7 @@ def _attend_new_token(q, m, total, acc, new_k_ptr, new_v_ptr, k_ptr, v_ptr, cach
     (m, total, acc) of q [BLOCK_G, BLOCK_D]: k normed and rotated as rotary.py's cache kernel
     writes it, every one of the BLOCK_G rows that one key (so the score is an elementwise sum)."""
     every = tl.full(g.shape, 1, tl.int1)
-    k = _normed_rotated(new_k_ptr, k_row + tl.zeros(g.shape, tl.int64), every, d, cos_ptr,
+    k = normed_rotated(new_k_ptr, k_row + tl.zeros(g.shape, tl.int64), every, d, cos_ptr,
                         sin_ptr, c_row, k_norm_ptr, k_eps, D, D_ROT, ROTATE, INTERLEAVED,
                         NORM)  # [BLOCK_G, BLOCK_D], the rows alike
     v = tl.load(new_v_ptr + v_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None],
@@ -191,6 +191,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     q is raw, and the token's k / v enter the cache first (NewToken), in the same launch where
     the kernel runs eagerly, else by rotary.rotate_into_cache before."""
     _check(q, keys, values, slots, positions, sinks)
+    if new_token is not None:
+        _check_device(new_token, q)
     if new_token is not None and (torch.compiler.is_compiling() or not _fuses(new_token, q, keys)):
         q = _rotate_into_cache(q, keys, values, slots, positions, new_token)
         new_token = None
@@ -210,6 +212,13 @@ def _fuses(new: NewToken, q: torch.Tensor, keys: torch.Tensor) -> bool:
             and all(w.shape == (D,) for w, _ in filter(None, (new.q_norm, new.k_norm)))
             and (new.q_norm is None) == (new.k_norm is None)
             and (new.rotary is None or _rotary_fits(new.rotary, q.shape[0], D)))
+
+
+def _check_device(new: NewToken, q: torch.Tensor) -> None:
+    tensors = [new.k, new.v, *(new.rotary or ()), *(n[0] for n in (new.q_norm, new.k_norm) if n)]
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(f"new_token's k, v, rotary and norm weights must be on q's device "
+                         f"{q.device}, got {sorted({str(t.device) for t in tensors})}")
 
 
 def _rotary_fits(rotary, B: int, D: int) -> bool:

@@ -62,7 +62,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
     row_ok = rows < R
     x_row = b.to(tl.int64) * stride_x_b + head * stride_x_h + pos * stride_x_l  # [BLOCK_R]
     c_row = b.to(tl.int64) * stride_c_b + pos * stride_c_l
-    out = _normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps, D,
+    out = normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps, D,
                           D_ROT, True, INTERLEAVED, NORM)  # [BLOCK_R, BLOCK_D]
     out_row = rows.to(tl.int64) * D
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out,
@@ -94,7 +94,7 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
                      + position * stride_cache_s)  # [BLOCK_R]
         mask = row_ok[:, None] & (cols[None, :] < D)
         store_mask = mask & in_cache[:, None]
-        k = _normed_rotated(k_ptr, b.to(tl.int64) * stride_k_b + head * stride_k_h, row_ok, cols,
+        k = normed_rotated(k_ptr, b.to(tl.int64) * stride_k_b + head * stride_k_h, row_ok, cols,
                             cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, norm_ptr, eps, D, D_ROT,
                             ROTATE, INTERLEAVED, NORM)
         tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=store_mask)
@@ -105,7 +105,7 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         b, head = rows // Q_HEADS, rows % Q_HEADS
         row_ok = rows < R_Q
-        q = _normed_rotated(q_ptr, b.to(tl.int64) * stride_q_b + head * stride_q_h, row_ok, cols,
+        q = normed_rotated(q_ptr, b.to(tl.int64) * stride_q_b + head * stride_q_h, row_ok, cols,
                             cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, q_norm_ptr, q_eps,
                             D, D_ROT, ROTATE, INTERLEAVED, NORM)
         tl.store(q_out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], q,
@@ -113,7 +113,7 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
 
 
 @triton.jit
-def _normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps,
+def normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps,
                     D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
                     INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
     """Rows x_row [BLOCK_R] of x, normed (NORM) then rotated (ROTATE) by the cos / sin at c_row."""

@@ -131,6 +131,13 @@ def test_the_new_token_enters_the_cache_and_the_attention_in_one_launch(
     assert torch.equal(keys.isnan(), expected_keys.isnan())
 
 
+def test_a_new_token_on_another_device_is_refused_before_launch():
+    q, keys, values, slots, positions = make_case(2, 4, 2, 16, 32, torch.float32)
+    new = NewToken(*(torch.zeros(2, 2, 1, 16, device="meta") for _ in range(2)))
+    with pytest.raises(ValueError, match="must be on q's device cpu"):
+        decode_attention(q, keys, values, slots, positions, 0.25, None, None, new)
+
+
 def test_the_sinks_reference_is_transformers_gpt_oss_attention():
     """transformers' eager gpt-oss attention (its sinks in the softmax, dropped after) on each
     sequence's context."""
