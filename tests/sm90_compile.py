@@ -17,8 +17,11 @@ A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or
 (bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
 fewer); "decode": true takes decode_config's tiles (the decode kernel). A "gemv": [T, N, C] case
 is one projection with choose_gemv_config's tiles, its weights prefetched (PDL), bf16 or in a
-"format" as above. Prints one line per case; exits non-zero at the first kernel that does not
-compile.
+"format" as above. A "layer": [B, Hq, Hkv, D, S, E, K] case is a decode layer's other model
+kernels, chained by PDL as on the H200, bf16: add_rms_norm, the decode attention taking the step's
+own token (normed, rotated, written into the cache) and the softmax top-K routing over E experts
+(the attention's split count and key tile are the CPU's, which the stand-ins imply). Prints one
+line per case; exits non-zero at the first kernel that does not compile.
 """
 import json
 import os
@@ -39,6 +42,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import moe_triton.config as configs  # noqa: E402
 import moe_triton.gemv as gemvs  # noqa: E402
+import moe_triton.models.decode_attention as attention  # noqa: E402
+import moe_triton.models.rms_norm as norms  # noqa: E402
+import moe_triton.routing as routing  # noqa: E402
 from moe_triton import ExpertWeights, WeightFormat  # noqa: E402
 from moe_triton.activation import SILU_AND_MUL  # noqa: E402
 from moe_triton.launch import BoundLaunch  # noqa: E402
@@ -111,7 +117,27 @@ def compile_gemv(T: int, N: int, C: int, fmt: WeightFormat) -> str:
     return f"gemv {fmt} T={T} N={N} C={C}: {plan.launch.fixed['BLOCK_C']}-wide steps"
 
 
+def compile_layer(B: int, Hq: int, Hkv: int, D: int, S: int, E: int, K: int) -> str:
+    bf16 = dict(dtype=torch.bfloat16)
+    H = Hq * D
+    x = torch.zeros(B, H, **bf16)
+    norms._launch(x, torch.zeros_like(x), torch.zeros(H, **bf16), 1e-6)
+    keys = torch.zeros(B + 1, Hkv, S, D, **bf16)
+    qkv = torch.zeros(B, (Hq + 2 * Hkv) * D, **bf16)  # the projection's output, viewed as decode
+    q, k, v = (t.view(B, -1, 1, D) for t in qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1))
+    rotary = tuple(torch.zeros(B, 1, D, **bf16) for _ in range(2))
+    norm = (torch.zeros(D, **bf16), 1e-6)
+    attention._launch(q[:, :, 0], keys, torch.zeros_like(keys), torch.zeros(B, dtype=torch.long),
+                      torch.zeros(B, dtype=torch.long), D**-0.5, 0, None,
+                      attention.NewToken(k, v, rotary, False, norm, norm))
+    logits = torch.zeros(B, E, **bf16)
+    routing.plan_route(logits, routing.RoutingSpec(top_k=K))(logits, None, None)
+    return f"layer B={B} Hq={Hq} Hkv={Hkv} D={D} S={S} E={E} K={K}: norm, attention, route"
+
+
 def compile_case(case: dict) -> str:
+    if "layer" in case:
+        return compile_layer(*case["layer"])
     if "gemv" in case:
         return compile_gemv(*case["gemv"], weight_format(case) if "format" in case else NATIVE)
     E, K, H, I, T = (case[k] for k in "EKHIT")
@@ -136,7 +162,8 @@ def compile_case(case: dict) -> str:
 def main(cases: list[dict]) -> None:
     configs.device_limits = lambda device: H200
     gemvs.device_limits = configs.device_limits
-    gemvs.dependent_launch = lambda device: True  # the stand-ins are CPU tensors; the H200 has PDL
+    for module in (gemvs, norms, attention, routing):  # the stand-ins are CPU tensors; the H200
+        module.dependent_launch = lambda device: True  # has PDL
     BoundLaunch.__call__ = compile_launch
     for case in cases:
         before = set(compiled)

@@ -6,7 +6,7 @@ forms of its two steps: rotary.py's references (norm, rotation, cache write), th
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, relative_error
+from helpers import assert_close, compile_for_sm90, relative_error
 
 from moe_triton.models.decode_attention import NewToken, decode_attention, decode_attention_torch
 from moe_triton.models.rms_norm import rms_norm_torch
@@ -136,6 +136,18 @@ def test_a_new_token_on_another_device_is_refused_before_launch():
     new = NewToken(*(torch.zeros(2, 2, 1, 16, device="meta") for _ in range(2)))
     with pytest.raises(ValueError, match="must be on q's device cpu"):
         decode_attention(q, keys, values, slots, positions, 0.25, None, None, new)
+
+
+def test_a_decode_layers_chained_kernels_compile_for_sm90():
+    """The norm, the attention taking its new token (norm, rotary, cache write) and the routing,
+    each launched by PDL, compiled for sm_90 without a GPU (tests/sm90_compile.py): Qwen3's and
+    gpt-oss-120b's head shapes."""
+    cases = [{"layer": [1, 32, 4, 128, 1024, 128, 8]}, {"layer": [8, 64, 8, 64, 2048, 128, 4]}]
+    run = compile_for_sm90(cases, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == len(cases) and all("_decode_attention_kernel" in line
+                                            for line in lines[:1]), run.stdout
 
 
 def test_the_sinks_reference_is_transformers_gpt_oss_attention():
