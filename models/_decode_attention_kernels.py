@@ -34,9 +34,9 @@ def _decode_attention_kernel(
     NEW_TOKEN: tl.constexpr, ROTATE: tl.constexpr, D_ROT: tl.constexpr,
     INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
 ):
-    # behind the kernel in front (PDL); the next (o_proj, gemv.py) may launch and load its weights
-    wait_then_release(CHAINED)
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the step's slots and positions, and the cache before pos, are older than the kernel in
+    # front (the chain's invariant, platform.wait_then_release): read before the wait
     pos = tl.load(positions_ptr + b).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     # a (slot, position) outside the cache reads nothing: every split stays empty, the row is NaN
@@ -49,6 +49,13 @@ def _decode_attention_kernel(
     g, d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g  # [BLOCK_G]; rows past GROUP pad to tl.dot's 16-row minimum
     g_ok, d_ok = g < GROUP, d < D
+    row = tl.where(in_cache, slot, 0) * stride_c_slot + kv_head * stride_c_h
+    cache_hi = tl.minimum(hi, pos) if NEW_TOKEN else hi  # the new key is not in the cache yet
+    if NEW_TOKEN:  # the first tile streams while the kernel in front (qkv's projection) drains;
+        # without a new token that kernel may be rotary's, which writes the row at pos
+        k, v, n_ok = _kv_tile(k_ptr, v_ptr, row, lo, cache_hi, stride_c_s, d, d_ok, BLOCK_N)
+    # behind the kernel in front (PDL); the next (o_proj, gemv.py) may launch and load its weights
+    wait_then_release(CHAINED)
     if NEW_TOKEN:  # q as the projection left it: normed and rotated as rotary.py does
         c_row = b * stride_cos_b + tl.zeros([BLOCK_G], tl.int64)
         q = normed_rotated(q_ptr, b * stride_q_b + heads.to(tl.int64) * stride_q_h, g_ok, d,
@@ -57,18 +64,12 @@ def _decode_attention_kernel(
     else:
         q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-    row = tl.where(in_cache, slot, 0) * stride_c_slot + kv_head * stride_c_h
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    cache_hi = tl.minimum(hi, pos) if NEW_TOKEN else hi  # the new key is not in the cache yet
     for n0 in range(lo, cache_hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < cache_hi
-        tile = row + n[:, None].to(tl.int64) * stride_c_s + d[None, :]
-        k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if not NEW_TOKEN:
+            k, v, n_ok = _kv_tile(k_ptr, v_ptr, row, n0, cache_hi, stride_c_s, d, d_ok, BLOCK_N)
         s = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: the first key of every iteration is in range
@@ -77,6 +78,9 @@ def _decode_attention_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
+        if NEW_TOKEN:  # the next tile, in flight while the loop goes round
+            k, v, n_ok = _kv_tile(k_ptr, v_ptr, row, n0 + BLOCK_N, cache_hi, stride_c_s, d, d_ok,
+                                  BLOCK_N)
     if NEW_TOKEN:
         if (lo <= pos) & (pos < hi):  # this split holds pos (hi > pos only inside the cache)
             m, total, acc = _attend_new_token(
@@ -117,6 +121,18 @@ def _decode_attention_kernel(
             m = top
             _store_combined(out, out_mask, acc, m, total, sinks_ptr, heads, g_ok, HAS_SINKS)
             tl.atomic_xchg(counter, 0)  # ready for the next call
+
+
+@triton.jit
+def _kv_tile(k_ptr, v_ptr, row, n0, end, stride_c_s, d, d_ok, BLOCK_N: tl.constexpr):
+    """Cached keys and values [n0, n0 + BLOCK_N) before `end` of one (slot, KV head) `row`:
+    (k, v [BLOCK_N, BLOCK_D], n_ok [BLOCK_N])."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < end
+    tile = row + n[:, None].to(tl.int64) * stride_c_s + d[None, :]
+    k = tl.load(k_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + tile, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    return k, v, n_ok
 
 
 @triton.jit
