@@ -9,6 +9,9 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
 - Prefill: tokens per second for one sequence of 2k and 8k tokens (eager, as prefill runs).
 - Where a batch-1 step goes: every kernel of one replay by name, its launches per layer and its GPU
   time, and the idle time between kernels (the step's wall time minus its kernel time).
+- The decode attention taking the step's own token (one launch: norm, rotary, cache write,
+  attention) against the two-launch form (rotate_into_cache, then the attention), captured in
+  turn over two rounds at batch 1 and 8, context 1k (issue 30).
 
 Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
 per layer per decode step.
@@ -16,6 +19,8 @@ per layer per decode step.
     python -m pytest benchmarks/test_model_step.py -m gpu --benchmark-only
         --bench-table model-step.md
 """
+import statistics
+
 import pytest
 import torch
 from measure import (
@@ -27,6 +32,7 @@ from measure import (
     record_where_time_goes,
 )
 
+from moe_triton.models import decode_attention as attention
 from moe_triton.models import default_dtype
 
 BATCHES = (1, 8, 32, 64)
@@ -114,3 +120,24 @@ def test_decode_step_profile(benchmark, model, batch, record):
                            lambda: model.graphs.run(inputs), step_s, layers)
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)
+
+
+@pytest.mark.gpu
+def test_decode_step_with_the_token_in_the_attention_or_not(benchmark, model, record,
+                                                            monkeypatch):
+    fuses = attention._fuses
+    for batch in (1, 8):
+        times = {"one launch": [], "two launches": []}
+        for _ in range(2):
+            for form in times:
+                rule = fuses if form == "one launch" else lambda *args: False
+                monkeypatch.setattr(attention, "_fuses", rule)  # decode_attention's choice
+                inputs = decode_setup(model, batch, 1024)
+                times[form].append(event_median_seconds(lambda: model.graphs.run(inputs)))
+        one, two = (statistics.median(times[form]) for form in times)
+        record("Qwen3-30B-A3B-shaped decode step (bf16, graphs, context 1k): the new token in "
+               "the attention's launch or rotary's before it", dict(
+                   batch=batch, one_launch_us=f"{one * 1e6:.0f}",
+                   two_launches_us=f"{two * 1e6:.0f}", ratio=f"{one / two:.3f}"))
+    free(model)
+    benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
