@@ -27,10 +27,12 @@ def configs(T: int, N: int, C: int, block_cs=(128, 256)):
         for block_n, slices in itertools.product((32, 64), (2, 4, 8)):
             yield GemvConfig(block_n=block_n, block_c=256, slices=slices, tensor_cores=True)
         return
-    for block_c, stages in itertools.product(block_cs, (1, 2, 3)):
+    # more, smaller programs an SM (4 warps): more tiles in flight at once, if the steps' latency
+    # bounds one row (num_stages 2-3 measured no faster: docs/sweep-gemv-stages-2026-12-03.txt)
+    for block_n, block_c, warps in itertools.product((16, 32), block_cs, (4, 8)):
         steps = triton.cdiv(C, block_c)
-        for slices in sorted({steps // 2, steps // 4, steps // 8} - {0}):
-            yield GemvConfig(block_c=block_c, slices=slices, num_stages=stages)
+        for slices in sorted({steps // 2, steps // 4, steps // 8, steps // 16} - {0}):
+            yield GemvConfig(block_n=block_n, block_c=block_c, slices=slices, num_warps=warps)
 
 
 FP8_FORMATS = {"block 128": WeightFormat.fp8_block(), "channel": WeightFormat.fp8_channel()}
