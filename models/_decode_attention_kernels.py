@@ -33,6 +33,7 @@ def _decode_attention_kernel(
     stride_nk_b, stride_nk_h, stride_nv_b, stride_nv_h, stride_cos_b,
     NEW_TOKEN: tl.constexpr, ROTATE: tl.constexpr, D_ROT: tl.constexpr,
     INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+    PREFETCH: tl.constexpr,  # (NEW_TOKEN only) the first cached tile before the PDL wait
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # the step's slots and positions, and the cache before pos, are older than the kernel in
@@ -51,7 +52,7 @@ def _decode_attention_kernel(
     g_ok, d_ok = g < GROUP, d < D
     row = tl.where(in_cache, slot, 0) * stride_c_slot + kv_head * stride_c_h
     cache_hi = tl.minimum(hi, pos) if NEW_TOKEN else hi  # the new key is not in the cache yet
-    if NEW_TOKEN:  # the first tile streams while the kernel in front (qkv's projection) drains;
+    if PREFETCH:  # the first tile streams while the kernel in front (qkv's projection) drains;
         # without a new token that kernel may be rotary's, which writes the row at pos
         k, v, n_ok = _kv_tile(k_ptr, v_ptr, row, lo, cache_hi, stride_c_s, d, d_ok, BLOCK_N)
     # behind the kernel in front (PDL); the next (o_proj, gemv.py) may launch and load its weights
@@ -68,7 +69,7 @@ def _decode_attention_kernel(
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(lo, cache_hi, BLOCK_N):
-        if not NEW_TOKEN:
+        if not PREFETCH:
             k, v, n_ok = _kv_tile(k_ptr, v_ptr, row, n0, cache_hi, stride_c_s, d, d_ok, BLOCK_N)
         s = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -78,7 +79,7 @@ def _decode_attention_kernel(
         total = total * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
-        if NEW_TOKEN:  # the next tile, in flight while the loop goes round
+        if PREFETCH:  # the next tile, in flight while the loop goes round
             k, v, n_ok = _kv_tile(k_ptr, v_ptr, row, n0 + BLOCK_N, cache_hi, stride_c_s, d, d_ok,
                                   BLOCK_N)
     if NEW_TOKEN:

@@ -171,17 +171,29 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool, new: NewToken | N
         scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32,
-        CHAINED=chained, **_new_token_args(new, token)),
+        CHAINED=chained, **_new_token_args(new, token, B * Hkv * splits, q.device)),
         dict(launch_pdl=True) if chained else None)
     return _AttentionPlan((B, Hq, splits), counters, launch)
 
 
-def _new_token_args(new: NewToken | None, token: dict) -> dict:
+# With the step's own token the first cached K/V tile loads before the PDL wait, which holds it in
+# registers across q's norm and rotation: 168 a thread at the GPU's 64-key tiles (108 without,
+# sm_90, Triton 3.6.0), three 4-warp programs an SM. Prefetch only where the grid fits that.
+PREFETCH_PROGRAMS_PER_SM = 3
+
+
+def _prefetches(programs: int, device: torch.device) -> bool:
+    sms = device_limits(device)[0] if device.type == "cuda" else 4
+    return programs <= PREFETCH_PROGRAMS_PER_SM * sms
+
+
+def _new_token_args(new: NewToken | None, token: dict, programs: int,
+                    device: torch.device) -> dict:
     """The kernel's fixed new-token arguments (NEW_TOKEN False: unread)."""
     if new is None:
         return dict(q_eps=0.0, k_eps=0.0, stride_nk_b=0, stride_nk_h=0, stride_nv_b=0,
                     stride_nv_h=0, stride_cos_b=0, NEW_TOKEN=False, ROTATE=False, D_ROT=0,
-                    INTERLEAVED=False, NORM=False)
+                    INTERLEAVED=False, NORM=False, PREFETCH=False)
     return dict(q_eps=new.q_norm[1] if new.q_norm else 0.0,
                 k_eps=new.k_norm[1] if new.k_norm else 0.0,
                 stride_nk_b=new.k.stride(0), stride_nk_h=new.k.stride(1),
@@ -189,7 +201,8 @@ def _new_token_args(new: NewToken | None, token: dict) -> dict:
                 stride_cos_b=token["cos_ptr"].stride(0) if new.rotary is not None else 0,
                 NEW_TOKEN=True, ROTATE=new.rotary is not None,
                 D_ROT=new.rotary[0].shape[-1] if new.rotary is not None else 0,
-                INTERLEAVED=new.interleaved, NORM=new.k_norm is not None)
+                INTERLEAVED=new.interleaved, NORM=new.k_norm is not None,
+                PREFETCH=_prefetches(programs, device))
 
 
 _PLANS = PlanCache()

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close, compile_for_sm90, relative_error
 
+from moe_triton.launch import PlanCache
+from moe_triton.models import decode_attention as attention
 from moe_triton.models.decode_attention import NewToken, decode_attention, decode_attention_torch
 from moe_triton.models.rms_norm import rms_norm_torch
 from moe_triton.models.rotary import rotate_into_cache_torch, rotated_once_torch
@@ -104,12 +106,25 @@ def new_token_reference(q, keys, values, slots, positions, scale, window, sinks,
     return out, keys, values
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", ""])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("form", list(NEW_TOKEN_FORMS))
 @pytest.mark.parametrize("B,Hq,Hkv,D,S,window,with_sinks",
                          [case + (False,) for case in CASES] + [SINK_CASES[1] + (True,)])
 def test_the_new_token_enters_the_cache_and_the_attention_in_one_launch(
-        B, Hq, Hkv, D, S, window, with_sinks, form, dtype, device="cpu"):
+        B, Hq, Hkv, D, S, window, with_sinks, form, dtype, prefetch, monkeypatch):
+    """The first cached tile loaded before the wait or in the loop (a grid past the
+    PREFETCH_PROGRAMS_PER_SM rule)."""
+    plans = PlanCache()  # this test's plans alone: each variant plans afresh
+    monkeypatch.setattr(attention, "_PLANS", plans)
+    if not prefetch:
+        monkeypatch.setattr(attention, "PREFETCH_PROGRAMS_PER_SM", 0)
+    check_the_new_token(B, Hq, Hkv, D, S, window, with_sinks, form, dtype, "cpu")
+    (plan,) = plans._plans.values()
+    assert plan.launch.fixed["PREFETCH"] == prefetch
+
+
+def check_the_new_token(B, Hq, Hkv, D, S, window, with_sinks, form, dtype, device):
     """Its position's cache row poisoned: read before it is written, it would show (NaN)."""
     q, keys, values, slots, positions = make_case(B, Hq, Hkv, D, S, dtype, device)
     positions[-1] = S  # a row past the cache: writes nothing, attends to nothing (NaN)
@@ -291,8 +306,7 @@ def test_decode_attention_on_the_gpu(B, Hq, Hkv, D, S, window, dtype, with_sinks
                                                  (8, 32, 4, 128, 1104, None),
                                                  (2, 16, 8, 128, 2048, 512)])
 def test_the_new_token_in_one_launch_on_the_gpu(B, Hq, Hkv, D, S, window, form, dtype):
-    test_the_new_token_enters_the_cache_and_the_attention_in_one_launch(
-        B, Hq, Hkv, D, S, window, False, form, dtype, device="cuda")
+    check_the_new_token(B, Hq, Hkv, D, S, window, False, form, dtype, "cuda")
 
 
 @pytest.mark.gpu
