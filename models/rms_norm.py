@@ -96,13 +96,12 @@ def _norm_launch(rows, residual_rows, weight, eps: float, add_residual: bool) ->
         R, N = rows.shape
         BLOCK_N = triton.next_power_of_2(N)
         BLOCK_R = max(1, min(16, 4096 // BLOCK_N))  # ~4096 elements a program
-        chained = dependent_launch(rows.device)
         fixed = dict(R=R, N=N, eps=eps, stride_x_r=rows.stride(0),
                      stride_residual_r=residual_rows.stride(0), stride_out_r=N,
-                     ADD_RESIDUAL=add_residual, CHAINED=chained, BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
-        options = dict(launch_pdl=True) if chained else None
+                     ADD_RESIDUAL=add_residual, CHAINED=dependent_launch(rows.device),
+                     BLOCK_R=BLOCK_R, BLOCK_N=BLOCK_N)
         launch = _LAUNCHES.add(signature, BoundLaunch(_rms_norm_kernel, (triton.cdiv(R, BLOCK_R),),
-                                                      fixed, options))
+                                                      fixed))
     return launch
 
 

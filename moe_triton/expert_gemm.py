@@ -263,8 +263,7 @@ def plan_expert_gemm(
     )
     tiles = num_m_blocks * triton.cdiv(n_out, config.block_n)  # the worst case's
     grid = (min(tiles, config.persistent_programs) if persistent else tiles, split_c)
-    options = config.launch_options() | (dict(launch_pdl=True) if fixed["CHAINED"] else {})
-    return plan(BoundLaunch(_expert_gemm_kernel, grid, fixed, options))
+    return plan(BoundLaunch(_expert_gemm_kernel, grid, fixed, config.launch_options()))
 
 
 def expert_gemm(

@@ -111,8 +111,7 @@ def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLay
         TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(H, BLOCK_H))
-    options = dict(launch_pdl=True) if chained else None
-    return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed, options))
+    return FinalizePlan((T, H), out_dtype, BoundLaunch(_finalize_kernel, grid, fixed))
 
 
 def finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLayout, *,

@@ -240,8 +240,7 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
                  SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, CHAINED=chained,
                  DOT=dot, BLOCK_T=MAX_ROWS if dot else 1,
                  BLOCK_N=config.block_n, BLOCK_C=config.block_c)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages) | (
-        dict(launch_pdl=True) if chained else {})
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     return GemvPlan((T, N), partials, counters,
                     BoundLaunch(_gemv_kernel, (column_blocks, config.slices), fixed, options))
 

@@ -36,13 +36,14 @@ def interpreter_serialized(kernel):
 
 
 class BoundLaunch:
-    """`fixed`: every argument but each call's tensors; `options`: num_warps, num_stages."""
+    """`fixed`: every argument but each call's tensors; `options`: num_warps, num_stages. A kernel
+    whose fixed `CHAINED` is set launches by PDL (platform.wait_then_release is its first step)."""
 
     def __init__(self, kernel, grid: tuple[int, ...], fixed: dict, options: dict | None = None):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.fixed = fixed
-        self.options = options or {}
+        self.options = (options or {}) | ({"launch_pdl": True} if fixed.get("CHAINED") else {})
         self._direct: DirectLaunch | None = None
 
     def __call__(self, **tensors) -> None:

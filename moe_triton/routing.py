@@ -303,8 +303,8 @@ def plan_route(logits: torch.Tensor, spec: RoutingSpec, config: RouteConfig | No
                  **spec.kernel_args(), **config.kernel_args(), TAPE=tape,
                  CHAINED=dependent_launch(logits.device))
     grid = (triton.cdiv(num_tokens, config.block_t),)
-    options = config.launch_options() | (dict(launch_pdl=True) if fixed["CHAINED"] else {})
-    return RoutePlan(num_tokens, spec.top_k, BoundLaunch(_route_kernel, grid, fixed, options))
+    return RoutePlan(num_tokens, spec.top_k,
+                     BoundLaunch(_route_kernel, grid, fixed, config.launch_options()))
 
 
 _PLANS = PlanCache()
