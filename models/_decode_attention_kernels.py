@@ -144,15 +144,15 @@ def _attend_new_token(q, m, total, acc, new_k_ptr, new_v_ptr, k_ptr, v_ptr, cach
     """The new token's key and value into the cache row `cache_row`, and into the running softmax
     (m, total, acc) of q [BLOCK_G, BLOCK_D]: k normed and rotated as rotary.py's cache kernel
     writes it, every one of the BLOCK_G rows that one key (so the score is an elementwise sum)."""
-    every = tl.full(g.shape, 1, tl.int1)
-    k = normed_rotated(new_k_ptr, k_row + tl.zeros(g.shape, tl.int64), every, d, cos_ptr,
+    same = tl.zeros(g.shape, tl.int64)  # [BLOCK_G]: every row the one key's
+    k = normed_rotated(new_k_ptr, k_row + same, tl.full(g.shape, 1, tl.int1), d, cos_ptr,
                         sin_ptr, c_row, k_norm_ptr, k_eps, D, D_ROT, ROTATE, INTERLEAVED,
                         NORM)  # [BLOCK_G, BLOCK_D], the rows alike
-    v = tl.load(new_v_ptr + v_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None],
-                mask=d_ok[None, :], other=0.0)
+    cols = same[:, None] + d[None, :]  # [BLOCK_G, BLOCK_D]
+    v = tl.load(new_v_ptr + v_row + cols, mask=d_ok[None, :], other=0.0)
     first = (g[:, None] == 0) & d_ok[None, :]
-    tl.store(k_ptr + cache_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None], k, mask=first)
-    tl.store(v_ptr + cache_row + d[None, :] + tl.zeros(g.shape, tl.int64)[:, None], v, mask=first)
+    tl.store(k_ptr + cache_row + cols, k, mask=first)
+    tl.store(v_ptr + cache_row + cols, v, mask=first)
     s = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale  # [BLOCK_G]
     m_new = tl.maximum(m, s)
     p = tl.exp(s - m_new)

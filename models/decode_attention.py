@@ -17,7 +17,7 @@ from moe_triton.platform import dependent_launch, triton_computes_exactly
 from moe_triton.weights import tensor_signature
 
 from ._decode_attention_kernels import _decode_attention_kernel
-from .rotary import rotate_into_cache
+from .rotary import check_cache_write, rotary_fits, rotate_into_cache
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     the kernel runs eagerly, else by rotary.rotate_into_cache before."""
     _check(q, keys, values, slots, positions, sinks)
     if new_token is not None:
-        _check_device(new_token, q)
+        _check_new_token(new_token, q, keys, values)
     if new_token is not None and (torch.compiler.is_compiling() or not _fuses(new_token, q, keys)):
         q = _rotate_into_cache(q, keys, values, slots, positions, new_token)
         new_token = None
@@ -57,27 +57,21 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def _fuses(new: NewToken, q: torch.Tensor, keys: torch.Tensor) -> bool:
     """One launch: the kernel runs (CUDA, or the interpreter in fp16 / fp32) on a contiguous
-    cache; else rotate_into_cache (which checks the token's shapes) and then the attention."""
-    Hkv, D = keys.shape[1], keys.shape[3]
+    cache, the token (checked as rotate_into_cache checks it) in q's dtype with its rotary's
+    shape; else rotate_into_cache and then the attention."""
     return (triton_computes_exactly(q.device, q.dtype) and keys.is_contiguous()
-            and new.k.shape == new.v.shape == (q.shape[0], Hkv, 1, D)
             and new.k.stride(3) == new.v.stride(3) == 1 and new.k.dtype == q.dtype
-            and all(w.shape == (D,) for w, _ in filter(None, (new.q_norm, new.k_norm)))
-            and (new.q_norm is None) == (new.k_norm is None)
-            and (new.rotary is None or _rotary_fits(new.rotary, q.shape[0], D)))
+            and (new.rotary is None or rotary_fits(*new.rotary, q.shape[0], 1, q.shape[2])))
 
 
-def _check_device(new: NewToken, q: torch.Tensor) -> None:
+def _check_new_token(new: NewToken, q: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
     tensors = [new.k, new.v, *(new.rotary or ()), *(n[0] for n in (new.q_norm, new.k_norm) if n)]
     if any(t.device != q.device for t in tensors):
         raise ValueError(f"new_token's k, v, rotary and norm weights must be on q's device "
                          f"{q.device}, got {sorted({str(t.device) for t in tensors})}")
-
-
-def _rotary_fits(rotary, B: int, D: int) -> bool:
-    cos, sin = rotary
-    return (cos.shape == sin.shape and cos.dim() == 3 and cos.shape[:2] == (B, 1)
-            and cos.shape[2] <= D and cos.shape[2] % 2 == 0)
+    check_cache_write(new.k, new.v, keys, values, new.k_norm and new.k_norm[0], q[:, :, None],
+                      new.q_norm and new.q_norm[0])
 
 
 def _rotate_into_cache(q, keys, values, slots, positions, new: NewToken) -> torch.Tensor:
@@ -112,13 +106,7 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int,
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     if q.shape[0] == 0:
         return out
-    token = {}  # the new token's tensors; unread without one
-    if new is not None:
-        cos, sin = ((t.contiguous() for t in new.rotary) if new.rotary is not None
-                    else (new.k, new.k))
-        token = dict(new_k_ptr=new.k, new_v_ptr=new.v, cos_ptr=cos, sin_ptr=sin,
-                     q_norm_ptr=new.q_norm[0] if new.q_norm else out,
-                     k_norm_ptr=new.k_norm[0] if new.k_norm else out)
+    token = _token_tensors(new, out)
     signature = (tuple(tensor_signature(t) for t in (q, keys, values, slots, positions,
                                                      *token.values()))
                  + (scale, window, batch_invariant_enabled(), sinks is not None)
@@ -135,13 +123,22 @@ def _launch(q, keys, values, slots, positions, scale: float, window: int,
                                device=q.device)  # [B, Hq, splits, D] unnormalised outputs
         part_stats = torch.empty(plan.parts + (2,), dtype=torch.float32,
                                  device=q.device)  # [B, Hq, splits, 2] (max, sum) per split
-    token = token or dict(new_k_ptr=out, new_v_ptr=out, cos_ptr=out, sin_ptr=out, q_norm_ptr=out,
-                          k_norm_ptr=out)
     plan.launch(q_ptr=q, k_ptr=keys, v_ptr=values, slots_ptr=slots, positions_ptr=positions,
                 sinks_ptr=out if sinks is None else sinks, out_ptr=out, part_out_ptr=part_out,
                 part_stats_ptr=part_stats,
                 counter_ptr=out if plan.counters is None else plan.counters, **token)
     return out
+
+
+def _token_tensors(new: NewToken | None, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The kernel's new-token tensors; `out` where one is unread (no token, rotary or norm)."""
+    if new is None:
+        return dict.fromkeys(("new_k_ptr", "new_v_ptr", "cos_ptr", "sin_ptr", "q_norm_ptr",
+                              "k_norm_ptr"), out)
+    cos, sin = (t.contiguous() for t in new.rotary) if new.rotary is not None else (out, out)
+    return dict(new_k_ptr=new.k, new_v_ptr=new.v, cos_ptr=cos, sin_ptr=sin,
+                q_norm_ptr=new.q_norm[0] if new.q_norm else out,
+                k_norm_ptr=new.k_norm[0] if new.k_norm else out)
 
 
 @dataclass(frozen=True)
@@ -164,15 +161,14 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool, new: NewToken | N
     splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
     group = Hq // Hkv
     counters = (torch.zeros(B, Hkv, dtype=torch.int32, device=q.device) if splits > 1 else None)
-    chained = dependent_launch(q.device)
     launch = BoundLaunch(_decode_attention_kernel, (B, Hkv, splits), dict(
         stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0),
         stride_c_h=keys.stride(1), stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S,
         scale=scale, window=window, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=BLOCK_N, SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=has_sinks, IEEE=q.dtype == torch.float32,
-        CHAINED=chained, **_new_token_args(new, token, B * Hkv * splits, q.device)),
-        dict(launch_pdl=True) if chained else None)
+        CHAINED=dependent_launch(q.device),
+        **_new_token_args(new, token, B * Hkv * splits, q.device)))
     return _AttentionPlan((B, Hq, splits), counters, launch)
 
 

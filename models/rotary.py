@@ -132,13 +132,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
                  norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0) -> torch.Tensor:
     """x (B, heads, L, D), cos / sin (B, L, D_rot) -> a fresh (B, heads, L, D), normed first."""
     B, heads, L, D = x.shape
-    if cos.shape != sin.shape or cos.shape[:2] != (B, L) or cos.shape[2] > D or cos.shape[2] % 2:
+    if not rotary_fits(cos, sin, B, L, D):
         raise ValueError(f"cos / sin must be (B={B}, L={L}, D_rot <= {D}, even), got "
                          f"{tuple(cos.shape)}, {tuple(sin.shape)}")
     _check_norm(norm_weight, x)
     if torch.compiler.is_compiling():
         return torch.ops.moe_triton.rotary(x, cos, sin, interleaved, norm_weight, norm_eps)
     return _compute(x, cos, sin, interleaved, norm_weight, norm_eps)
+
+
+def rotary_fits(cos: torch.Tensor, sin: torch.Tensor, B: int, L: int, D: int) -> bool:
+    """cos / sin (B, L, D_rot) for heads of D: D_rot <= D and even."""
+    return (cos.shape == sin.shape and cos.dim() == 3 and cos.shape[:2] == (B, L)
+            and cos.shape[2] <= D and cos.shape[2] % 2 == 0)
 
 
 def _check_norm(norm_weight: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -206,6 +212,23 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
     `query` (B, Hq, 1, D): the same kernel norms it (by `query_norm_weight`, `query_norm_eps`,
     norm_eps if None) and rotates it into a fresh (B, Hq, 1, D), returned (decode's q and k in one
     launch)."""
+    check_cache_write(k, v, keys, values, norm_weight, query, query_norm_weight)
+    cos, sin = rotary if rotary is not None else (None, None)
+    q_eps = norm_eps if query_norm_eps is None else query_norm_eps
+    if torch.compiler.is_compiling():
+        q_out = torch.ops.moe_triton.rotate_into_cache(
+            k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps,
+            k[:, :0] if query is None else query, query_norm_weight, q_eps)
+    else:
+        q_out = _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
+                       norm_eps, query, query_norm_weight, q_eps)
+    return None if query is None else q_out
+
+
+def check_cache_write(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      norm_weight: torch.Tensor | None = None, query: torch.Tensor | None = None,
+                      query_norm_weight: torch.Tensor | None = None) -> None:
+    """rotate_into_cache's arguments checked (a ValueError names the one that does not fit)."""
     B, heads, L, D = k.shape
     if (L != 1 or v.shape != k.shape or keys.shape[1:2] + keys.shape[3:] != (heads, D)
             or values.shape != keys.shape):
@@ -221,16 +244,6 @@ def rotate_into_cache(k: torch.Tensor, v: torch.Tensor,
             raise ValueError("query_norm_weight and norm_weight go together: pass both (q and k "
                              "normed per head) or neither")
         _check_norm(query_norm_weight, query)
-    cos, sin = rotary if rotary is not None else (None, None)
-    q_eps = norm_eps if query_norm_eps is None else query_norm_eps
-    if torch.compiler.is_compiling():
-        q_out = torch.ops.moe_triton.rotate_into_cache(
-            k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight, norm_eps,
-            k[:, :0] if query is None else query, query_norm_weight, q_eps)
-    else:
-        q_out = _write(k, v, cos, sin, keys, values, slots, positions, interleaved, norm_weight,
-                       norm_eps, query, query_norm_weight, q_eps)
-    return None if query is None else q_out
 
 
 def _write(k, v, cos, sin, keys, values, slots, positions, interleaved: bool, norm_weight=None,
@@ -286,9 +299,8 @@ def _cache_launch(tensors: dict, eps: float, q_eps: float, interleaved: bool, ro
                      BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D)
         # axis 1: the k / v programs, then the query's
         grid = (triton.cdiv(max(R, R_Q), BLOCK_R), 2 if R_Q else 1)
-        options = dict(launch_pdl=True) if fixed["CHAINED"] else None
         launch = _CACHE_LAUNCHES.add(signature, BoundLaunch(_rotary_into_cache_kernel, grid,
-                                                            fixed, options))
+                                                            fixed))
     return launch
 
 
