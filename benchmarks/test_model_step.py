@@ -7,8 +7,9 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
   reads once, the experts the batch hits, the K/V of the real context) over the copy bandwidth B
   measured in the same run; and the kernels one step launches (torch.profiler over a replay).
 - Prefill: tokens per second for one sequence of 2k and 8k tokens (eager, as prefill runs).
-- Where a batch-1 step goes: every kernel of one replay by name, its launches per layer and its GPU
-  time, and the idle time between kernels (the step's wall time minus its kernel time).
+- Where a batch-1 and a batch-64 step go: every kernel of one replay by name, its launches per
+  layer and its GPU time, and the idle time between kernels (the step's wall time minus its
+  kernel time).
 - The decode attention taking the step's own token (one launch: norm, rotary, cache write,
   attention) against the two-launch form (rotate_into_cache, then the attention), captured in
   turn over two rounds at batch 1 and 8, context 1k (issue 30); the router's top-k in its
@@ -113,7 +114,7 @@ def test_prefill(benchmark, model, ceilings, record):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch", (1, 32))
+@pytest.mark.parametrize("batch", (1, 64))  # issue 30: the profile at batch 1 and 64
 def test_decode_step_profile(benchmark, model, batch, record):
     layers = model.config.num_hidden_layers
     inputs = decode_setup(model, batch, 1024)
