@@ -1,9 +1,12 @@
 """Expand's kernels (histogram -> offsets -> scatter, or one program); pair p = t * K + j is valid
-if 0 <= topk_ids[t, j] < E. Every kernel cuts the same BLOCK_P blocks: stable order, no atomics."""
+if 0 <= topk_ids[t, j] < E. Every kernel cuts the same BLOCK_P blocks: stable order, no atomics.
+CHAINED: launched by PDL behind the kernel in front (the routing, then each other), whose
+output each reads only after platform.wait_then_release."""
 import triton
 import triton.language as tl
 
 from .launch import interpreter_serialized
+from .platform import wait_then_release
 
 
 @triton.jit
@@ -31,9 +34,10 @@ def _rank_in_block(one_hot):
 @triton.jit
 def _expert_histogram_kernel(
     topk_ids_ptr, block_counts_ptr, num_pairs, E,
-    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, CHAINED: tl.constexpr,
 ):
     """block_counts[b, e] = number of valid pairs of block b routed to expert e."""
+    wait_then_release(CHAINED)
     block = tl.program_id(0)
     _, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
     experts = tl.arange(0, E_PAD)
@@ -47,9 +51,10 @@ def _expert_offsets_kernel(
     block_counts_ptr, block_prefix_ptr, expert_offsets_ptr, num_rows_ptr,
     sorted_pair_ids_ptr, block_expert_ptr,
     num_blocks, num_m_blocks, num_pairs, E,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, CHAINED: tl.constexpr,
 ):
     """One program: block prefixes, then _write_offsets; worst-case sizes (T, K, E): capturable."""
+    wait_then_release(CHAINED)
     experts = tl.arange(0, E_PAD)
     is_expert = experts < E
     # Exclusive prefix over blocks, per expert: block_prefix[b, e] = sum of block_counts[:b, e].
@@ -102,10 +107,11 @@ def _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr
 def _scatter_pairs_kernel(
     topk_ids_ptr, block_prefix_ptr, expert_offsets_ptr, sorted_pair_ids_ptr, pair_to_row_ptr,
     num_pairs, E,
-    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, CHAINED: tl.constexpr,
 ):
     """Row of each valid pair = its expert's offset + pairs of that expert in earlier blocks
     + pairs of that expert earlier in this block. Filtered pairs get row -1."""
+    wait_then_release(CHAINED)
     block = tl.program_id(0)
     pairs, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
     base = tl.load(expert_offsets_ptr + ids, mask=valid, other=0)
@@ -122,8 +128,10 @@ def _expand_one_program_kernel(
     pair_to_row_ptr,
     num_pairs, num_blocks, num_m_blocks, E,
     BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    CHAINED: tl.constexpr,
 ):
     """The three kernels above in one program, same blocks (expand.py's ONE_PROGRAM_BLOCKS)."""
+    wait_then_release(CHAINED)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for block in range(num_blocks):
         _, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)

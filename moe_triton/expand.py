@@ -20,6 +20,7 @@ from ._expand_kernels import (
     _scatter_pairs_kernel,
 )
 from .launch import BoundLaunch
+from .platform import dependent_launch
 
 
 class LayoutKind(enum.Enum):
@@ -147,7 +148,9 @@ class ExpandPlan:
 ONE_PROGRAM_BLOCKS = 1
 
 
-def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> ExpandPlan:
+def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int,
+                device: torch.device) -> ExpandPlan:
+    """`device`: where it runs; on SM90 each kernel launches by PDL behind the one in front."""
     if num_experts <= 0:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m <= 0 or block_m & (block_m - 1):
@@ -157,21 +160,22 @@ def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> 
     BLOCK_P, E_PAD = _block_p(E), triton.next_power_of_2(E)
     num_blocks = triton.cdiv(P, BLOCK_P)
     chunk = max(1, 8192 // E_PAD)
+    chained = dependent_launch(device)
     if P == 0:
         launches = ()
     elif num_blocks <= ONE_PROGRAM_BLOCKS:
         launches = (BoundLaunch(_expand_one_program_kernel, (1,), dict(
             num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P,
-            E_PAD=E_PAD, BLOCK_M=block_m, CHUNK=chunk)),)
+            E_PAD=E_PAD, BLOCK_M=block_m, CHUNK=chunk, CHAINED=chained)),)
     else:
         launches = (
             BoundLaunch(_expert_histogram_kernel, (num_blocks,),
-                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)),
             BoundLaunch(_expert_offsets_kernel, (1,),
                         dict(num_blocks=num_blocks, num_m_blocks=R // block_m, num_pairs=P, E=E,
-                             BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk)),
+                             BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk, CHAINED=chained)),
             BoundLaunch(_scatter_pairs_kernel, (num_blocks,),
-                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD)),
+                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)),
         )
     return ExpandPlan(top_k, E, block_m, P, R, num_blocks, launches)
 
@@ -182,7 +186,7 @@ def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayo
         raise ValueError(f"topk_ids must be a 2-D int32/int64 tensor (T, K), "
                          f"got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     T, K = topk_ids.shape
-    return plan_expand(T, K, num_experts, block_m)(topk_ids)
+    return plan_expand(T, K, num_experts, block_m, topk_ids.device)(topk_ids)
 
 
 def expand_torch(topk_ids: torch.Tensor, num_experts: int,

@@ -223,7 +223,8 @@ class LayerPlan:
                                 config.block_m)
         layout = layout_like(config.layout, T, K, E, block_m)
         sorted_layout = config.layout is LayoutKind.SORTED
-        expand = plan_expand(T, K, E, block_m) if sorted_layout else PerPairPlan(E, block_m)
+        expand = (plan_expand(T, K, E, block_m, hidden_states.device) if sorted_layout
+                  else PerPairPlan(E, block_m))
         if config.decode is not None:
             decode = plan_decode_layer(hidden_states, weights, layout, topk_weights,
                                        config.decode, activation, out)

@@ -42,6 +42,7 @@ from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import moe_triton.config as configs  # noqa: E402
+import moe_triton.expand as expands  # noqa: E402
 import moe_triton.gemv as gemvs  # noqa: E402
 import moe_triton.models.decode_attention as attention  # noqa: E402
 import moe_triton.models.rms_norm as norms  # noqa: E402
@@ -167,8 +168,9 @@ def compile_case(case: dict) -> str:
 def main(cases: list[dict]) -> None:
     configs.device_limits = lambda device: H200
     gemvs.device_limits = configs.device_limits
-    for module in (gemvs, norms, attention, routing):  # the stand-ins are CPU tensors; the H200
-        module.dependent_launch = lambda device: True  # has PDL
+    # the stand-ins are CPU tensors; the H200 has PDL
+    for module in (gemvs, norms, attention, routing, expands):
+        module.dependent_launch = lambda device: True
     BoundLaunch.__call__ = compile_launch
     for case in cases:
         before = set(compiled)
