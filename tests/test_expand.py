@@ -49,3 +49,29 @@ def test_expand_int64_ids_never_wrap_into_range():
 def test_expand_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         expand(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [4, 64])
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
+def test_chained_expand_reads_the_routing_after_it_is_written(T, one_program, monkeypatch):
+    """On SM90 the kernels launch by PDL behind the routing kernel that writes their ids, and
+    behind each other: each call routes fresh logits, then expands them, 30 times in a row with
+    no sync between; every layout equals the reference on its own routing."""
+    from moe_triton.platform import dependent_launch
+    from moe_triton.routing import RoutingSpec, route
+
+    monkeypatch.setattr(expand_module, "ONE_PROGRAM_BLOCKS", 10**6 if one_program else 0)
+    E, K = 128, 8
+    assert dependent_launch(torch.device("cuda"))
+    calls = []
+    for i in range(30):
+        logits = torch.randn(T, E, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+        ids, _ = route(logits, RoutingSpec(K))
+        calls.append((ids, expand(ids, E, 16)))
+    for ids, layout in calls:
+        expected = expand_torch(ids, E, 16)
+        rows = int(layout.num_rows.item())
+        assert torch.equal(layout.sorted_pair_ids[:rows], expected["sorted_pair_ids"])
+        assert torch.equal(layout.pair_to_row, expected["pair_to_row"])
+        assert torch.equal(layout.block_expert[:rows // 16], expected["block_expert"])
