@@ -117,10 +117,14 @@ class RouteTape:
 
 
 def route_config(num_tokens: int, num_experts: int) -> RouteConfig:
-    # ~4096 keys per program: the handful of live [BLOCK_T, E_PAD] tiles stay in registers at
-    # E = 512 (8 tokens), small E still packs many tokens per program; never wider than the batch.
-    e_pad = triton.next_power_of_2(num_experts)
-    return RouteConfig(block_t=min(max(4096 // e_pad, 1), triton.next_power_of_2(num_tokens)))
+    """One token a warp (a warp per 1024 experts past that), up to four tokens a program: the
+    top-k's K rounds of reductions are the kernel's time, and a row spread over warps pays a
+    shared-memory round trip in each. On the H200 at E = 128 (48 launches chained by PDL): one
+    token a warp 2.8-3.0 us a launch at any batch, where 32 tokens over 4 warps took 14.3 and
+    one token over 4 warps 4.0 (docs/PERFORMANCE.md, issue 30)."""
+    tokens = min(4, triton.next_power_of_2(num_tokens))
+    warps_per_token = min(8, max(1, triton.next_power_of_2(num_experts) // 1024))
+    return RouteConfig(block_t=tokens, num_warps=min(8, tokens * warps_per_token))
 
 
 @triton.jit
@@ -377,11 +381,15 @@ class RouterRouteConfig:
 
 
 def choose_router_route_config(num_tokens: int, num_experts: int, C: int) -> RouterRouteConfig:
-    """Gate tiles of ~16K values (32 KB in bf16), two steps or more a slice (gemv.py's one-row
-    rule), 8 warps (4 hold the 16-row tile's top-k in 255 registers a thread, sm_90)."""
-    block_c = max(32, min(128, 16384 // triton.next_power_of_2(num_experts)))
-    most = max(1, triton.cdiv(C, block_c) // 2)
-    return RouterRouteConfig(block_c, 1 << (most.bit_length() - 1), 8)
+    """One row: [E_PAD, 64] gate tiles, two steps a slice, 4 warps (the top-k's reductions cross
+    fewer warps); the tensor cores' 16-row tile: [E_PAD, 128] tiles, one step a slice, 8 warps
+    (4 hold its top-k in 255 registers a thread, sm_90). Measured best of six at E = 128,
+    C = 2048 on the H200 (docs/PERFORMANCE.md, issue 30)."""
+    e_pad = triton.next_power_of_2(num_experts)
+    block_c = max(32, min(64 if num_tokens == 1 else 128, 16384 // e_pad))
+    most = max(1, triton.cdiv(C, block_c) // (2 if num_tokens == 1 else 1))
+    return RouterRouteConfig(block_c, 1 << (most.bit_length() - 1),
+                             4 if num_tokens == 1 else 8)
 
 
 ROUTED_KEYS = 4096  # most logits one program routes (route_config's tile: its registers)

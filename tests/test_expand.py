@@ -70,8 +70,8 @@ def test_chained_expand_reads_the_routing_after_it_is_written(T, one_program, mo
         ids, _ = route(logits, RoutingSpec(K))
         calls.append((ids, expand(ids, E, 16)))
     for ids, layout in calls:
-        expected = expand_torch(ids, E, 16)
+        expected = expand_torch(ids.cpu(), E, 16)  # on the CPU
         rows = int(layout.num_rows.item())
-        assert torch.equal(layout.sorted_pair_ids[:rows], expected["sorted_pair_ids"])
-        assert torch.equal(layout.pair_to_row, expected["pair_to_row"])
-        assert torch.equal(layout.block_expert[:rows // 16], expected["block_expert"])
+        assert torch.equal(layout.sorted_pair_ids[:rows].cpu(), expected["sorted_pair_ids"])
+        assert torch.equal(layout.pair_to_row.cpu(), expected["pair_to_row"])
+        assert torch.equal(layout.block_expert[:rows // 16].cpu(), expected["block_expert"])
