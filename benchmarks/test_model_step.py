@@ -12,9 +12,7 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
   kernel time).
 - The decode attention taking the step's own token (one launch: norm, rotary, cache write,
   attention) against the two-launch form (rotate_into_cache, then the attention), captured in
-  turn over two rounds at batch 1 and 8, context 1k (issue 30); the router's top-k in its
-  projection's launch (routing.router_route) against a route kernel after the projection, at
-  batch 1, 8 and 16.
+  turn over two rounds at batch 1 and 8, context 1k (issue 30).
 
 Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
 per layer per decode step.
@@ -37,7 +35,6 @@ from measure import (
 
 from moe_triton.models import decode_attention as attention
 from moe_triton.models import default_dtype
-from moe_triton.runners.runner import ExpertsRunner
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (1024, 8192)
@@ -126,47 +123,21 @@ def test_decode_step_profile(benchmark, model, batch, record):
     benchmark.pedantic(lambda: None, rounds=1)
 
 
-def same_run_ab(model, monkeypatch, patches: dict, batches=(1, 8), rounds: int = 2):
-    """{batch: {variant: median seconds}}: the step captured anew for each variant (name ->
-    (object, attribute, value) set by monkeypatch), in turn, `rounds` times."""
-    results = {}
-    for batch in batches:
-        times = {form: [] for form in patches}
-        for _ in range(rounds):
-            for form, (owner, name, value) in patches.items():
-                monkeypatch.setattr(owner, name, value)
-                inputs = decode_setup(model, batch, 1024)
-                times[form].append(event_median_seconds(lambda: model.graphs.run(inputs)))
-        results[batch] = {form: statistics.median(t) for form, t in times.items()}
-    return results
-
-
 @pytest.mark.gpu
 def test_decode_step_with_the_token_in_the_attention_or_not(benchmark, model, record,
                                                             monkeypatch):
-    results = same_run_ab(model, monkeypatch, {
-        "one launch": (attention, "_fuses", attention._fuses),
-        "two launches": (attention, "_fuses", lambda *args: False)})
-    for batch, t in results.items():
-        one, two = t["one launch"], t["two launches"]
+    fuses = attention._fuses
+    for batch in (1, 8):
+        times = {"one launch": [], "two launches": []}
+        for _ in range(2):
+            for form in times:
+                rule = fuses if form == "one launch" else lambda *args: False
+                monkeypatch.setattr(attention, "_fuses", rule)  # decode_attention's choice
+                inputs = decode_setup(model, batch, 1024)
+                times[form].append(event_median_seconds(lambda: model.graphs.run(inputs)))
+        one, two = (statistics.median(times[form]) for form in times)
         record("Qwen3-30B-A3B-shaped decode step (bf16, graphs, context 1k): the new token in "
                "the attention's launch or rotary's before it", dict(
-                   batch=batch, one_launch_us=f"{one * 1e6:.0f}",
-                   two_launches_us=f"{two * 1e6:.0f}", ratio=f"{one / two:.3f}"))
-    free(model)
-    benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
-
-
-@pytest.mark.gpu
-def test_decode_step_with_the_router_s_top_k_in_its_projection_or_not(benchmark, model, record,
-                                                                      monkeypatch):
-    results = same_run_ab(model, monkeypatch, {
-        "one launch": (ExpertsRunner, "fuses_router", ExpertsRunner.fuses_router),
-        "two launches": (ExpertsRunner, "fuses_router", lambda *args: False)}, batches=(1, 8, 16))
-    for batch, t in results.items():
-        one, two = t["one launch"], t["two launches"]
-        record("Qwen3-30B-A3B-shaped decode step (bf16, graphs, context 1k): the router's top-k "
-               "in its projection's launch (router_route) or a route kernel after it", dict(
                    batch=batch, one_launch_us=f"{one * 1e6:.0f}",
                    two_launches_us=f"{two * 1e6:.0f}", ratio=f"{one / two:.3f}"))
     free(model)

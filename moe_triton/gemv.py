@@ -83,32 +83,6 @@ def _gemv_kernel(
     DOT: tl.constexpr,  # tensor cores (BLOCK_T >= 16); else one row by FMAs (BLOCK_T == 1)
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    acc = gemv_slice(x_ptr, w_ptr, scale_ptr, T, N, C, stride_x_t, stride_w_n, stride_s_n,
-                     SLICES, IEEE_FP32, SCALE, SCALE_N, SCALE_C, CHAINED, DOT, BLOCK_T, BLOCK_N,
-                     BLOCK_C)
-    rows = tl.arange(0, BLOCK_T)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    out_mask = (rows[:, None] < T) & (cols[None, :] < N)
-    out = out_ptr + rows[:, None] * stride_out_t + cols[None, :]
-    if SLICES == 1:
-        tl.store(out, with_bias(acc, bias_ptr, cols, N, HAS_BIAS).to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
-    else:
-        total, last = slices_total(acc, partial_ptr, counter_ptr, T, N, SLICES, BLOCK_T, BLOCK_N)
-        if last:
-            tl.store(out, with_bias(total, bias_ptr, cols, N, HAS_BIAS).to(
-                out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def gemv_slice(
-    x_ptr, w_ptr, scale_ptr, T, N, C, stride_x_t, stride_w_n, stride_s_n,
-    SLICES: tl.constexpr, IEEE_FP32: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr,
-    SCALE_C: tl.constexpr, CHAINED: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """This program's (column block program_id(0), slice program_id(1) along C) float32 sums,
-    [BLOCK_T, BLOCK_N]: _gemv_kernel's arguments. Returns after the PDL wait."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, BLOCK_T)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,36 +127,27 @@ def gemv_slice(
         acc = tl.sum(lanes, 1)[None, :]
     if SCALE == 2:
         acc *= tl.load(scale_ptr + cols * stride_s_n, mask=cols < N, other=0.0)[None, :]
-    return acc
+    out_mask = (rows[:, None] < T) & (cols[None, :] < N)
+    out = out_ptr + rows[:, None] * stride_out_t + cols[None, :]
+    if SLICES == 1:
+        tl.store(out, _with_bias(acc, bias_ptr, cols, N, HAS_BIAS).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
+    else:
+        tile = rows[:, None] * N + cols[None, :]  # [BLOCK_T, BLOCK_N] of a slice's (T, N)
+        tl.store(partial_ptr + pid_s * T * N + tile, acc, mask=out_mask)
+        # release: this slice's partials are visible before the count; acquire: the last sees all
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SLICES - 1:
+            total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+            for s in tl.static_range(SLICES):  # slice order; unrolled, so the loads issue at once
+                total += tl.load(partial_ptr + s * T * N + tile, mask=out_mask, other=0.0)
+            tl.store(out, _with_bias(total, bias_ptr, cols, N, HAS_BIAS).to(
+                out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call
 
 
 @triton.jit
-def slices_total(acc, partial_ptr, counter_ptr, T, N, SLICES: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(the column block's sums over its SLICES slices in slice order, whether this program is
-    the block's last to finish): each stores its float32 partial sums `acc`; the last to bump the
-    block's counter (acquire-release ordering) adds them and puts the counter back to zero. Only
-    the last one's total is the sum."""
-    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
-    rows = tl.arange(0, BLOCK_T)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < T) & (cols[None, :] < N)
-    tile = rows[:, None] * N + cols[None, :]  # [BLOCK_T, BLOCK_N] of a slice's (T, N)
-    tl.store(partial_ptr + pid_s * T * N + tile, acc, mask=mask)
-    # release: this slice's partials are visible before the count; acquire: the last sees all
-    arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-    last = arrived == SLICES - 1
-    read = mask & (tl.zeros([BLOCK_T, BLOCK_N], tl.int32) + arrived == SLICES - 1)  # last only
-    total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    for s in tl.static_range(SLICES):  # slice order; unrolled, so the loads issue at once
-        total += tl.load(partial_ptr + s * T * N + tile, mask=read, other=0.0)
-    if last:
-        tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call
-    return total, last
-
-
-@triton.jit
-def with_bias(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr):
+def _with_bias(acc, bias_ptr, cols, N, HAS_BIAS: tl.constexpr):
     """acc [BLOCK_T, BLOCK_N] float32 + bias (N,) at cols, before the one rounding (as cuBLAS's
     epilogue adds F.linear's bias)."""
     if HAS_BIAS:

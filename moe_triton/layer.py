@@ -15,7 +15,7 @@ from .context import ModelContext
 from .graphs import run_branches
 from .invariance import batch_invariant_enabled
 from .placement import Placement
-from .routing import RouteTape, RoutingSpec, router_logits, router_route, topk_weights_torch
+from .routing import RouteTape, RoutingSpec, router_logits, topk_weights_torch
 from .runners.resolver import build_runner, resolve
 from .runners.runner import ExpertsRunner
 from .runners.spec import LayerTraits
@@ -171,36 +171,25 @@ class FusedMoE(nn.Module):
         """Router, projections and experts as one schedulable unit: x (T, H) -> a fresh (T, H);
         `topk_ids` (T, K): run these experts instead of the router's top-k."""
         h = self.expert_input_proj(x) if self.expert_input_proj is not None else x
+        logits = router_logits(x, self.gate_weight, self.routing, self.gate_bias)  # [T, E]
         bias = self.e_score_correction_bias
         tape = self.route_tape
-        if topk_ids is None and self.runner.fuses_router(x, self.gate_weight, self.gate_bias):
-            # a decode step's router: projection and top-k in one launch, the gate streamed
-            # while the kernel in front runs
-            topk_ids, topk_weights = router_route(x, self.gate_weight, self.routing, bias,
-                                                  self.gate_bias, tape=tape, prefetch_weight=True)
-            h = self.runner.experts(h, self.expert_weights(), topk_ids, topk_weights)
-        else:
-            h = self._experts_on_logits(
-                h, router_logits(x, self.gate_weight, self.routing, self.gate_bias), topk_ids,
-                bias, tape)
-        return self.expert_output_proj(h) if self.expert_output_proj is not None else h
-
-    def _experts_on_logits(self, h, logits, topk_ids, bias, tape) -> torch.Tensor:
-        """The experts on h (T, H) as the router's logits (T, E) choose, or on `topk_ids`."""
         if topk_ids is None and tape is None:
-            return self.runner(self.expert_weights(), h, logits, bias)
-        if type(self.runner).__call__ is not ExpertsRunner.__call__:
-            raise ValueError(f"the {self.backend} backend routes inside its kernel: given or "
-                             "recorded routing needs one that routes apart (triton, torch)")
-        if topk_ids is None:
-            topk_ids, topk_weights = self.runner.route(logits, bias, tape)  # [T, K] each
-        elif tape is None:
-            topk_weights = self.weights_at(logits, topk_ids)
+            h = self.runner(self.expert_weights(), h, logits, bias)
         else:
-            raise ValueError("topk_ids were given while a model's routing tape is bound to "
-                             "this layer (route_tape): the tape chooses the experts inside a "
-                             "model forward; call the layer with topk_ids outside one")
-        return self.runner.experts(h, self.expert_weights(), topk_ids, topk_weights)
+            if type(self.runner).__call__ is not ExpertsRunner.__call__:
+                raise ValueError(f"the {self.backend} backend routes inside its kernel: given or "
+                                 "recorded routing needs one that routes apart (triton, torch)")
+            if topk_ids is None:
+                topk_ids, topk_weights = self.runner.route(logits, bias, tape)  # [T, K] each
+            elif tape is None:
+                topk_weights = self.weights_at(logits, topk_ids)
+            else:
+                raise ValueError("topk_ids were given while a model's routing tape is bound to "
+                                 "this layer (route_tape): the tape chooses the experts inside a "
+                                 "model forward; call the layer with topk_ids outside one")
+            h = self.runner.experts(h, self.expert_weights(), topk_ids, topk_weights)
+        return self.expert_output_proj(h) if self.expert_output_proj is not None else h
 
     def weights_at(self, logits: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """(T, K) float32 routing weights of the experts `topk_ids` by this router's own rule

@@ -19,17 +19,9 @@ import triton
 import triton.language as tl
 
 from . import checks
-from .gemv import MAX_ROWS, gemv_slice, slices_total, with_bias
-from .invariance import batch_invariant_enabled
 from .launch import BoundLaunch, PlanCache, interpreter_serialized, register_op
 from .linear import dense
-from .platform import (
-    dependent_launch,
-    interpreter_hint,
-    triton_can_run_on,
-    triton_computes_exactly,
-    wait_then_release,
-)
+from .platform import dependent_launch, interpreter_hint, triton_can_run_on, wait_then_release
 from .weights import tensor_signature
 
 
@@ -152,27 +144,6 @@ def _route_kernel(
     wait_then_release(CHAINED)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     cols = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
-    offsets = rows[:, None].to(tl.int64) * stride_logits_t + cols * stride_logits_e
-    logits = tl.load(logits_ptr + offsets, mask=(rows[:, None] < num_tokens) & (cols < num_experts),
-                     other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
-    top_k_rows(logits, rows, bias_ptr, topk_ids_ptr, topk_weights_ptr, tape_ids_ptr,
-               tape_rows_ptr, tape_replay_ptr, num_tokens, num_experts, routed_scaling_factor,
-               TOP_K, K_PAD, E_PAD, BLOCK_T, SIGMOID, SELECT_ON_LOGITS, HAS_BIAS, RENORMALIZE,
-               N_GROUP, G_PAD, TOPK_GROUP, TAPE)
-
-
-@triton.jit
-def top_k_rows(
-    x, rows, bias_ptr, topk_ids_ptr, topk_weights_ptr, tape_ids_ptr, tape_rows_ptr,
-    tape_replay_ptr, num_tokens, num_experts, routed_scaling_factor,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    SIGMOID: tl.constexpr, SELECT_ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TAPE: tl.constexpr,
-):
-    """Tokens `rows` [BLOCK_T]'s float32 logits x [BLOCK_T, E_PAD] -> their top-k ids and
-    weights stored (_route_kernel's arguments; the router's projection keeps them in registers)."""
-    cols = tl.arange(0, E_PAD)[None, :]  # [1, E_PAD]
     kcols = tl.arange(0, K_PAD)[None, :]  # [1, K_PAD]
     row_ok = rows[:, None] < num_tokens
     col_ok = cols < num_experts
@@ -183,6 +154,9 @@ def top_k_rows(
         given = tl.load(tape_ids_ptr + tape_offsets, mask=row_ok & k_ok, other=-1)
         replaying = ((tl.load(tape_replay_ptr + rows, mask=rows < num_tokens, other=0) != 0)
                      & (tl.max(tl.where(kcols == 0, given, -1), axis=1) >= 0))  # [BLOCK_T]
+    offsets = rows[:, None].to(tl.int64) * stride_logits_t + cols * stride_logits_e
+    x = tl.load(logits_ptr + offsets, mask=row_ok & col_ok,
+                other=0.0).to(tl.float32)  # [BLOCK_T, E_PAD]
     x = tl.where(col_ok, x, float("-inf"))  # padded experts: softmax weight 0, sigmoid 0
 
     if SELECT_ON_LOGITS:
@@ -247,39 +221,6 @@ def top_k_rows(
     tl.store(topk_weights_ptr + out_offsets, topk_weights, mask=row_ok & k_ok)
     if TAPE:
         tl.store(tape_ids_ptr + tape_offsets, topk_ids, mask=row_ok & k_ok)
-
-
-@interpreter_serialized
-@triton.jit
-def _router_route_kernel(
-    x_ptr, w_ptr, gate_bias_ptr, partial_ptr, counter_ptr, bias_ptr, topk_ids_ptr,
-    topk_weights_ptr, tape_ids_ptr, tape_rows_ptr, tape_replay_ptr,
-    num_tokens, num_experts, C, stride_x_t, stride_w_e, routed_scaling_factor,
-    SLICES: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_GATE_BIAS: tl.constexpr,
-    CHAINED: tl.constexpr,  # the gate weight read before the kernel in front ends, x after
-    DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    SIGMOID: tl.constexpr, SELECT_ON_LOGITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TAPE: tl.constexpr,
-):
-    """The router's projection (gemv.py's slices of C, every expert one column block) and the
-    top-k of `_route_kernel` by the slice that finishes last, from its registers."""
-    acc = gemv_slice(x_ptr, w_ptr, w_ptr, num_tokens, num_experts, C, stride_x_t, stride_w_e, 0,
-                     SLICES, IEEE_FP32, 0, 1, 1, CHAINED, DOT, BLOCK_T, E_PAD, BLOCK_C)
-    if SLICES == 1:
-        total, last = acc, tl.program_id(1) == 0
-    else:
-        total, last = slices_total(acc, partial_ptr, counter_ptr, num_tokens, num_experts, SLICES,
-                                   BLOCK_T, E_PAD)
-    if last:
-        # rounded to x's dtype, as the projection's logits are before `route` reads them
-        logits = with_bias(total, gate_bias_ptr, tl.arange(0, E_PAD), num_experts,
-                           HAS_GATE_BIAS).to(x_ptr.dtype.element_ty).to(tl.float32)
-        top_k_rows(logits, tl.arange(0, BLOCK_T), bias_ptr, topk_ids_ptr, topk_weights_ptr,
-                   tape_ids_ptr, tape_rows_ptr, tape_replay_ptr, num_tokens, num_experts,
-                   routed_scaling_factor, TOP_K, K_PAD, E_PAD, BLOCK_T, SIGMOID,
-                   SELECT_ON_LOGITS, HAS_BIAS, RENORMALIZE, N_GROUP, G_PAD, TOPK_GROUP, TAPE)
 
 
 def router_logits(hidden_states: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec,
@@ -373,142 +314,6 @@ def plan_route(logits: torch.Tensor, spec: RoutingSpec, config: RouteConfig | No
 _PLANS = PlanCache()
 
 
-@dataclass(frozen=True)
-class RouterRouteConfig:
-    block_c: int  # contraction step: an [E_PAD, block_c] gate tile a load
-    slices: int  # programs along C; the last to finish routes
-    num_warps: int
-
-
-def choose_router_route_config(num_tokens: int, num_experts: int, C: int) -> RouterRouteConfig:
-    """One row: [E_PAD, 64] gate tiles, two steps a slice, 4 warps (the top-k's reductions cross
-    fewer warps); the tensor cores' 16-row tile: [E_PAD, 128] tiles, one step a slice, 8 warps
-    (4 hold its top-k in 255 registers a thread, sm_90). Measured best of six at E = 128,
-    C = 2048 on the H200 (docs/PERFORMANCE.md, issue 30)."""
-    e_pad = triton.next_power_of_2(num_experts)
-    block_c = max(32, min(64 if num_tokens == 1 else 128, 16384 // e_pad))
-    most = max(1, triton.cdiv(C, block_c) // (2 if num_tokens == 1 else 1))
-    return RouterRouteConfig(block_c, 1 << (most.bit_length() - 1),
-                             4 if num_tokens == 1 else 8)
-
-
-ROUTED_KEYS = 4096  # most logits one program routes (route_config's tile: its registers)
-
-
-def router_route_applies(x: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec,
-                         gate_bias: torch.Tensor | None = None) -> bool:
-    """A decode step's router on a CUDA GPU that `router_route` runs in one launch: x (T, C),
-    1 <= T <= MAX_ROWS rows, contiguous, bf16 / fp16 as the gate, eager (not traced), no
-    gradients needed, not in batch-invariant mode (the router's rows then go through
-    linear.linear) nor in float32 (spec.router_in_float32), and one program's logits within
-    ROUTED_KEYS."""
-    if torch.compiler.is_compiling():  # first: the shape tests below would guard a trace
-        return False
-    T = x.shape[0] if x.dim() == 2 else 0
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and gate_weight.dtype == x.dtype and gate_weight.device == x.device
-            and (gate_bias is None or gate_bias.device == x.device)
-            and 1 <= T <= MAX_ROWS and x.shape[1] >= 1 and x.is_contiguous()
-            and gate_weight.stride(-1) == 1 and not spec.router_in_float32
-            and _router_rows(T) * triton.next_power_of_2(gate_weight.shape[0]) <= ROUTED_KEYS
-            and not batch_invariant_enabled()
-            and not checks.grad_needed(x, gate_weight, gate_bias))
-
-
-def _router_rows(num_tokens: int) -> int:
-    return 1 if num_tokens == 1 else MAX_ROWS  # one row by FMAs, else the tensor cores' tile
-
-
-def router_route(x: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec,
-                 correction_bias: torch.Tensor | None = None,
-                 gate_bias: torch.Tensor | None = None, *, tape: RouteTape | None = None,
-                 prefetch_weight: bool = False,
-                 config: RouterRouteConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """route(router_logits(x, gate_weight, spec, gate_bias), spec, correction_bias, tape=tape) in
-    one launch: x (T <= MAX_ROWS, C) and gate_weight (E, C) with unit last strides, one dtype
-    and device, the logits summed across C by slices (gemv.py) and routed by the slice that
-    finishes last, in its registers, rounded to x's dtype first as router_logits' are.
-    `prefetch_weight`: the gate (and its bias) are not written by the work queued before this
-    call, so on SM90 the kernel reads them while that work still runs (PDL). A plan's calls must
-    not overlap in time (one stream: its partial sums and counter are its own)."""
-    if (x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1
-            or gate_weight.dim() != 2 or gate_weight.shape[1] != x.shape[1]
-            or gate_weight.stride(-1) != 1 or gate_weight.dtype != x.dtype
-            or gate_weight.device != x.device or x.shape[1] < 1):
-        raise ValueError(f"router_route takes x (T <= {MAX_ROWS}, C >= 1) and gate_weight "
-                         f"(E, C) of x's dtype on x's device, with unit last strides; got x "
-                         f"{_describe(x)} (strides {x.stride()}), gate_weight "
-                         f"{_describe(gate_weight)} (strides {gate_weight.stride()})")
-    T, E = x.shape[0], gate_weight.shape[0]
-    if _router_rows(T) * triton.next_power_of_2(E) > ROUTED_KEYS:
-        raise ValueError(f"router_route routes {_router_rows(T)} rows of E={E} logits in one "
-                         f"program, more than its {ROUTED_KEYS} keys: use "
-                         "route(router_logits(...))")
-    if gate_bias is not None and (gate_bias.shape != (E,) or not gate_bias.is_contiguous()
-                                  or gate_bias.device != x.device):
-        raise ValueError(f"gate_bias must be a contiguous ({E},) tensor on {x.device}, got "
-                         f"{_describe(gate_bias)}")
-    _check_routing(spec, correction_bias, None, tape, T, E, x.device)
-    if T == 0:
-        return (torch.empty(0, spec.top_k, dtype=torch.int32, device=x.device),
-                torch.empty(0, spec.top_k, dtype=torch.float32, device=x.device))
-    if not triton_computes_exactly(x.device, x.dtype):
-        raise ValueError(f"router_route's kernel cannot compute {x.dtype} on {x.device}: use a "
-                         f"CUDA device ({interpreter_hint()}: float16 / float32 there), or "
-                         "route(router_logits(...))")
-    signature = (tensor_signature(x), tensor_signature(gate_weight), tensor_signature(gate_bias),
-                 spec, tensor_signature(correction_bias), tape is not None, prefetch_weight,
-                 config, torch.cuda.current_stream(x.device).stream_id if x.is_cuda else None)
-    plan = _ROUTER_PLANS.get(signature)
-    if plan is None:
-        plan = _ROUTER_PLANS.add(signature, plan_router_route(
-            x, gate_weight, spec, config, gate_bias is not None, tape is not None,
-            prefetch_weight))
-    return plan(x, gate_weight, gate_bias, correction_bias, tape)
-
-
-@dataclass(frozen=True)
-class RouterRoutePlan:
-    num_tokens: int  # T
-    top_k: int  # K
-    partials: torch.Tensor  # [S, T, E] float32
-    counter: torch.Tensor  # [1] int32, zero between calls
-    launch: BoundLaunch
-
-    def __call__(self, x, gate_weight, gate_bias, correction_bias, tape: RouteTape | None):
-        ids = torch.empty(self.num_tokens, self.top_k, dtype=torch.int32, device=x.device)
-        weights = torch.empty(self.num_tokens, self.top_k, dtype=torch.float32, device=x.device)
-        tape_ids, rows, replay = (tape.ids, tape.rows, tape.replay) if tape else (ids,) * 3
-        self.launch(x_ptr=x, w_ptr=gate_weight,
-                    gate_bias_ptr=gate_bias if gate_bias is not None else weights,
-                    partial_ptr=self.partials, counter_ptr=self.counter,
-                    bias_ptr=correction_bias if correction_bias is not None else weights,
-                    topk_ids_ptr=ids, topk_weights_ptr=weights, tape_ids_ptr=tape_ids,
-                    tape_rows_ptr=rows, tape_replay_ptr=replay)
-        return ids, weights
-
-
-def plan_router_route(x: torch.Tensor, gate_weight: torch.Tensor, spec: RoutingSpec,
-                      config: RouterRouteConfig | None = None, has_gate_bias: bool = False,
-                      tape: bool = False, prefetch_weight: bool = False) -> RouterRoutePlan:
-    (T, C), E = x.shape, gate_weight.shape[0]
-    config = config or choose_router_route_config(T, E, C)
-    fixed = dict(num_tokens=T, num_experts=E, C=C, stride_x_t=x.stride(0),
-                 stride_w_e=gate_weight.stride(0), SLICES=config.slices,
-                 IEEE_FP32=x.dtype == torch.float32, HAS_GATE_BIAS=has_gate_bias,
-                 CHAINED=prefetch_weight and dependent_launch(x.device), DOT=T > 1,
-                 BLOCK_T=_router_rows(T), BLOCK_C=config.block_c,
-                 E_PAD=triton.next_power_of_2(E), TAPE=tape, **spec.kernel_args())
-    return RouterRoutePlan(
-        T, spec.top_k, torch.empty(config.slices, T, E, dtype=torch.float32, device=x.device),
-        torch.zeros(1, dtype=torch.int32, device=x.device),
-        BoundLaunch(_router_route_kernel, (1, config.slices), fixed,
-                    dict(num_warps=config.num_warps)))
-
-
-_ROUTER_PLANS = PlanCache()
-
-
 # ---- the op torch.compile and torch.export see: one opaque node, a fake for its shapes ----------
 
 _SCORING, _SELECT_ON = list(Scoring), list(SelectOn)
@@ -560,6 +365,8 @@ LOGIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_inputs(logits, spec, correction_bias, out, tape=None):
+    if not isinstance(spec, RoutingSpec):
+        raise ValueError(f"spec must be a RoutingSpec, got {type(spec).__name__}")
     if (not isinstance(logits, torch.Tensor) or logits.dim() != 2
             or logits.dtype not in LOGIT_DTYPES):
         raise ValueError(f"logits must be a 2-D tensor of shape (T, E) in one of {LOGIT_DTYPES}; "
@@ -568,14 +375,7 @@ def _check_inputs(logits, spec, correction_bias, out, tape=None):
         raise ValueError(f"the routing kernel cannot run on {logits.device}: move the logits to a "
                          f"CUDA device, {interpreter_hint()}, or use route_torch "
                          "(the torch backend)")
-    _check_routing(spec, correction_bias, out, tape, *logits.shape, logits.device)
-
-
-def _check_routing(spec, correction_bias, out, tape, num_tokens: int, num_experts: int,
-                   device) -> None:
-    """The checks of route's arguments past the logits', for (T, E) logits on `device`."""
-    if not isinstance(spec, RoutingSpec):
-        raise ValueError(f"spec must be a RoutingSpec, got {type(spec).__name__}")
+    num_tokens, num_experts = logits.shape
     if num_experts < 1:
         raise ValueError("logits must have at least one expert column (E >= 1); "
                          "got shape (T, 0)")
@@ -603,10 +403,10 @@ def _check_routing(spec, correction_bias, out, tape, num_tokens: int, num_expert
         if (not isinstance(correction_bias, torch.Tensor)
                 or correction_bias.shape != (num_experts,)
                 or not correction_bias.dtype.is_floating_point
-                or correction_bias.device != device
+                or correction_bias.device != logits.device
                 or not correction_bias.is_contiguous()):
             raise ValueError(f"correction_bias must be a contiguous floating-point tensor of shape "
-                             f"({num_experts},) on {device}; "
+                             f"({num_experts},) on {logits.device}; "
                              f"got {_describe(correction_bias)}")
     if out is not None:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -614,13 +414,13 @@ def _check_routing(spec, correction_bias, out, tape, num_tokens: int, num_expert
         for name, buf, dtype in (("out[0] (topk_ids)", out[0], torch.int32),
                                  ("out[1] (topk_weights)", out[1], torch.float32)):
             if (not isinstance(buf, torch.Tensor) or buf.shape != (num_tokens, spec.top_k)
-                    or buf.dtype != dtype or buf.device != device
+                    or buf.dtype != dtype or buf.device != logits.device
                     or not buf.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape "
-                                 f"({num_tokens}, {spec.top_k}) on {device}; "
+                                 f"({num_tokens}, {spec.top_k}) on {logits.device}; "
                                  f"got {_describe(buf)}")
     if tape is not None:
-        _check_tape(tape, num_tokens, spec.top_k, device)
+        _check_tape(tape, num_tokens, spec.top_k, logits.device)
 
 
 def _check_tape(tape, num_tokens: int, top_k: int, device) -> None:

@@ -19,9 +19,8 @@ fewer); "decode": true takes decode_config's tiles (the decode kernel). A "gemv"
 is one projection with choose_gemv_config's tiles, its weights prefetched (PDL), bf16 or in a
 "format" as above. A "layer": [B, Hq, Hkv, D, S, E, K] case is a decode layer's other model
 kernels, chained by PDL as on the H200, bf16: add_rms_norm, the decode attention taking the step's
-own token (normed, rotated, written into the cache), the softmax top-K routing over E experts and
-the router's projection with it (router_route: B <= 16; the attention's split count and key tile
-are the CPU's, which the stand-ins imply). Prints one
+own token (normed, rotated, written into the cache) and the softmax top-K routing over E experts
+(the attention's split count and key tile are the CPU's, which the stand-ins imply). Prints one
 line per case; exits non-zero at the first kernel that does not compile.
 """
 import json
@@ -133,12 +132,8 @@ def compile_layer(B: int, Hq: int, Hkv: int, D: int, S: int, E: int, K: int) -> 
                       torch.zeros(B, dtype=torch.long), D**-0.5, 0, None,
                       attention.NewToken(k, v, rotary, False, norm, norm))
     logits = torch.zeros(B, E, **bf16)
-    spec = routing.RoutingSpec(top_k=K)
-    routing.plan_route(logits, spec)(logits, None, None)
-    gate = torch.zeros(E, H, **bf16)
-    routing.plan_router_route(x, gate, spec, prefetch_weight=True)(x, gate, None, None, None)
-    return (f"layer B={B} Hq={Hq} Hkv={Hkv} D={D} S={S} E={E} K={K}: norm, attention, route, "
-            "router_route")
+    routing.plan_route(logits, routing.RoutingSpec(top_k=K))(logits, None, None)
+    return f"layer B={B} Hq={Hq} Hkv={Hkv} D={D} S={S} E={E} K={K}: norm, attention, route"
 
 
 def compile_case(case: dict) -> str:

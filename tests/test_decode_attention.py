@@ -154,15 +154,14 @@ def test_a_new_token_on_another_device_is_refused_before_launch():
 
 
 def test_a_decode_layers_chained_kernels_compile_for_sm90():
-    """The norm, the attention taking its new token (norm, rotary, cache write), the routing and
-    the router's projection with it, each launched by PDL, compiled for sm_90 without a GPU
-    (tests/sm90_compile.py): Qwen3's and gpt-oss-120b's head shapes."""
+    """The norm, the attention taking its new token (norm, rotary, cache write) and the routing,
+    each launched by PDL, compiled for sm_90 without a GPU (tests/sm90_compile.py): Qwen3's and
+    gpt-oss-120b's head shapes."""
     cases = [{"layer": [1, 32, 4, 128, 1024, 128, 8]}, {"layer": [8, 64, 8, 64, 2048, 128, 4]}]
     run = compile_for_sm90(cases, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == len(cases) and all("_decode_attention_kernel" in line
-                                            and "_router_route_kernel" in line
                                             for line in lines[:1]), run.stdout
 
 

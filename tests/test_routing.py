@@ -7,10 +7,8 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_close, poison_, test_device
 
-from moe_triton.gemv import gemv_torch
 from moe_triton.routing import (
     RouteConfig,
-    RouterRouteConfig,
     RouteTape,
     RoutingSpec,
     Scoring,
@@ -19,8 +17,6 @@ from moe_triton.routing import (
     grouped_topk,
     route,
     route_torch,
-    router_route,
-    router_route_applies,
     softmax_topk,
     topk_sigmoid,
     topk_softmax,
@@ -263,102 +259,6 @@ def test_route_rejects(case):
     call, argument = _bad_cases()[case]
     with pytest.raises(ValueError, match=argument):
         call()
-
-
-# ---- router_route: the router's projection and route in one launch ----
-
-def router_inputs(num_tokens, num_experts, C, dtype, seed, gate_bias=False):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, C, generator=gen).to(test_device(), dtype)  # [T, C]
-    w = (torch.randn(num_experts, C, generator=gen) * 3 / C**0.5).to(test_device(), dtype)
-    b = (torch.randn(num_experts, generator=gen) * 0.5).to(test_device(), dtype) if gate_bias \
-        else None
-    return x, w, b
-
-
-def router_dtypes():
-    """fp32 and fp16 on CPU (the interpreter's bf16 casts truncate), bf16 too on a GPU."""
-    return [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available()
-                                             else [])
-
-
-@pytest.mark.parametrize("config", [None, RouterRouteConfig(block_c=32, slices=3, num_warps=4),
-                                    RouterRouteConfig(block_c=32, slices=1, num_warps=4)],
-                         ids=["chosen", "3 slices", "1 slice"])
-@pytest.mark.parametrize("num_tokens", [1, 5])
-@pytest.mark.parametrize("kind", KINDS)
-def test_router_route_is_the_projection_then_route(kind, num_tokens, config):
-    """Against route_torch on gemv_torch's logits (float32 sums rounded to x's dtype): the FMA
-    row (T = 1) and the tensor cores' tile (T = 5), slices summed by the last, a gate bias."""
-    num_experts, top_k = (128, 8) if kind == "grouped" else (8, 2)
-    spec = make_spec(kind, num_experts, top_k)
-    for dtype in router_dtypes():
-        x, w, gate_bias = router_inputs(num_tokens, num_experts, 96, dtype, seed=4,
-                                        gate_bias=kind == "softmax")
-        bias = (torch.randn(num_experts, device=x.device) * 0.5
-                if kind in ("sigmoid_biased", "grouped") else None)
-        ours = router_route(x, w, spec, bias, gate_bias, config=config)
-        check_routing(*ours, *route_torch(gemv_torch(x, w, gate_bias), spec, bias), num_experts)
-
-
-def test_router_route_replays_and_records_a_tape():
-    """The tape as route takes it: replayed rows' ids, free ones elsewhere, every row recorded."""
-    spec = make_spec("softmax_renorm", 8, 2)
-    x, w, _ = router_inputs(6, 8, 64, torch.float32, seed=5)
-    gen = torch.Generator().manual_seed(5)
-    rows = torch.randperm(9, generator=gen)[:6].to(x.device)
-    replay = torch.tensor([True, False, True, True, False, True], device=x.device)
-    given = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(9)]).int()
-    given[3] = -1
-    tapes = [RouteTape(given.clone().to(x.device), rows, replay) for _ in range(2)]
-    ours = router_route(x, w, spec, tape=tapes[0])
-    expected = route_torch(gemv_torch(x, w), spec, None, tapes[1])
-    assert torch.equal(ours[0].cpu(), expected[0].cpu())
-    assert_close(ours[1].cpu(), expected[1].cpu(), torch.float32)
-    assert torch.equal(tapes[0].ids.cpu(), tapes[1].ids.cpu())
-
-
-def test_router_route_of_no_tokens_launches_nothing(no_launch):
-    x, w, _ = router_inputs(0, 8, 64, torch.float32, seed=0)
-    ids, weights = router_route(x, w, RoutingSpec(2))
-    assert ids.shape == weights.shape == (0, 2) and ids.dtype == torch.int32
-
-
-@pytest.mark.parametrize("case", ["rows", "dtype", "width", "keys", "gate_bias", "spec", "bias"])
-def test_router_route_names_a_bad_argument_before_launching(case, no_launch):
-    x, w, _ = router_inputs(3, 8, 64, torch.float32, seed=0)
-    call, match = {
-        "rows": (lambda: router_route(torch.randn(17, 64, device=x.device), w, RoutingSpec(2)),
-                 "T <= 16"),
-        "dtype": (lambda: router_route(x, w.half(), RoutingSpec(2)), "x's dtype"),
-        "width": (lambda: router_route(x[:, :32], w, RoutingSpec(2)), "gate_weight"),
-        "keys": (lambda: router_route(x, torch.randn(512, 64, device=x.device), RoutingSpec(2)),
-                 "keys"),
-        "gate_bias": (lambda: router_route(x, w, RoutingSpec(2), gate_bias=torch.zeros(7)),
-                      "gate_bias"),
-        "spec": (lambda: router_route(x, w, "top2"), "RoutingSpec"),
-        "bias": (lambda: router_route(x, w, RoutingSpec(2, Scoring.SIGMOID,
-                                                        correction_bias=True)),
-                 "correction_bias"),
-    }[case]
-    with pytest.raises(ValueError, match=match):
-        call()
-
-
-def test_router_route_applies_to_a_decode_router_only():
-    """One launch for a CUDA decode step's bf16 / fp16 router; never on CPU, in float32 routers,
-    past 16 rows or with gradients needed (route's backward)."""
-    spec = RoutingSpec(8)
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    w = torch.randn(128, 64, dtype=torch.bfloat16)
-    assert not router_route_applies(x, w, spec)  # CPU
-    if torch.cuda.is_available():
-        x, w = x.cuda(), w.cuda()
-        assert router_route_applies(x, w, spec)
-        assert router_route_applies(x.expand(16, 64).contiguous(), w, spec)
-        assert not router_route_applies(x.expand(17, 64).contiguous(), w, spec)
-        assert not router_route_applies(x, w, RoutingSpec(8, router_in_float32=True))
-        assert not router_route_applies(x, w.requires_grad_(), spec)
 
 
 # ---- parity with transformers' own routers (float32) ----

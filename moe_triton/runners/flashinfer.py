@@ -140,9 +140,6 @@ class TrtllmRunner(TrtllmRoutedRunner):
                          "call the layer, or use flashinfer_trtllm_routed "
                          "to run it on a given top-k")
 
-    def fuses_router(self, x, gate_weight, gate_bias):
-        return False  # its kernel routes the logits
-
     def __call__(self, weights, hidden_states, router_logits, correction_bias=None):
         self.check_input(hidden_states, router_logits, weights.w13, weights.w2)
         if hidden_states.shape[0] == 0:

@@ -10,7 +10,7 @@ from ..launch import register_op
 from ..parallel import ParallelGroups, parallel_experts
 from ..pipeline import run_experts
 from ..reference import fused_experts_torch
-from ..routing import RouteTape, RoutingSpec, route, route_torch, router_route_applies
+from ..routing import RouteTape, RoutingSpec, route, route_torch
 from ..weights import ExpertWeights
 from .padding import pad_expert_weights
 from .spec import BackendSpec, LayerTraits
@@ -66,12 +66,6 @@ class ExpertsRunner:
                              "the layer with Placement('triton') (on a CPU with "
                              "TRITON_INTERPRET=1), or call it outside the mode")
 
-    def fuses_router(self, x: torch.Tensor, gate_weight: torch.Tensor,
-                     gate_bias: torch.Tensor | None) -> bool:
-        """Whether `route`'s kernel takes the router's projection of x (T, H) in, one launch
-        (routing.router_route: a decode step's router, routing.router_route_applies)."""
-        return router_route_applies(x, gate_weight, self.routing, gate_bias)
-
     def route(self, router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
               tape: RouteTape | None = None):
         """(T, E) logits -> topk_ids (T, K) int32, topk_weights (T, K) float32; `tape` records
@@ -104,9 +98,6 @@ class TorchRunner(ExpertsRunner):
     batch_dependence = ("per-expert torch matmuls round a row by how many rows share its expert "
                         "(BLAS picks kernels by the row count)")
 
-    def fuses_router(self, x, gate_weight, gate_bias):
-        return False  # routes in torch
-
     def route(self, router_logits, correction_bias, tape=None):
         return route_torch(router_logits, self.routing, correction_bias, tape)
 
@@ -134,9 +125,6 @@ class ParallelRunner(ExpertsRunner):
 
     def prepare(self, weights):
         return self.local.prepare(weights)
-
-    def fuses_router(self, x, gate_weight, gate_bias):
-        return self.local.fuses_router(x, gate_weight, gate_bias)
 
     def route(self, router_logits, correction_bias, tape=None):
         return self.local.route(router_logits, correction_bias, tape)
