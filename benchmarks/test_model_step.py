@@ -12,7 +12,8 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
   kernel time).
 - The decode attention taking the step's own token (one launch: norm, rotary, cache write,
   attention) against the two-launch form (rotate_into_cache, then the attention), captured in
-  turn over two rounds at batch 1 and 8, context 1k (issue 30).
+  turn over two rounds at batch 1 and 8, context 1k (issue 30); expand's kernels chained by PDL
+  against plain launches, at batch 8 and 64.
 
 Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
 per layer per decode step.
@@ -33,8 +34,11 @@ from measure import (
     record_where_time_goes,
 )
 
+from moe_triton import expand, pipeline
+from moe_triton.launch import PlanCache
 from moe_triton.models import decode_attention as attention
 from moe_triton.models import default_dtype
+from moe_triton.platform import dependent_launch
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (1024, 8192)
@@ -142,3 +146,27 @@ def test_decode_step_with_the_token_in_the_attention_or_not(benchmark, model, re
                    two_launches_us=f"{two * 1e6:.0f}", ratio=f"{one / two:.3f}"))
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
+
+
+@pytest.mark.gpu
+def test_decode_step_with_expand_chained_or_not(benchmark, model, record, monkeypatch):
+    """Expand's kernels (the sorted layout, batch 8 and up) launched by PDL behind the routing
+    and each other, or plainly: the layer plans built anew for each arm (they fix the launch
+    kind), captured in turn over two rounds."""
+    for batch in (8, 64):
+        times = {"chained": [], "plain": []}
+        for _ in range(2):
+            for form in times:
+                monkeypatch.setattr(expand, "dependent_launch",
+                                    dependent_launch if form == "chained" else lambda device: False)
+                monkeypatch.setattr(pipeline, "_PLANS", PlanCache())
+                inputs = decode_setup(model, batch, 1024)
+                times[form].append(event_median_seconds(lambda: model.graphs.run(inputs)))
+        chained, plain = (statistics.median(times[form]) for form in times)
+        record("Qwen3-30B-A3B-shaped decode step (bf16, graphs, context 1k): expand's kernels "
+               "chained by PDL or launched plainly", dict(
+                   batch=batch, chained_us=f"{chained * 1e6:.0f}", plain_us=f"{plain * 1e6:.0f}",
+                   ratio=f"{chained / plain:.3f}"))
+    free(model)
+    benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
+
