@@ -60,8 +60,8 @@ def _decode_attention_kernel(
     if NEW_TOKEN:  # q as the projection left it: normed and rotated as rotary.py does
         c_row = b * stride_cos_b + tl.zeros([BLOCK_G], tl.int64)
         q = normed_rotated(q_ptr, b * stride_q_b + heads.to(tl.int64) * stride_q_h, g_ok, d,
-                            cos_ptr, sin_ptr, c_row, q_norm_ptr, q_eps, D, D_ROT, ROTATE,
-                            INTERLEAVED, NORM)  # [BLOCK_G, BLOCK_D]
+                           cos_ptr, sin_ptr, c_row, q_norm_ptr, q_eps, D, D_ROT, ROTATE,
+                           INTERLEAVED, NORM)  # [BLOCK_G, BLOCK_D]
     else:
         q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + d[None, :],
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
@@ -146,8 +146,8 @@ def _attend_new_token(q, m, total, acc, new_k_ptr, new_v_ptr, k_ptr, v_ptr, cach
     writes it, every one of the BLOCK_G rows that one key (so the score is an elementwise sum)."""
     same = tl.zeros(g.shape, tl.int64)  # [BLOCK_G]: every row the one key's
     k = normed_rotated(new_k_ptr, k_row + same, tl.full(g.shape, 1, tl.int1), d, cos_ptr,
-                        sin_ptr, c_row, k_norm_ptr, k_eps, D, D_ROT, ROTATE, INTERLEAVED,
-                        NORM)  # [BLOCK_G, BLOCK_D], the rows alike
+                       sin_ptr, c_row, k_norm_ptr, k_eps, D, D_ROT, ROTATE, INTERLEAVED,
+                       NORM)  # [BLOCK_G, BLOCK_D], the rows alike
     cols = same[:, None] + d[None, :]  # [BLOCK_G, BLOCK_D]
     v = tl.load(new_v_ptr + v_row + cols, mask=d_ok[None, :], other=0.0)
     first = (g[:, None] == 0) & d_ok[None, :]

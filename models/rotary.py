@@ -63,7 +63,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, norm_ptr, out_ptr, R, HEADS, L, eps,
     x_row = b.to(tl.int64) * stride_x_b + head * stride_x_h + pos * stride_x_l  # [BLOCK_R]
     c_row = b.to(tl.int64) * stride_c_b + pos * stride_c_l
     out = normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps, D,
-                          D_ROT, True, INTERLEAVED, NORM)  # [BLOCK_R, BLOCK_D]
+                         D_ROT, True, INTERLEAVED, NORM)  # [BLOCK_R, BLOCK_D]
     out_row = rows.to(tl.int64) * D
     tl.store(out_ptr + out_row[:, None] + cols[None, :], out,
              mask=row_ok[:, None] & (cols[None, :] < D))
@@ -95,8 +95,8 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
         mask = row_ok[:, None] & (cols[None, :] < D)
         store_mask = mask & in_cache[:, None]
         k = normed_rotated(k_ptr, b.to(tl.int64) * stride_k_b + head * stride_k_h, row_ok, cols,
-                            cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, norm_ptr, eps, D, D_ROT,
-                            ROTATE, INTERLEAVED, NORM)
+                           cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, norm_ptr, eps, D, D_ROT,
+                           ROTATE, INTERLEAVED, NORM)
         tl.store(keys_ptr + cache_row[:, None] + cols[None, :], k, mask=store_mask)
         v = tl.load(v_ptr + b.to(tl.int64)[:, None] * stride_v_b + head[:, None] * stride_v_h
                     + cols[None, :], mask=mask, other=0.0)
@@ -106,16 +106,16 @@ def _rotary_into_cache_kernel(k_ptr, v_ptr, q_ptr, cos_ptr, sin_ptr, norm_ptr, q
         b, head = rows // Q_HEADS, rows % Q_HEADS
         row_ok = rows < R_Q
         q = normed_rotated(q_ptr, b.to(tl.int64) * stride_q_b + head * stride_q_h, row_ok, cols,
-                            cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, q_norm_ptr, q_eps,
-                            D, D_ROT, ROTATE, INTERLEAVED, NORM)
+                           cos_ptr, sin_ptr, b.to(tl.int64) * stride_c_b, q_norm_ptr, q_eps,
+                           D, D_ROT, ROTATE, INTERLEAVED, NORM)
         tl.store(q_out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], q,
                  mask=row_ok[:, None] & (cols[None, :] < D))
 
 
 @triton.jit
 def normed_rotated(x_ptr, x_row, row_ok, cols, cos_ptr, sin_ptr, c_row, norm_ptr, eps,
-                    D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
-                    INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
+                   D: tl.constexpr, D_ROT: tl.constexpr, ROTATE: tl.constexpr,
+                   INTERLEAVED: tl.constexpr, NORM: tl.constexpr):
     """Rows x_row [BLOCK_R] of x, normed (NORM) then rotated (ROTATE) by the cos / sin at c_row."""
     x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < D),
                 other=0.0)
