@@ -115,7 +115,7 @@ def route_config(num_tokens: int, num_experts: int) -> RouteConfig:
     token a warp 2.8-3.0 us a launch at any batch, where 32 tokens over 4 warps took 14.3 and
     one token over 4 warps 4.0 (docs/PERFORMANCE.md, issue 30)."""
     tokens = min(4, triton.next_power_of_2(num_tokens))
-    warps_per_token = min(8, max(1, triton.next_power_of_2(num_experts) // 1024))
+    warps_per_token = max(1, triton.next_power_of_2(num_experts) // 1024)
     return RouteConfig(block_t=tokens, num_warps=min(8, tokens * warps_per_token))
 
 
@@ -139,7 +139,7 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     N_GROUP: tl.constexpr, G_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
     TAPE: tl.constexpr,  # record into (and replay from) a RouteTape
-    CHAINED: tl.constexpr,  # behind the router's projection (PDL); the experts' GEMM launches now
+    CHAINED: tl.constexpr,  # behind the router's projection (PDL); expand or the up GEMM next
 ):
     wait_then_release(CHAINED)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
