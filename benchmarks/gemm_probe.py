@@ -30,10 +30,11 @@ from triton.testing import do_bench
 
 from moe_triton import ExpertWeights, WeightFormat, fused_experts_torch, run_experts
 from moe_triton.activation import SILU_AND_MUL
-from moe_triton.config import choose_config, device_limits
+from moe_triton.config import choose_config
 from moe_triton.expert_gemm import Fp8Scales, plan_expert_gemm
 from moe_triton.graphs import capture_graph
 from moe_triton.pipeline import _plan, _plan_quantize
+from moe_triton.platform import device_limits
 from moe_triton.tools.bench import (
     GRID_SHAPES,
     floor_seconds,

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from moe_triton.config import device_limits
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.launch import BoundLaunch, PlanCache, register_op
-from moe_triton.platform import dependent_launch, triton_computes_exactly
+from moe_triton.platform import dependent_launch, device_limits, triton_computes_exactly
 from moe_triton.weights import tensor_signature
 
 from ._decode_attention_kernels import _decode_attention_kernel

@@ -3,7 +3,6 @@ rules measured on the H200 (see docs/PERFORMANCE.md, "Provenance moved out of th
 26)"). A tile is BLOCK_M rows x BLOCK_N columns, stepping BLOCK_C along the contraction C."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -11,6 +10,7 @@ import torch
 import triton
 
 from .expand import LayoutKind
+from .platform import device_limits
 from .weights import MXFP4_DTYPE, MXFP4_GROUP
 
 
@@ -326,9 +326,3 @@ def _fit_shared_memory(config: GemmConfig, element_size: int, limit: int, weight
 
 
 SHARED_MEMORY_USE = 0.85  # leave room for the epilogue's and the compiler's own buffers
-
-
-@functools.cache
-def device_limits(device: torch.device) -> tuple[int, int]:
-    properties = torch.cuda.get_device_properties(device)
-    return properties.multi_processor_count, properties.shared_memory_per_block_optin

@@ -26,10 +26,9 @@ import triton.language as tl
 
 from . import checks
 from ._expert_gemm_kernels import _dot
-from .config import device_limits
 from .expert_gemm import ScaleAlongC
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
-from .platform import dependent_launch, wait_then_release
+from .platform import dependent_launch, device_limits, wait_then_release
 from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, tensor_signature
 
 MAX_ROWS = 16  # the tensor cores' smallest row tile: decode batches up to it

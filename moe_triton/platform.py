@@ -2,6 +2,7 @@
 (callers use `platform.detect_platform` so tests can monkeypatch it)."""
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
@@ -47,6 +48,13 @@ def triton_can_run_on(device: torch.device) -> bool:
 
 # tl.dot dtypes the interpreter gets right: bf16 is garbage (triton 3.9), so GEMMs refuse it there
 INTERPRETER_DOT_DTYPES = (torch.float16, torch.float32)
+
+
+@functools.cache
+def device_limits(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's (SMs, shared memory a program may opt into, bytes)."""
+    properties = torch.cuda.get_device_properties(device)
+    return properties.multi_processor_count, properties.shared_memory_per_block_optin
 
 
 def dependent_launch(device: torch.device) -> bool:

@@ -522,7 +522,7 @@ def test_persistent_form_on_the_gpu(real_layer, T):
     """The persistent expert GEMMs (one program per SM over the rows in use) compute each tile as
     the one-program-per-tile grid does: the same bits, bf16 and FP8 block-128, and bf16 within
     its tolerance of the float32 reference."""
-    from moe_triton.config import device_limits
+    from moe_triton.platform import device_limits
 
     shape, w13, w2 = real_layer
     inputs = random_inputs(shape, T, torch.bfloat16, "cuda", num_variants=1, seed=T)
