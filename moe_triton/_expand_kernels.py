@@ -1,8 +1,7 @@
-"""Expand's kernels (histogram -> offsets -> scatter; the three in one grid with a barrier between
-counting and scattering; or one program); pair p = t * K + j is valid if 0 <= topk_ids[t, j] < E.
-Every kernel cuts the same BLOCK_P blocks: stable order, no atomics on the layout (the grid
-kernel's barrier counts arrivals only). CHAINED: launched by PDL behind the kernel in front (the
-routing, then each other), whose output each reads only after platform.wait_then_release."""
+"""Expand's kernels (histogram -> offsets -> scatter, or one program); pair p = t * K + j is valid
+if 0 <= topk_ids[t, j] < E. Every kernel cuts the same BLOCK_P blocks: stable order, no atomics.
+CHAINED: launched by PDL behind the kernel in front (the routing, then each other), whose
+output each reads only after platform.wait_then_release."""
 import triton
 import triton.language as tl
 
@@ -147,54 +146,3 @@ def _expand_one_program_kernel(
         tl.store(sorted_pair_ids_ptr + rows, pairs, mask=valid)
         tl.store(pair_to_row_ptr + pairs, tl.where(valid, rows, -1), mask=pairs < num_pairs)
         earlier += tl.sum(one_hot, axis=0)
-
-
-@interpreter_serialized
-@triton.jit
-def _expand_grid_kernel(
-    topk_ids_ptr, block_counts_ptr, barrier_ptr, expert_offsets_ptr, num_rows_ptr,
-    sorted_pair_ids_ptr, block_expert_ptr, pair_to_row_ptr,
-    num_pairs, num_m_blocks, E,
-    BLOCK_P: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    CHAINED: tl.constexpr,
-):
-    """The three kernels above in one launch, a program a block, every program resident (a
-    cooperative launch): each counts its block, a grid barrier (an arrival count and a
-    generation, the last to arrive resets the count: graph-safe), then each sums the blocks'
-    counts before its own and scatters; program 0 writes the offsets. The interpreter runs
-    programs one after another, so its barrier would never open: expand.py never plans it
-    there."""
-    wait_then_release(CHAINED)
-    block, blocks = tl.program_id(0), tl.num_programs(0)
-    pairs, ids, valid = _load_expert_ids(topk_ids_ptr, block, num_pairs, E, BLOCK_P)
-    experts = tl.arange(0, E_PAD)
-    is_expert = experts < E
-    one_hot = _one_hot(ids, valid, E_PAD)  # [BLOCK_P, E_PAD]
-    tl.store(block_counts_ptr + block * E + experts, tl.sum(one_hot, axis=0), mask=is_expert)
-    tl.debug_barrier()  # this program's threads' stores precede its arrival (release)
-    generation = tl.atomic_add(barrier_ptr + 1, 0)  # read before arriving
-    if tl.atomic_add(barrier_ptr, 1) == blocks - 1:  # the last: reset the count, open the barrier
-        tl.atomic_xchg(barrier_ptr, 0)
-        tl.atomic_add(barrier_ptr + 1, 1)
-    else:
-        seen = generation
-        while seen == generation:
-            seen = tl.atomic_add(barrier_ptr + 1, 0)
-    tl.debug_barrier()
-    counts = tl.zeros([E_PAD], dtype=tl.int32)  # every block's
-    earlier = tl.zeros([E_PAD], dtype=tl.int32)  # the blocks' before this one
-    for start in range(0, blocks, CHUNK):
-        others = start + tl.arange(0, CHUNK)
-        block_counts = tl.load(block_counts_ptr + others[:, None] * E + experts[None, :],
-                               mask=(others[:, None] < blocks) & is_expert[None, :],
-                               other=0)  # [CHUNK, E_PAD]
-        counts += tl.sum(block_counts, axis=0)
-        earlier += tl.sum(tl.where(others[:, None] < block, block_counts, 0), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # as _write_offsets pads
-    starts = tl.cumsum(padded, axis=0) - padded
-    if block == 0:  # its padding rows are no pair's row: no program writes them twice
-        _write_offsets(counts, expert_offsets_ptr, num_rows_ptr, sorted_pair_ids_ptr,
-                       block_expert_ptr, num_m_blocks, num_pairs, BLOCK_M, E, E_PAD, CHUNK)
-    rows = tl.sum(one_hot * (starts + earlier)[None, :], axis=1) + _rank_in_block(one_hot)
-    tl.store(sorted_pair_ids_ptr + rows, pairs, mask=valid)
-    tl.store(pair_to_row_ptr + pairs, tl.where(valid, rows, -1), mask=pairs < num_pairs)

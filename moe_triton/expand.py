@@ -14,14 +14,13 @@ import torch
 import triton
 
 from ._expand_kernels import (
-    _expand_grid_kernel,
     _expand_one_program_kernel,
     _expert_histogram_kernel,
     _expert_offsets_kernel,
     _scatter_pairs_kernel,
 )
 from .launch import BoundLaunch
-from .platform import dependent_launch, device_limits, interpreter_enabled
+from .platform import dependent_launch
 
 
 class LayoutKind(enum.Enum):
@@ -102,17 +101,9 @@ def _block_p(num_experts: int) -> int:
     return max(16, min(1024, 8192 // triton.next_power_of_2(num_experts)))
 
 
-class ExpandForm(enum.Enum):
-    NONE = "none"  # no pairs: the offsets zeroed
-    ONE_PROGRAM = "one_program"  # one block of pairs
-    GRID = "grid"  # a program a block, all resident, a grid barrier between counting and scatter
-    THREE_KERNELS = "three_kernels"  # histogram, offsets, scatter
-
-
 @dataclass(frozen=True)
 class ExpandPlan:
-    """`expand` for one (T, K, E, block_m): buffer sizes and launches bound once. GRID's barrier
-    is the plan's own: its calls must not overlap in time (one stream)."""
+    """`expand` for one (T, K, E, block_m): buffer sizes and launches bound once."""
 
     top_k: int  # K
     num_experts: int  # E
@@ -120,34 +111,27 @@ class ExpandPlan:
     num_pairs: int  # P = T * K
     max_rows: int  # R, the worst case
     num_blocks: int  # blocks of BLOCK_P pairs (the histogram and scatter kernels take one each)
-    form: ExpandForm
-    launches: tuple[BoundLaunch, ...]  # the form's: none, one, one, or three
-    barrier: torch.Tensor | None = None  # GRID: [2] int32 (arrivals, generation)
+    # (one program) or (histogram, offsets, scatter); () when P = 0
+    launches: tuple[BoundLaunch] | tuple[BoundLaunch, BoundLaunch, BoundLaunch] | tuple[()]
 
     def __call__(self, topk_ids: torch.Tensor) -> ExpertLayout:
         P, E, R, B = self.num_pairs, self.num_experts, self.max_rows, self.max_rows // self.block_m
-        form = self.form
-        counts = {ExpandForm.GRID: 1, ExpandForm.THREE_KERNELS: 2}.get(form, 0) * self.num_blocks
-        # One allocation (on the host one costs half a launch), the per-block scratch last: [R],
-        # [P], [B], [E + 1], [1], [blocks * E] (counts), [blocks * E] (three kernels' prefixes).
-        buffers = torch.empty(R + P + B + E + 2 + counts * E, dtype=torch.int32,
+        scratch = self.num_blocks * E if len(self.launches) == 3 else 0
+        # One allocation (on the host one costs half a launch), the three-kernel path's scratch
+        # last: [R], [P], [B], [E + 1], [1], [blocks * E] twice.
+        buffers = torch.empty(R + P + B + E + 2 + 2 * scratch, dtype=torch.int32,
                               device=topk_ids.device)
-        (sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows,
-         *scratch) = buffers.split_with_sizes((R, P, B, E + 1, 1) + (self.num_blocks * E,)
-                                              * (counts // max(1, self.num_blocks)))
+        (sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows, block_counts,
+         block_prefix) = buffers.split_with_sizes((R, P, B, E + 1, 1, scratch, scratch))
         topk_ids = topk_ids.contiguous()  # a no-op for the [T, K] tensors routing returns
         layout = ExpertLayout(LayoutKind.SORTED, self.block_m, self.top_k, E, P, topk_ids.view(-1),
                               sorted_pair_ids, pair_to_row, block_expert, expert_offsets, num_rows)
         written = dict(expert_offsets_ptr=expert_offsets, num_rows_ptr=num_rows,
                        sorted_pair_ids_ptr=sorted_pair_ids, block_expert_ptr=block_expert)
-        if form is ExpandForm.ONE_PROGRAM:
+        if len(self.launches) == 1:
             self.launches[0](topk_ids_ptr=topk_ids, pair_to_row_ptr=pair_to_row, **written)
-        elif form is ExpandForm.GRID:
-            self.launches[0](topk_ids_ptr=topk_ids, block_counts_ptr=scratch[0],
-                             barrier_ptr=self.barrier, pair_to_row_ptr=pair_to_row, **written)
-        elif form is ExpandForm.THREE_KERNELS:
+        elif self.launches:
             histogram, offsets, scatter = self.launches
-            block_counts, block_prefix = scratch
             histogram(topk_ids_ptr=topk_ids, block_counts_ptr=block_counts)
             offsets(block_counts_ptr=block_counts, block_prefix_ptr=block_prefix, **written)
             scatter(topk_ids_ptr=topk_ids, block_prefix_ptr=block_prefix,
@@ -164,15 +148,6 @@ class ExpandPlan:
 ONE_PROGRAM_BLOCKS = 1
 
 
-def grid_blocks(device: torch.device) -> int:
-    """The most blocks of pairs the GRID form takes: a program an SM, compiled on a GPU (a
-    cooperative launch: CUDA refuses a grid that cannot be resident rather than hang); 0 under
-    the interpreter, which runs programs one after another (the barrier would never open)."""
-    if device.type != "cuda" or interpreter_enabled():
-        return 0
-    return device_limits(device)[0]
-
-
 def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int,
                 device: torch.device) -> ExpandPlan:
     """`device`: where it runs; on SM90 each kernel launches by PDL behind the one in front."""
@@ -186,27 +161,23 @@ def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int,
     num_blocks = triton.cdiv(P, BLOCK_P)
     chunk = max(1, 8192 // E_PAD)
     chained = dependent_launch(device)
-    shape = dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)
-    layout = dict(num_m_blocks=R // block_m, BLOCK_M=block_m, CHUNK=chunk)
-    barrier = None
     if P == 0:
-        form, launches = ExpandForm.NONE, ()
+        launches = ()
     elif num_blocks <= ONE_PROGRAM_BLOCKS:
-        form, launches = ExpandForm.ONE_PROGRAM, (BoundLaunch(
-            _expand_one_program_kernel, (1,), dict(num_blocks=num_blocks, **shape, **layout)),)
-    elif num_blocks <= grid_blocks(device):
-        form, launches = ExpandForm.GRID, (BoundLaunch(
-            _expand_grid_kernel, (num_blocks,), dict(**shape, **layout),
-            dict(launch_cooperative_grid=True)),)
-        barrier = torch.zeros(2, dtype=torch.int32, device=device)
+        launches = (BoundLaunch(_expand_one_program_kernel, (1,), dict(
+            num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P,
+            E_PAD=E_PAD, BLOCK_M=block_m, CHUNK=chunk, CHAINED=chained)),)
     else:
-        form, launches = ExpandForm.THREE_KERNELS, (
-            BoundLaunch(_expert_histogram_kernel, (num_blocks,), shape),
-            BoundLaunch(_expert_offsets_kernel, (1,), dict(
-                num_blocks=num_blocks, num_pairs=P, E=E, E_PAD=E_PAD, CHAINED=chained, **layout)),
-            BoundLaunch(_scatter_pairs_kernel, (num_blocks,), shape),
+        launches = (
+            BoundLaunch(_expert_histogram_kernel, (num_blocks,),
+                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)),
+            BoundLaunch(_expert_offsets_kernel, (1,),
+                        dict(num_blocks=num_blocks, num_m_blocks=R // block_m, num_pairs=P, E=E,
+                             BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk, CHAINED=chained)),
+            BoundLaunch(_scatter_pairs_kernel, (num_blocks,),
+                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)),
         )
-    return ExpandPlan(top_k, E, block_m, P, R, num_blocks, form, launches, barrier)
+    return ExpandPlan(top_k, E, block_m, P, R, num_blocks, launches)
 
 
 def expand(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:

@@ -1,5 +1,4 @@
-"""expand: the Triton layout equals the torch reference exactly (the order is stable), in each of
-its forms (the grid form, a barrier between its programs, only where they run at once: GPU)."""
+"""expand: the Triton layout equals the torch reference exactly (the order is stable)."""
 import importlib
 
 import pytest
@@ -11,48 +10,24 @@ from moe_triton.expand import expand, expand_torch, max_rows
 expand_module = importlib.import_module("moe_triton.expand")
 
 
-def use_form(form: str, monkeypatch) -> None:
-    """Plan `form` for every expand that has more than one block of pairs (one-program: all)."""
-    monkeypatch.setattr(expand_module, "ONE_PROGRAM_BLOCKS", 10**6 if form == "one-program" else 0)
-    if form == "three-kernels":
-        monkeypatch.setattr(expand_module, "grid_blocks", lambda device: 0)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("E,K", [(1, 1), (4, 2), (4, 4), (8, 1), (8, 8), (6, 3), (128, 8)])
 @pytest.mark.parametrize("T", [0, 1, 3, 17, 64])
-@pytest.mark.parametrize("form", ["one-program", "three-kernels"])
-def test_expand(T, E, K, block_m, seed, form, poisoned_empty, monkeypatch):
-    check_expand(T, E, K, block_m, seed, form, "cpu", monkeypatch)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("E,K", [(8, 8), (6, 3), (128, 8), (256, 8)])
-@pytest.mark.parametrize("T", [3, 17, 64, 500])
-@pytest.mark.parametrize("form", ["grid", "three-kernels"])
-def test_expand_on_the_gpu(T, E, K, block_m, seed, form, monkeypatch):
-    """The grid form where its blocks fit one an SM (500 tokens of 256 experts: 125 blocks)."""
-    check_expand(T, E, K, block_m, seed, form, "cuda", monkeypatch)
-    planned = expand_module.plan_expand(T, K, E, block_m, torch.device("cuda")).form
-    assert planned.value == form.replace("-", "_")
-
-
-def check_expand(T, E, K, block_m, seed, form, device, monkeypatch):
-    use_form(form, monkeypatch)
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
+def test_expand(T, E, K, block_m, seed, one_program, poisoned_empty, monkeypatch):
+    monkeypatch.setattr(expand_module, "ONE_PROGRAM_BLOCKS", 10**6 if one_program else 0)
     ids = random_ids(T, K, E, seed, filtered=0.2 if seed else 0.0).int()
-    layout = expand(ids.to(device), E, block_m)
+    layout = expand(ids, E, block_m)
     expected = expand_torch(ids, E, block_m)
     rows = int(layout.num_rows.item())
     assert layout.max_rows == max_rows(T * K, E, block_m) >= rows
-    assert torch.equal(layout.expert_offsets.cpu(), expected["expert_offsets"])
+    assert torch.equal(layout.expert_offsets, expected["expert_offsets"])
     assert rows == expected["sorted_pair_ids"].numel()
-    assert torch.equal(layout.sorted_pair_ids[:rows].cpu(), expected["sorted_pair_ids"])
-    assert torch.equal(layout.pair_to_row.cpu(), expected["pair_to_row"])
+    assert torch.equal(layout.sorted_pair_ids[:rows], expected["sorted_pair_ids"])
+    assert torch.equal(layout.pair_to_row, expected["pair_to_row"])
     blocks = rows // block_m
-    assert torch.equal(layout.block_expert[:blocks].cpu(), expected["block_expert"])
+    assert torch.equal(layout.block_expert[:blocks], expected["block_expert"])
     assert (layout.block_expert[blocks:] == -1).all()
 
 
@@ -78,15 +53,15 @@ def test_expand_rejects_bad_input(kwargs, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [4, 64])
-@pytest.mark.parametrize("form", ["one-program", "grid", "three-kernels"])
-def test_chained_expand_reads_the_routing_after_it_is_written(T, form, monkeypatch):
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
+def test_chained_expand_reads_the_routing_after_it_is_written(T, one_program, monkeypatch):
     """On SM90 the kernels launch by PDL behind the routing kernel that writes their ids, and
     behind each other: each call routes fresh logits, then expands them, 30 times in a row with
     no sync between; every layout equals the reference on its own routing."""
     from moe_triton.platform import dependent_launch
     from moe_triton.routing import RoutingSpec, route
 
-    use_form(form, monkeypatch)
+    monkeypatch.setattr(expand_module, "ONE_PROGRAM_BLOCKS", 10**6 if one_program else 0)
     E, K = 128, 8
     assert dependent_launch(torch.device("cuda"))
     calls = []
