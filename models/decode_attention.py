@@ -93,20 +93,20 @@ def _compute(q, keys, values, slots, positions, scale: float, window: int,
 
 # Programs an SM the split count aims at: at two pipeline stages (64 KB of K / V tiles a 4-warp
 # program at 64-key tiles) three are resident, and a grid of ~4 an SM measured fastest at batch
-# 32-64 (docs/PERFORMANCE.md, issue 30, ninth session).
+# 32-64; batch 1 at a 1k context keeps a split a key tile (docs/PERFORMANCE.md, issue 30, ninth
+# session).
 PROGRAMS_PER_SM = 4
 NUM_STAGES = 2  # 3 (Triton's default) holds two programs an SM: 45.8 -> 40.7 us at batch 64
 
 
 def num_splits(batch: int, kv_heads: int, max_seq: int, block_n: int, device: torch.device) -> int:
-    """The largest power of two that keeps the grid within PROGRAMS_PER_SM programs an SM (8
-    programs on CPU), at most one split per block; batch-invariant mode: batch 1's for every
-    batch (the split sets a row's summation order)."""
+    """As many as keep the grid within PROGRAMS_PER_SM programs an SM (8 programs on CPU), at
+    most one split per block and 64; batch-invariant mode: batch 1's for every batch (the split
+    sets a row's summation order)."""
     programs = PROGRAMS_PER_SM * device_limits(device)[0] if device.type == "cuda" else 8
     if batch_invariant_enabled():
         batch = 1
-    most = min(programs // (batch * kv_heads), triton.cdiv(max_seq, block_n), 64)
-    return 1 << (max(1, most).bit_length() - 1)
+    return max(1, min(programs // (batch * kv_heads), triton.cdiv(max_seq, block_n), 64))
 
 
 def _launch(q, keys, values, slots, positions, scale: float, window: int,
