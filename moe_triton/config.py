@@ -32,7 +32,7 @@ class GemmConfig:
     scale_per_tile: bool = False
     # launched by PDL behind the first GEMM (decode's second; finalize too): its launch and
     # prologue overlap that one's tail, then it waits for its activations
-    dependent: bool = False
+    chained: bool = False
 
     def __post_init__(self):
         _check_tile_fields(self, ("block_m", "block_n", "block_c"), ("group_m", "num_stages"))
@@ -109,7 +109,7 @@ class MoEConfig:
             return (f"{c.block_n}x{c.block_c}/s{c.num_stages}/w{c.num_warps}"
                     f"{'/tma' if c.tma_weights else ''}{'/tma_a' if c.tma_activations else ''}"
                     f"{f'/P{c.persistent_programs}' if c.persistent_programs else ''}"
-                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.dependent else ''}")
+                    f"{f'/S{c.split_c}' if c.split_c > 1 else ''}{'/pdl' if c.chained else ''}")
         if self.decode is not None:
             d = self.decode
             return (f"{self.layout.value} BM{self.block_m} decode {d.block_n}x{d.block_c}x"
@@ -237,7 +237,7 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
         # PDL: measured 3-8% faster where up's tiles fill at most two waves; slower (FP8 up to
         # 1.4x) past them (docs/PERFORMANCE.md, issue 28)
         up_tiles = blocks * -(-intermediate_size // up.block_n)
-        down = replace(down, dependent=up_tiles <= 2 * num_sms)
+        down = replace(down, chained=up_tiles <= 2 * num_sms)
     else:
         up, down = replace(up, scale_per_tile=fp8), _prefill_down(down, fp8)
     return MoEConfig(up, down, layout)

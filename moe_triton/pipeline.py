@@ -236,9 +236,9 @@ class LayerPlan:
         if weights.format.fp4:  # W4A16: activations as they are, the weights' E8M0 bytes
             up_scales = Mxfp4Scales(weights.w13_scale, weights.w13_scale_up_offset)
             down_scales = Mxfp4Scales(weights.w2_scale)
-        # decode: up, down and finalize launch as PDL dependents (config.down.dependent), up
+        # decode: up, down and finalize launch as PDL dependents (config.down.chained), up
         # behind the routing (or quantize) kernel
-        pdl = config.down.dependent and dependent_launch(hidden_states.device)
+        pdl = config.down.chained and dependent_launch(hidden_states.device)
         up = plan_expert_gemm(x, weights.w13, layout, config.up, gather=True, activation=activation,
                               scales=up_scales, out_dtype=FP8_DTYPE if fp8 else dtype,
                               chained=pdl, bias=weights.w13_bias)

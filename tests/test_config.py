@@ -119,10 +119,10 @@ def test_the_decode_kernel_is_opt_in(monkeypatch):
 def test_the_second_gemm_is_a_dependent_launch_only_where_up_fills_two_waves(monkeypatch):
     monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
     cuda = torch.device("cuda")
-    assert choose_config(1, 8, 128, 2048, 768, cuda).down.dependent  # up: 96 tiles
-    assert not choose_config(1, 2, 8, 4096, 14336, cuda).down.dependent  # 448: three waves
-    assert not choose_config(4096, 8, 128, 2048, 768, cuda).down.dependent
-    assert not choose_config(1, 8, 128, 2048, 768, torch.device("cpu")).down.dependent
+    assert choose_config(1, 8, 128, 2048, 768, cuda).down.chained  # up: 96 tiles
+    assert not choose_config(1, 2, 8, 4096, 14336, cuda).down.chained  # 448: three waves
+    assert not choose_config(4096, 8, 128, 2048, 768, cuda).down.chained
+    assert not choose_config(1, 8, 128, 2048, 768, torch.device("cpu")).down.chained
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn], ids=str)
