@@ -160,22 +160,18 @@ def plan_expand(num_tokens: int, top_k: int, num_experts: int, block_m: int,
     BLOCK_P, E_PAD = _block_p(E), triton.next_power_of_2(E)
     num_blocks = triton.cdiv(P, BLOCK_P)
     chunk = max(1, 8192 // E_PAD)
-    chained = dependent_launch(device)
+    pairs = dict(num_pairs=P, E=E, E_PAD=E_PAD, CHAINED=dependent_launch(device))  # every kernel's
+    per_block = pairs | dict(BLOCK_P=BLOCK_P)  # the kernels that cut the pairs in blocks
+    layout = dict(num_blocks=num_blocks, num_m_blocks=R // block_m, BLOCK_M=block_m, CHUNK=chunk)
     if P == 0:
         launches = ()
     elif num_blocks <= ONE_PROGRAM_BLOCKS:
-        launches = (BoundLaunch(_expand_one_program_kernel, (1,), dict(
-            num_pairs=P, num_blocks=num_blocks, num_m_blocks=R // block_m, E=E, BLOCK_P=BLOCK_P,
-            E_PAD=E_PAD, BLOCK_M=block_m, CHUNK=chunk, CHAINED=chained)),)
+        launches = (BoundLaunch(_expand_one_program_kernel, (1,), per_block | layout),)
     else:
         launches = (
-            BoundLaunch(_expert_histogram_kernel, (num_blocks,),
-                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)),
-            BoundLaunch(_expert_offsets_kernel, (1,),
-                        dict(num_blocks=num_blocks, num_m_blocks=R // block_m, num_pairs=P, E=E,
-                             BLOCK_M=block_m, E_PAD=E_PAD, CHUNK=chunk, CHAINED=chained)),
-            BoundLaunch(_scatter_pairs_kernel, (num_blocks,),
-                        dict(num_pairs=P, E=E, BLOCK_P=BLOCK_P, E_PAD=E_PAD, CHAINED=chained)),
+            BoundLaunch(_expert_histogram_kernel, (num_blocks,), per_block),
+            BoundLaunch(_expert_offsets_kernel, (1,), pairs | layout),
+            BoundLaunch(_scatter_pairs_kernel, (num_blocks,), per_block),
         )
     return ExpandPlan(top_k, E, block_m, P, R, num_blocks, launches)
 
