@@ -169,4 +169,3 @@ def test_decode_step_with_expand_chained_or_not(benchmark, model, record, monkey
                    ratio=f"{chained / plain:.3f}"))
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
-
