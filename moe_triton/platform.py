@@ -75,6 +75,15 @@ def wait_then_release(CHAINED: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_to_l2(pointers):
+    """Ask L2 for the line at each pointer (any shape) and go on: nothing waits for the bytes, no
+    register receives them. Chained kernels stream weights this way before their wait. GPU only
+    (inline PTX): callers take this branch only when chained, never under the interpreter."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [pointers], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
 def triton_computes_exactly(device: torch.device, dtype: torch.dtype) -> bool:
     """CUDA, or the interpreter in fp16 / fp32: its bf16 casts truncate where a GPU rounds to
     nearest even (triton 3.9: 2047 of 4096 values differ), so dot-free kernels use this too."""
