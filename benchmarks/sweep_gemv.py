@@ -18,14 +18,20 @@ from test_gemv import chain_inputs, link_seconds
 from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv
 from moe_triton.weights import WeightFormat, quantize_weight
 
-SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)}
+SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048),
+          "shared up": (1536, 2048)}
 BANDWIDTH = 4.2e12  # bytes/s, the copy bandwidth measured beside (benchmarks/conftest.py)
 
 
 def configs(T: int, N: int, C: int, block_cs=(128, 256)):
-    if T > 1:  # the tensor-core tile
-        for block_n, slices in itertools.product((32, 64), (2, 4, 8)):
-            yield GemvConfig(block_n=block_n, block_c=256, slices=slices, tensor_cores=True)
+    if T > 1:  # the tensor-core tile: pipelined, slices filling 1-3 programs an SM
+        for block_n, block_c, stages in ((64, 64, 4), (64, 128, 3), (128, 64, 4), (32, 128, 4)):
+            steps = triton.cdiv(C, block_c)
+            for per_sm in (1, 2, 3):
+                wanted = max(1, min(steps // 2, triton.cdiv(per_sm * 132, triton.cdiv(N, block_n))))
+                yield GemvConfig(block_n=block_n, block_c=block_c, num_stages=stages, num_warps=4,
+                                 slices=triton.cdiv(steps, triton.cdiv(steps, wanted)),
+                                 tensor_cores=True)
         return
     # more, smaller programs an SM (4 warps): more tiles in flight at once, if the steps' latency
     # bounds one row (num_stages 2-3 measured no faster: docs/sweep-gemv-stages-2026-12-03.txt)
@@ -42,15 +48,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--fp8", action="store_true", help="FP8 weights (block and channel)")
     parser.add_argument("--rows", default="1,8", help="rows (T) to sweep, comma-separated")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="projections, comma-separated")
     args = parser.parse_args()
     fp8, rows = args.fp8, [int(r) for r in args.rows.split(",")]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     formats = FP8_FORMATS if fp8 else {"bf16": None}
-    for (name, (N, C)), T in itertools.product(SHAPES.items(), rows):
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    for (name, (N, C)), T in itertools.product(shapes.items(), rows):
         weights, x, residual, norm_weight = chain_inputs(T, N, C)
-        args = (x, residual, norm_weight, weights)
-        norm = link_seconds(None, *args)
-        cublas = link_seconds(lambda h, w: F.linear(h, w), *args)
+        chain = (x, residual, norm_weight, weights)
+        norm = link_seconds(None, *chain)
+        cublas = link_seconds(lambda h, w: F.linear(h, w), *chain)
         for kind, fmt in formats.items():
             stored = [quantize_weight(w, fmt) for w in weights] if fmt else [(w, None)
                                                                           for w in weights]
@@ -70,6 +78,11 @@ def main():
                     print(f"  {config}: {type(error).__name__}", flush=True)
                     continue
                 results.append((t, config))
+            if T > 1:  # the chosen tile launched plainly: what the prefetch under the norm buys
+                chosen = choose_gemv_config(T, N, C, num_sms, scale_c)
+                plain = link_seconds(lambda h, w: gemv(h, w[0], config=chosen, weight_scale=w[1],
+                                                       weight_format=fmt), *chain[:3], stored)
+                print(f"  chosen, launched plainly: {plain * 1e6:6.1f} us", flush=True)
             for t, config in sorted(results, key=lambda r: r[0])[:8]:
                 print(f"  {t * 1e6:6.1f} us ({t / cublas:.3f} of F.linear)  {config}", flush=True)
 

@@ -66,7 +66,7 @@ def link_medians(variants: dict, x, residual, norm_weight, rounds: int = 3) -> d
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("T", [1, 8, 64])
 def test_gemv_behind_a_norm_in_graphs(benchmark, T, ceilings, record):
     for name, (N, C) in SHAPES.items():
         weights, *link_inputs = chain_inputs(T, N, C)
@@ -118,7 +118,7 @@ def test_the_model_step_with_and_without_gemv(benchmark, record, monkeypatch):
     with torch.device("cuda"), default_dtype(torch.bfloat16):
         model = random_weights_(Qwen3MoeForCausalLM(qwen3_30b_a3b_config()))
     applies = linear.gemv_applies
-    for batch in (1, 8):
+    for batch in (8, 64):
         inputs = {"token_ids": torch.randint(0, model.config.vocab_size, (batch,), device="cuda"),
                   "positions": torch.full((batch,), 1023, device="cuda"),
                   "slots": torch.arange(batch, device="cuda")}

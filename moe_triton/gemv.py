@@ -1,19 +1,21 @@
-"""Decode-size projections: x (T, C) @ w (N, C).T (+ bias) -> (T, N), T <= 16.
+"""Decode-size projections: x (T, C) @ w (N, C).T (+ bias) -> (T, N), T <= 64.
 
 A decode step's dense projections (attention's qkv and o, the router, shared experts) read each
 weight once for a handful of rows: the work is the weight stream, 0.5-21 MB a projection, 1-5 µs
 of bytes, and a kernel's ramp (the first bytes ~2 µs after launch) costs as much as its bytes
-(docs/PERFORMANCE.md, issue 30). So a program (column block, slice of C) loads its first weight
-tile before it waits for the kernel in front (programmatic dependent launch, `prefetch_weight`):
-the weights stream while that kernel (the norm, the attention) still runs, which must let its
+(docs/PERFORMANCE.md, issue 30). So a program (column block, slice of C) starts on its weights
+before it waits for the kernel in front (programmatic dependent launch, `prefetch_weight`): the
+weights stream while that kernel (the norm, the attention) still runs, which must let its
 dependents launch early (platform.wait_then_release), and the grid is sized so that every
 program is resident at launch. One row (batch-1 decode) goes by FMAs into a float32 tile summed
-across C once, at the end; more rows (padded to 16) through the tensor cores. With more than one
-slice each program stores its float32 partial sums, and the last program of a column block to
-finish (a counter it bumps with acquire-release ordering) adds the slices in slice order and
-writes the output: no second launch, and the bits do not depend on which program finished last.
-The counters return to zero after each call, so a plan can be replayed in a CUDA graph; a plan's
-calls must not overlap in time (one stream). `gemv_torch`: the reference.
+across C once, at the end, its first weight tile loaded before the wait; more rows (padded to
+16, 32 or 64) through the tensor cores in a loop the compiler pipelines, the slice's weight lines
+requested into L2 before the wait. With more than one slice each program stores its float32
+partial sums, and the last program of a column block to finish (a counter it bumps with
+acquire-release ordering) adds the slices in slice order and writes the output: no second
+launch, and the bits do not depend on which program finished last. The counters return to zero
+after each call, so a plan can be replayed in a CUDA graph; a plan's calls must not overlap in
+time (one stream). `gemv_torch`: the reference.
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ from . import checks
 from ._expert_gemm_kernels import _dot
 from .expert_gemm import ScaleAlongC
 from .launch import BoundLaunch, PlanCache, interpreter_serialized
-from .platform import dependent_launch, device_limits, wait_then_release
+from .platform import dependent_launch, device_limits, prefetch_to_l2, wait_then_release
 from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, tensor_signature
 
-MAX_ROWS = 16  # the tensor cores' smallest row tile: decode batches up to it
+MAX_ROWS = 64  # decode batches up to it: one tensor-core row tile (wgmma's M)
+L2_LINE_BYTES = 128
 
 
 @dataclass(frozen=True)
@@ -45,27 +48,36 @@ class GemvConfig:
 
 
 PROGRAMS_PER_SM = 4  # one row's programs resident at once (8 warps each): all prefetch at launch
+# More rows: the tensor-core tile beats cuBLAS at the router (0.5 MB), not at a shared expert's up
+# (6 MB), o or qkv (17-21 MB): docs/PERFORMANCE.md, issue 30, tenth session
+ROWS_WEIGHT_BYTES = 2 << 20
 
 
 def choose_gemv_config(T: int, N: int, C: int, num_sms: int,
                        scale_block_c: int | None = None) -> GemvConfig:
-    """One row by FMAs, 32 x 128 tiles; more rows through the tensor cores, 64 x 256. Slices: the
-    largest power of two that keeps the grid within PROGRAMS_PER_SM (FMAs; the tensor-core tile:
-    two) programs an SM, each slice at least two steps (FMAs) or one. Measured best at a Qwen3
-    step's qkv, o and router projections, behind a norm (docs/PERFORMANCE.md, issue 30); FP8
-    weights alike (a second tile in flight and num_stages 2-3 measured no faster:
-    docs/sweep-gemv-fp8-2026-12-03.txt, docs/sweep-gemv-stages-2026-12-03.txt).
-    FP8 block scales `scale_block_c` columns wide: steps that divide them (one scale a row a
-    step)."""
-    config = GemvConfig() if T == 1 else GemvConfig(block_n=64, block_c=256, num_warps=4,
-                                                     tensor_cores=True)
+    """One row by FMAs, 32 x 128 tiles, slices the largest power of two that keeps the grid within
+    PROGRAMS_PER_SM programs an SM, each slice at least two steps (measured best at a Qwen3
+    step's qkv, o and router projections behind a norm, bf16 and FP8: docs/PERFORMANCE.md, issue
+    30; docs/sweep-gemv-2026-12-03.txt, -fp8-, -stages-). More rows through the tensor cores:
+    TENSOR_CORE_TILE, as many slices as keep the grid within TENSOR_CORE_PROGRAMS_PER_SM an SM,
+    each at least two steps, spread evenly (no empty slice). FP8 block scales `scale_block_c`
+    columns wide: steps that divide them (one scale a row a step)."""
+    one_row = T == 1
+    config = GemvConfig() if one_row else TENSOR_CORE_TILE
     if scale_block_c is not None:
         config = replace(config, block_c=math.gcd(config.block_c, scale_block_c))
-    per_sm = 2 if config.tensor_cores else PROGRAMS_PER_SM
+    per_sm = PROGRAMS_PER_SM if one_row else TENSOR_CORE_PROGRAMS_PER_SM
     steps = triton.cdiv(C, config.block_c)
-    most = steps if config.tensor_cores else max(1, steps // 2)
-    wanted = min(most, triton.cdiv(per_sm * num_sms, triton.cdiv(N, config.block_n)))
-    return replace(config, slices=1 << (wanted.bit_length() - 1))
+    wanted = min(max(1, steps // 2), triton.cdiv(per_sm * num_sms, triton.cdiv(N, config.block_n)))
+    if one_row:
+        return replace(config, slices=1 << (wanted.bit_length() - 1))
+    return replace(config, slices=triton.cdiv(steps, triton.cdiv(steps, wanted)))
+
+
+# 2-64 rows: a pipelined 32 x 128 tile, weights in L2 before the wait (chained)
+TENSOR_CORE_TILE = GemvConfig(block_n=32, block_c=128, num_warps=4, num_stages=4,
+                              tensor_cores=True)
+TENSOR_CORE_PROGRAMS_PER_SM = 2
 
 
 @interpreter_serialized
@@ -80,6 +92,7 @@ def _gemv_kernel(
     SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_C: tl.constexpr,
     CHAINED: tl.constexpr,  # chained (PDL): w read before the kernel in front ends, x after
     DOT: tl.constexpr,  # tensor cores (BLOCK_T >= 16); else one row by FMAs (BLOCK_T == 1)
+    LINE_ELEMENTS: tl.constexpr,  # w's elements an L2 line (DOT, chained: the prefetch's step)
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
@@ -90,40 +103,13 @@ def _gemv_kernel(
     first, end = pid_s * per_slice, tl.minimum((pid_s + 1) * per_slice, steps)
     c_end = tl.minimum(end * BLOCK_C, C)  # this slice's end along C
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w_n  # [BLOCK_N, 1]
-    cs = first * BLOCK_C + tl.arange(0, BLOCK_C)
-    w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
-                other=0.0)  # [BLOCK_N, BLOCK_C]: the first tile, issued before the wait
-    if SCALE == 1:  # the tile's column of the block grid, one scale a row
-        block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
-                              + first * BLOCK_C // SCALE_C,
-                              mask=cols < tl.where(first < end, N, 0), other=0.0)
-    wait_then_release(CHAINED)  # x (the kernel in front's output) complete from here on
-    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    lanes = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)  # FMA: summed across C once, at the end
-    for step in range(first, end):
-        x = tl.load(x_ptr + rows[:, None] * stride_x_t + cs[None, :],
-                    mask=(rows[:, None] < T) & (cs[None, :] < C), other=0.0)  # [BLOCK_T, BLOCK_C]
-        if not DOT:
-            w32 = w.to(tl.float32)
-            if SCALE == 1:
-                w32 = w32 * block_scale[:, None]
-            lanes += w32 * x.to(tl.float32)
-        else:  # FP8 w -> x's dtype: exact (e4m3 fits bf16 and fp16)
-            w_x = tl.trans(w.to(x.dtype))
-            if SCALE == 1:
-                step_sum = _dot(x, w_x, tl.zeros([BLOCK_T, BLOCK_N], tl.float32), IEEE_FP32)
-                acc += step_sum * block_scale[None, :]
-            else:
-                acc = _dot(x, w_x, acc, IEEE_FP32)
-        cs += BLOCK_C  # the next tile and its scales, in flight while this one is summed
-        w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
-                    other=0.0)
-        if SCALE == 1:
-            block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
-                                  + (step + 1) * BLOCK_C // SCALE_C,
-                                  mask=cols < tl.where(step + 1 < end, N, 0), other=0.0)
-    if not DOT:
-        acc = tl.sum(lanes, 1)[None, :]
+    if DOT:
+        acc = _tensor_core_slice(x_ptr, w_ptr, scale_ptr, rows, cols, first, end, T, N, C,
+                                 stride_x_t, stride_w_n, stride_s_n, IEEE_FP32, SCALE, SCALE_N,
+                                 SCALE_C, CHAINED, LINE_ELEMENTS, BLOCK_T, BLOCK_N, BLOCK_C)
+    else:
+        acc = _one_row_slice(x_ptr, w_rows, scale_ptr, cols, first, end, c_end, N, C,
+                             stride_s_n, SCALE, SCALE_N, SCALE_C, CHAINED, BLOCK_N, BLOCK_C)
     if SCALE == 2:
         acc *= tl.load(scale_ptr + cols * stride_s_n, mask=cols < N, other=0.0)[None, :]
     out_mask = (rows[:, None] < T) & (cols[None, :] < N)
@@ -134,15 +120,85 @@ def _gemv_kernel(
     else:
         tile = rows[:, None] * N + cols[None, :]  # [BLOCK_T, BLOCK_N] of a slice's (T, N)
         tl.store(partial_ptr + pid_s * T * N + tile, acc, mask=out_mask)
-        # release: this slice's partials are visible before the count; acquire: the last sees all
+        # release: this slice's partials (every thread's: the barrier first) are visible before
+        # the count; acquire: the last sees all, read past L1
+        tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SLICES - 1:
+            tl.debug_barrier()
             total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
             for s in tl.static_range(SLICES):  # slice order; unrolled, so the loads issue at once
-                total += tl.load(partial_ptr + s * T * N + tile, mask=out_mask, other=0.0)
+                total += tl.load(partial_ptr + s * T * N + tile, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
             tl.store(out, _with_bias(total, bias_ptr, cols, N, HAS_BIAS).to(
                 out_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call
+
+
+@triton.jit
+def _one_row_slice(x_ptr, w_rows, scale_ptr, cols, first, end, c_end, N, C, stride_s_n,
+                   SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_C: tl.constexpr,
+                   CHAINED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """[1, BLOCK_N] float32 sums of one row over steps [first, end), by FMAs into a [BLOCK_N,
+    BLOCK_C] tile summed across C once, at the end. Double-buffered by hand: the first weight tile
+    is issued before the wait, each next one while this one is summed."""
+    cs = first * BLOCK_C + tl.arange(0, BLOCK_C)
+    w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
+                other=0.0)  # [BLOCK_N, BLOCK_C]: the first tile, issued before the wait
+    if SCALE == 1:  # the tile's column of the block grid, one scale a row
+        block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
+                              + first * BLOCK_C // SCALE_C,
+                              mask=cols < tl.where(first < end, N, 0), other=0.0)
+    wait_then_release(CHAINED)  # x (the kernel in front's output) complete from here on
+    lanes = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    for step in range(first, end):
+        x = tl.load(x_ptr + cs, mask=cs < C, other=0.0)  # [BLOCK_C]
+        w32 = w.to(tl.float32)
+        if SCALE == 1:
+            w32 = w32 * block_scale[:, None]
+        lanes += w32 * x.to(tl.float32)[None, :]
+        cs += BLOCK_C  # the next tile and its scales, in flight while this one is summed
+        w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
+                    other=0.0)
+        if SCALE == 1:
+            block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
+                                  + (step + 1) * BLOCK_C // SCALE_C,
+                                  mask=cols < tl.where(step + 1 < end, N, 0), other=0.0)
+    return tl.sum(lanes, 1)[None, :]
+
+
+@triton.jit
+def _tensor_core_slice(x_ptr, w_ptr, scale_ptr, rows, cols, first, end, T, N, C, stride_x_t,
+                       stride_w_n, stride_s_n, IEEE_FP32: tl.constexpr, SCALE: tl.constexpr,
+                       SCALE_N: tl.constexpr, SCALE_C: tl.constexpr, CHAINED: tl.constexpr,
+                       LINE_ELEMENTS: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """[BLOCK_T, BLOCK_N] float32 sums of up to BLOCK_T rows over steps [first, end), through
+    the tensor cores, the loop pipelined by the compiler (the launch's num_stages). Chained, the
+    slice's weight lines are first requested into L2 (`LINE_ELEMENTS` a line), so they stream
+    while the kernel in front runs and the loop's loads after the wait find them there."""
+    if CHAINED:
+        lines = tl.arange(0, BLOCK_C // LINE_ELEMENTS) * LINE_ELEMENTS
+        w_rows = w_ptr + tl.minimum(cols, N - 1)[:, None].to(tl.int64) * stride_w_n
+        for step in range(first, end):
+            prefetch_to_l2(w_rows + tl.minimum(step * BLOCK_C + lines, C - 1)[None, :])
+    wait_then_release(CHAINED)  # x (the kernel in front's output) complete from here on
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    w_columns = w_ptr + cols[None, :].to(tl.int64) * stride_w_n  # [1, BLOCK_N]: w read as w.T
+    for step in range(first, end):
+        cs = step * BLOCK_C + tl.arange(0, BLOCK_C)
+        x = tl.load(x_ptr + rows[:, None] * stride_x_t + cs[None, :],
+                    mask=(rows[:, None] < T) & (cs[None, :] < C), other=0.0)  # [BLOCK_T, BLOCK_C]
+        w = tl.load(w_columns + cs[:, None], mask=(cols[None, :] < N) & (cs[:, None] < C),
+                    other=0.0).to(x.dtype)  # [BLOCK_C, BLOCK_N]; FP8 -> x's dtype is exact
+        if SCALE == 1:  # the step's column of the block grid, one scale an output column
+            block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
+                                  + step * BLOCK_C // SCALE_C, mask=cols < N, other=0.0)
+            acc += _dot(x, w, tl.zeros([BLOCK_T, BLOCK_N], tl.float32), IEEE_FP32) * \
+                block_scale[None, :]
+        else:
+            acc = _dot(x, w, acc, IEEE_FP32)
+    return acc
 
 
 @triton.jit
@@ -237,7 +293,8 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
                  stride_s_n=scaling.stride_n, stride_out_t=N, SLICES=config.slices,
                  IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias, SCALE=scaling.along.value,
                  SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, CHAINED=chained,
-                 DOT=dot, BLOCK_T=MAX_ROWS if dot else 1,
+                 DOT=dot, LINE_ELEMENTS=min(config.block_c, L2_LINE_BYTES // w.element_size()),
+                 BLOCK_T=max(16, triton.next_power_of_2(T)) if dot else 1,
                  BLOCK_N=config.block_n, BLOCK_C=config.block_c)
     options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
     return GemvPlan((T, N), partials, counters,
@@ -248,7 +305,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None,
          weight_format: WeightFormat | None = None,
          prefetch_weight: bool = False) -> torch.Tensor:
-    """x (T <= 16, C) @ w (N, C).T (+ bias (N,)) -> a fresh (T, N) in x's dtype, as F.linear; x
+    """x (T <= 64, C) @ w (N, C).T (+ bias (N,)) -> a fresh (T, N) in x's dtype, as F.linear; x
     and w with unit last stride and one dtype (or w FP8, read as `weight_format` says its float32
     `weight_scale` is laid out: per tensor, per row or per block, as checkpoints store it) and
     device. `prefetch_weight`: w, its scale and bias are not written by the work queued before
@@ -278,17 +335,19 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 
 
 def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """A batch-1 decode step's projection x (..., C) @ w (N, C).T on a CUDA GPU, bf16 / fp16 alike,
-    one row, contiguous, eager (not traced by torch.compile), no gradients needed (the kernel has
-    no backward), and a weight whose programs are resident at once (N <= block_n x
-    PROGRAMS_PER_SM x SMs: not an LM head, whose own stream hides its ramp, where cuBLAS reads at
-    ~0.9 of the bandwidth). More rows: F.linear (the tensor-core tile measured slower than
-    cuBLAS at qkv, docs/PERFORMANCE.md, issue 30)."""
+    """A decode step's projection x (..., C) @ w (N, C).T on a CUDA GPU, bf16 / fp16 alike, one
+    row, or up to MAX_ROWS with a weight of at most ROWS_WEIGHT_BYTES, contiguous, eager (not
+    traced by torch.compile), no gradients needed (the kernel has no backward), and a weight
+    whose programs are resident at once (N <= block_n x PROGRAMS_PER_SM x SMs: not an LM head,
+    whose own stream hides its ramp, where cuBLAS reads at ~0.9 of the bandwidth)."""
     if torch.compiler.is_compiling():  # first: the shape tests below would guard a trace
         return False
+    rows = x.numel() // max(x.shape[-1], 1)
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and w.device == x.device and (bias is None or bias.device == x.device)
-            and x.numel() == x.shape[-1] and x.is_contiguous() and w.stride(-1) == 1
+            and x.numel() > 0 and x.is_contiguous() and w.stride(-1) == 1
+            and (rows == 1 or rows <= MAX_ROWS and w.numel() * w.element_size()
+                 <= ROWS_WEIGHT_BYTES)
             and w.shape[0] <= GemvConfig.block_n * PROGRAMS_PER_SM * device_limits(x.device)[0]
             and not checks.grad_needed(x, w, bias))
 

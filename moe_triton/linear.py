@@ -74,16 +74,18 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x (..., C), weight (N, C), bias), by the kernel that suits the call: a batch-1
-    decode call on the GPU through gemv, its weight streamed while the kernel in front (the norm,
-    the attention) still runs (`gemv_applies`; the bias in its epilogue); in batch-invariant mode
-    (invariance.py) `linear`, whose rows' bits never depend on the rest of the batch (torch's BLAS
-    picks kernels by the row count), the bias added after; else torch's."""
+    """F.linear(x (..., C), weight (N, C), bias), by the kernel that suits the call: a decode
+    call on the GPU (up to gemv.MAX_ROWS rows) through gemv, its weight streamed while the kernel
+    in front (the norm, the attention) still runs (`gemv_applies`; the bias in its epilogue); in
+    batch-invariant mode (invariance.py) `linear`, whose rows' bits never depend on the rest of
+    the batch (torch's BLAS picks kernels by the row count), the bias added after; else
+    torch's."""
     if batch_invariant_enabled():
         out = linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
         return out if bias is None else out + bias  # an exact add: row by row
     if gemv_applies(x, weight, bias):
-        return gemv(x.reshape(1, -1), weight, bias, prefetch_weight=True).view(*x.shape[:-1], -1)
+        return gemv(x.reshape(-1, x.shape[-1]), weight, bias, prefetch_weight=True).view(
+            *x.shape[:-1], -1)
     return F.linear(x, weight, bias)
 
 
