@@ -99,9 +99,12 @@ def _decode_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * D + d[None, :], acc, mask=out_mask)
         tl.store(part_stats_ptr + part * 2, m, mask=g_ok)
         tl.store(part_stats_ptr + part * 2 + 1, total, mask=g_ok)
-        # release: this split's partials are visible before the count; acquire: the last sees all
+        # release: this split's partials (every thread's: the barrier first) are visible before
+        # the count; acquire: the last sees all
         counter = counter_ptr + b * tl.num_programs(1) + kv_head
+        tl.debug_barrier()
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+            tl.debug_barrier()
             first = (b * GROUP * tl.num_programs(1) + heads) * SPLITS  # [BLOCK_G] split 0's part
             sp = tl.arange(0, BLOCK_S)
             stats = part_stats_ptr + (first[:, None] + sp[None, :]) * 2  # [BLOCK_G, BLOCK_S]
