@@ -196,6 +196,8 @@ def _expert_gemm_kernel(
     PERSISTENT: tl.constexpr,  # the grid's programs walk the tiles of the rows in use (SORTED)
     CHAINED: tl.constexpr,  # launched by PDL behind the kernel in front, and the next behind it
     PER_PAIR: tl.constexpr,  # row block b holds pair b in its first row; its expert is topk_ids[b]
+    # row block e is expert e's: its pairs found in topk_ids [P_PAD], BLOCK_M a tile; pair p, row p
+    BY_EXPERT: tl.constexpr, P_PAD: tl.constexpr,
     GATHER_TOP_K: tl.constexpr,  # 0: a is in row space; k > 0: a row = pair // k
     FUSED_GATE: tl.constexpr,  # also accumulate the up columns at up_offset (gated activations)
     ACT_KIND: tl.constexpr,  # -1: no epilogue; else the activation applied before the store
@@ -223,6 +225,32 @@ def _expert_gemm_kernel(
             rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             _gemm_tile(
                 pid_m, pid_n, rows, tl.load(sorted_pair_ids_ptr + rows), expert,
+                a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
+                bias_ptr, N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
+                stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,
+                stride_out_split, stride_as_m, stride_as_g, stride_ws_e, stride_ws_n,
+                stride_ws_c, stride_os_m, stride_b_e,
+                A_DESC, W_DESC, GATHER_TOP_K, FUSED_GATE, ACT_KIND, SPLIT_C, A_SCALE, W_SCALE,
+                A_GROUP, NAN_BITS, W_BLOCK_N, W_BLOCK_C, W_SCALAR, OUT_FP8, W_FP4, HAS_BIAS,
+                ACT_LIMIT, ACT_ALPHA, IEEE_FP32, BLOCK_M, BLOCK_N, BLOCK_C)
+    elif BY_EXPERT:
+        wait_then_release(CHAINED)  # the routing may be the kernel before's
+        pid_m, pid_n = _tile_coordinates(tl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+        p = tl.arange(0, P_PAD)
+        ids = tl.load(topk_ids_ptr + p, mask=p < num_pairs, other=-1)
+        mine = ids == pid_m  # [P_PAD]: expert pid_m's pairs (filtered ids: none)
+        count = tl.sum(mine.to(tl.int32))
+        # The expert's pairs in pair order, listed by this program in its row of the layout's
+        # [E, P_PAD] scratch (sorted_pair_ids_ptr here; the expert's other programs write the
+        # same values), then read back a tile at a time.
+        listed = sorted_pair_ids_ptr + pid_m * P_PAD
+        tl.store(listed + tl.cumsum(mine.to(tl.int32), 0) - 1, p, mask=mine)
+        tl.debug_barrier()  # the program's stores visible to all of its threads
+        for first in range(0, count, BLOCK_M):  # usually one tile; none: an unrouted expert
+            slots = first + tl.arange(0, BLOCK_M)
+            pair = tl.load(listed + slots, mask=slots < count, other=num_pairs)  # [BLOCK_M]
+            _gemm_tile(
+                pid_m, pid_n, pair, pair, pid_m.to(tl.int64),
                 a_ptr, a_desc, w_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, out_scale_ptr,
                 bias_ptr, N, C, num_pairs, up_offset, w_rows_per_expert, w_scale_up_offset,
                 stride_a_m, stride_a_c, stride_w_e, stride_w_n, stride_w_c, stride_out_m,

@@ -96,6 +96,10 @@ class MoEConfig:
                                         or self.decode.block_m != self.up.block_m):
             raise ValueError(f"decode must be a DecodeConfig with block_m={self.up.block_m} (the "
                              f"shared layout's), got {self.decode!r}")
+        if self.decode is not None and self.layout not in DECODE_LAYOUTS:
+            walks = " or ".join(kind.name for kind in DECODE_LAYOUTS)
+            raise ValueError(f"the decode kernel walks a {walks} layout, got "
+                             f"layout={self.layout}: pass one of those")
         if self.up.split_c > 1:
             raise ValueError(f"up.split_c={self.up.split_c}: the first GEMM's activation needs the "
                              "whole sum; split only the second GEMM (down.split_c)")
@@ -207,10 +211,11 @@ def choose_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
               else LayoutKind.SORTED)
     if device.type != "cuda":  # Triton interpreter: few large programs run fastest
         tile = GemmConfig(16, 32, 32, group_m=1)
-        return MoEConfig(tile, tile, layout)
+        return MoEConfig(tile, tile, _unsorted_if_it_fits(layout, 16, num_pairs))
     element_size = dtype.itemsize
     fp8 = element_size == 1
     block_m = 16 if layout is LayoutKind.PER_PAIR else _block_m(num_pairs, num_experts, fp8)
+    layout = _unsorted_if_it_fits(layout, block_m, num_pairs)
     if fp8 and fp8_group < FP8_MIN_STEP:
         # scaled within the step: float32 tile copies fit every FP8 GPU only in 16-row tiles
         block_m = 16
@@ -254,6 +259,8 @@ def decode_config(num_tokens: int, top_k: int, num_experts: int, hidden_size: in
     as it measured slower than the two GEMMs on the H200 (docs/PERFORMANCE.md, issue 28)."""
     config = choose_config(num_tokens, top_k, num_experts, hidden_size, intermediate_size,
                            device, dtype)
+    if config.layout is LayoutKind.BY_EXPERT:  # the decode kernel walks sorted blocks instead
+        config = replace(config, layout=LayoutKind.SORTED)
     block_m = config.block_m
     if device.type != "cuda":  # the interpreter: small tiles, a few programs
         return replace(config, decode=DecodeConfig(block_m, 16, 32, 16, 32, programs=3))
@@ -299,6 +306,17 @@ def _fp8_steps(up: GemmConfig, down: GemmConfig,
     return up, replace(down, block_c=max(FP8_MIN_STEP, min(up.block_n, step)))
 
 
+DECODE_LAYOUTS = (LayoutKind.PER_PAIR, LayoutKind.SORTED)  # the decode kernel's (decode.py)
+
+
+def _unsorted_if_it_fits(layout: LayoutKind, block_m: int, num_pairs: int) -> LayoutKind:
+    # Skip expand's kernels where each GEMM program can find its expert's pairs in the routing:
+    # it holds the P routed ids and a [block_m, P] match in registers.
+    fits = block_m * triton.next_power_of_2(num_pairs) <= BY_EXPERT_MATCH
+    return LayoutKind.BY_EXPERT if layout is LayoutKind.SORTED and fits else layout
+
+
+BY_EXPERT_MATCH = 8192  # 16-row tiles: up to 512 pairs (64 tokens of top-8)
 # batch-invariant mode's tiles for every T: prefill's (sorted rows, no split along C)
 INVARIANT_TOKENS = 4096
 FP8_GROUP = 128  # the widest C step an FP8 scale group spans

@@ -26,12 +26,15 @@ from .platform import dependent_launch
 class LayoutKind(enum.Enum):
     SORTED = "sorted"  # expand's layout: pairs grouped by expert, segments padded to block_m rows
     PER_PAIR = "per_pair"  # no sort: row block b holds pair b alone, in its first row (decode)
+    # no sort: a GEMM program of expert e finds e's pairs in the routing itself; pair p at row p
+    BY_EXPERT = "by_expert"
 
 
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where each (token, slot) pair lives in the expert GEMMs' rows: P = T * K pairs, R = max_rows
-    rows, B = R / block_m blocks. PER_PAIR has no SORTED fields: pair p is at row p * block_m."""
+    rows, B = R / block_m blocks. PER_PAIR and BY_EXPERT have no SORTED fields: pair p is at row
+    p * pair_row_stride."""
 
     kind: LayoutKind
     block_m: int
@@ -44,35 +47,62 @@ class ExpertLayout:
     block_expert: torch.Tensor | None = None  # [B] int32: expert of block b, -1 past rows in use
     expert_offsets: torch.Tensor | None = None  # [E + 1] int32: first row of e; [E] = rows in use
     num_rows: torch.Tensor | None = None  # [1] int32: expert_offsets[E], read on device only
+    # BY_EXPERT: [E, P_PAD] int32 scratch where each GEMM program lists its expert's pairs
+    expert_pairs: torch.Tensor | None = None
+
+    @property
+    def pair_row_stride(self) -> int:
+        """Unsorted: pair p's row is p times this (PER_PAIR: a block each; BY_EXPERT: a row); 0:
+        SORTED, rows from pair_to_row."""
+        return {LayoutKind.PER_PAIR: self.block_m, LayoutKind.BY_EXPERT: 1}.get(self.kind, 0)
 
     @property
     def max_rows(self) -> int:
-        if self.kind is LayoutKind.PER_PAIR:
-            return self.num_pairs * self.block_m
+        if self.kind is not LayoutKind.SORTED:
+            return self.num_pairs * self.pair_row_stride
         return self.sorted_pair_ids.numel()
 
     def block_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sorted_pair_ids, block_expert, num_rows) as a GEMM kernel takes them; PER_PAIR kernels
-        read topk_ids only, so it stands in for the three (never read)."""
-        if self.kind is LayoutKind.PER_PAIR:
+        """(sorted_pair_ids, block_expert, num_rows) as a GEMM kernel takes them; unsorted
+        layouts' kernels read topk_ids only, so it stands in for those it does not read
+        (BY_EXPERT: expert_pairs in sorted_pair_ids's place)."""
+        if self.kind is LayoutKind.BY_EXPERT:
+            return self.expert_pairs, self.topk_ids, self.topk_ids
+        if self.kind is not LayoutKind.SORTED:
             return self.topk_ids, self.topk_ids, self.topk_ids
         return self.sorted_pair_ids, self.block_expert, self.num_rows
 
 
 def per_pair_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertLayout:
     """The decode layout, no kernel: each pair its own GEMM tile (best when few share an expert)."""
+    return unsorted_layout(LayoutKind.PER_PAIR, topk_ids, num_experts, block_m)
+
+
+def unsorted_layout(kind: LayoutKind, topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> ExpertLayout:
+    """A PER_PAIR or BY_EXPERT layout of (T, K) `topk_ids`: no kernel, the routing as it is."""
     T, K = topk_ids.shape
-    return ExpertLayout(LayoutKind.PER_PAIR, block_m, K, num_experts, T * K,
-                        topk_ids.contiguous().view(-1))
+    scratch = None
+    if kind is LayoutKind.BY_EXPERT:
+        scratch = torch.empty(num_experts * by_expert_pad(T * K), dtype=torch.int32,
+                              device=topk_ids.device)
+    return ExpertLayout(kind, block_m, K, num_experts, T * K, topk_ids.contiguous().view(-1),
+                        expert_pairs=scratch)
+
+
+def by_expert_pad(num_pairs: int) -> int:
+    """BY_EXPERT's P_PAD: the routed ids a GEMM program scans at once, a power of two."""
+    return triton.next_power_of_2(num_pairs)
 
 
 @dataclass(frozen=True)
-class PerPairPlan:
+class UnsortedPlan:
+    kind: LayoutKind  # PER_PAIR or BY_EXPERT
     num_experts: int  # E
     block_m: int
 
     def __call__(self, topk_ids: torch.Tensor) -> ExpertLayout:
-        return per_pair_layout(topk_ids, self.num_experts, self.block_m)
+        return unsorted_layout(self.kind, topk_ids, self.num_experts, self.block_m)
 
 
 def layout_like(kind: LayoutKind, num_tokens: int, top_k: int, num_experts: int,
@@ -83,8 +113,10 @@ def layout_like(kind: LayoutKind, num_tokens: int, top_k: int, num_experts: int,
     def meta(n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int32, device="meta")
 
-    if kind is LayoutKind.PER_PAIR:
-        return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P))
+    if kind is not LayoutKind.SORTED:
+        return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P),
+                            expert_pairs=meta(num_experts * by_expert_pad(P))
+                            if kind is LayoutKind.BY_EXPERT else None)
     R = max_rows(P, num_experts, block_m)
     return ExpertLayout(kind, block_m, top_k, num_experts, P, meta(P), meta(R), meta(P),
                         meta(R // block_m), meta(num_experts + 1), meta(1))

@@ -31,7 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._expert_gemm_kernels import MXFP4_BF16_PAIRS, MXFP4_PORTABLE, _expert_gemm_kernel
 from .activation import Activation
 from .config import GemmConfig
-from .expand import ExpertLayout, LayoutKind
+from .expand import ExpertLayout, LayoutKind, by_expert_pad
 from .launch import BoundLaunch
 from .platform import interpreter_enabled
 from .weights import FLOAT_DTYPES, FP8_DTYPE, MXFP4_DTYPE, MXFP4_GROUP
@@ -229,7 +229,9 @@ def plan_expert_gemm(
     n_out = N // 2 if gated else N
     out_dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8_DTYPE else a.dtype)
     R = layout.max_rows
-    num_m_blocks = R // layout.block_m
+    by_expert = layout.kind is LayoutKind.BY_EXPERT
+    # BY_EXPERT: a row block (of programs) an expert, each over all of its pairs
+    num_m_blocks = (E if R else 0) if by_expert else R // layout.block_m
     out_shape, out_strides = (((split_c, R, N), (R * N, N)) if split_c > 1
                               else ((R, n_out), (0, n_out)))
     if split_c > 1:
@@ -254,6 +256,7 @@ def plan_expert_gemm(
         A_DESC=a_descriptor, W_DESC=descriptor, PERSISTENT=persistent,
         CHAINED=chained and not persistent,
         PER_PAIR=layout.kind is LayoutKind.PER_PAIR,
+        BY_EXPERT=by_expert, P_PAD=by_expert_pad(layout.num_pairs) if by_expert else 1,
         GATHER_TOP_K=layout.top_k if gather else 0,
         FUSED_GATE=gated, OUT_FP8=out_scales_shape is not None, IEEE_FP32=a.dtype == torch.float32,
         **(scales.kernel_args(C, config.block_n, config.block_c, config.scale_per_tile)

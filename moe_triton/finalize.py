@@ -21,8 +21,8 @@ from .platform import wait_then_release
 def _finalize_kernel(
     y_ptr, topk_weights_ptr, pair_to_row_ptr, topk_ids_ptr, out_ptr,
     T, H, E, stride_y_split, stride_y_r, stride_w_t, stride_w_k, stride_out_t,
-    # PER_PAIR_ROWS 0: rows from pair_to_row; m > 0: pair p at row p * m when its id is in [0, E)
-    PER_PAIR_ROWS: tl.constexpr,
+    # PAIR_ROW_STRIDE 0: rows from pair_to_row; m > 0: pair p at row p * m when its id is in [0, E)
+    PAIR_ROW_STRIDE: tl.constexpr,
     Y_SPLITS: tl.constexpr,  # split-C partials per row of y (1: plain rows)
     SPLIT_BLOCK: tl.constexpr,  # > 1: partials read SPLIT_BLOCK at a time (a loop's latency each)
     CHAINED: tl.constexpr,  # launched by PDL behind y's kernel: wait for it, release the next
@@ -35,9 +35,9 @@ def _finalize_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         pairs = tokens * TOP_K + j
-        if PER_PAIR_ROWS > 0:
+        if PAIR_ROW_STRIDE > 0:
             ids = tl.load(topk_ids_ptr + pairs, mask=is_token, other=-1)
-            row = tl.where((ids >= 0) & (ids < E), pairs * PER_PAIR_ROWS, -1)
+            row = tl.where((ids >= 0) & (ids < E), pairs * PAIR_ROW_STRIDE, -1)
         else:
             row = tl.load(pair_to_row_ptr + pairs, mask=is_token, other=-1)
         routed = row >= 0  # a filtered pair (row -1) adds nothing, whatever its weight
@@ -75,8 +75,8 @@ class FinalizePlan:
         if out is None:
             out = torch.empty(self.out_shape, dtype=self.out_dtype, device=y.device)  # [T, H]
         if self.launch is not None:
-            # A PER_PAIR layout has no pair_to_row: the kernel reads topk_ids there instead.
-            pair_to_row = (layout.topk_ids if layout.kind is LayoutKind.PER_PAIR
+            # An unsorted layout has no pair_to_row: the kernel reads topk_ids there instead.
+            pair_to_row = (layout.topk_ids if layout.kind is not LayoutKind.SORTED
                            else layout.pair_to_row)
             self.launch(y_ptr=y, topk_weights_ptr=topk_weights, pair_to_row_ptr=pair_to_row,
                         topk_ids_ptr=layout.topk_ids, out_ptr=out)
@@ -100,13 +100,12 @@ def plan_finalize(y: torch.Tensor, topk_weights: torch.Tensor, layout: ExpertLay
     if splits > 2:  # the decode kernel's slices: a program per token and 64 columns
         BLOCK_T, BLOCK_H = 1, min(64, BLOCK_H)
         SPLIT_BLOCK = min(32, triton.next_power_of_2(splits))
-    per_pair = layout.kind is LayoutKind.PER_PAIR
     fixed = dict(
         T=T, H=H, E=layout.num_experts, stride_y_split=y.stride(0) if y.dim() == 3 else 0,
         stride_y_r=y.stride(-2),
         stride_w_t=topk_weights.stride(0), stride_w_k=topk_weights.stride(1),
         stride_out_t=out.stride(0) if out is not None else H,
-        PER_PAIR_ROWS=layout.block_m if per_pair else 0, Y_SPLITS=splits, SPLIT_BLOCK=SPLIT_BLOCK,
+        PAIR_ROW_STRIDE=layout.pair_row_stride, Y_SPLITS=splits, SPLIT_BLOCK=SPLIT_BLOCK,
         CHAINED=chained,
         TOP_K=layout.top_k, BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H,
     )

@@ -10,7 +10,7 @@ from . import checks
 from .activation import SILU_AND_MUL, Activation, ActivationKind
 from .config import FP8_MIN_STEP, INVARIANT_TOKENS, MoEConfig, choose_config
 from .decode import DecodePlan, plan_decode_layer
-from .expand import ExpandPlan, LayoutKind, PerPairPlan, layout_like, plan_expand
+from .expand import ExpandPlan, LayoutKind, UnsortedPlan, layout_like, plan_expand
 from .expert_gemm import ExpertGemmPlan, Fp8Scales, Mxfp4Scales, plan_expert_gemm
 from .finalize import FinalizePlan, plan_finalize
 from .invariance import batch_invariant_enabled
@@ -189,7 +189,7 @@ class LayerPlan:
 
     num_tokens: int  # T; 0 launches nothing
     hidden_size: int  # H
-    expand: ExpandPlan | PerPairPlan  # topk_ids -> ExpertLayout (decode: pair per tile, no launch)
+    expand: ExpandPlan | UnsortedPlan  # topk_ids -> ExpertLayout (unsorted: no launch)
     quantize: QuantizePlan | None  # FP8 only: hidden_states -> e4m3 [T, H] + scales
     up: ExpertGemmPlan | None  # gather + w13 + activation epilogue -> [R, I] (FP8: e4m3 + scales)
     down: ExpertGemmPlan | None  # w2 -> [R, H], or [S, R, H] float32 split-C partials
@@ -224,7 +224,7 @@ class LayerPlan:
         layout = layout_like(config.layout, T, K, E, block_m)
         sorted_layout = config.layout is LayoutKind.SORTED
         expand = (plan_expand(T, K, E, block_m, hidden_states.device) if sorted_layout
-                  else PerPairPlan(E, block_m))
+                  else UnsortedPlan(config.layout, E, block_m))
         if config.decode is not None:
             decode = plan_decode_layer(hidden_states, weights, layout, topk_weights,
                                        config.decode, activation, out)

@@ -19,12 +19,24 @@ def test_split_c_must_be_positive():
         GemmConfig(16, 32, 32, split_c=0)
 
 
-def test_config_skips_the_sort_only_when_pairs_rarely_share_an_expert():
+def test_config_skips_the_sort_only_when_pairs_rarely_share_an_expert(monkeypatch):
+    monkeypatch.setattr(configs, "device_limits", lambda device: (132, 232448))
     cpu = torch.device("cpu")
     # one token: K distinct experts
     assert choose_config(1, 8, 128, 64, 64, cpu).layout is LayoutKind.PER_PAIR
     assert choose_config(2, 2, 16, 64, 64, cpu).layout is LayoutKind.PER_PAIR  # P^2 = 16 <= E
-    assert choose_config(8, 8, 128, 64, 64, cpu).layout is LayoutKind.SORTED
+    # more: each GEMM program finds its expert's pairs while they fit 16-row tiles' registers
+    assert choose_config(8, 8, 128, 64, 64, cpu).layout is LayoutKind.BY_EXPERT
+    assert choose_config(64, 8, 128, 64, 64, cpu).layout is LayoutKind.BY_EXPERT  # 512 pairs
+    assert choose_config(65, 8, 128, 64, 64, cpu).layout is LayoutKind.SORTED
+    gpu = torch.device("cuda")  # 64 rows an expert: 64-row tiles, whose match would not fit
+    assert choose_config(64, 8, 8, 64, 64, gpu).layout is LayoutKind.SORTED
+
+
+def test_the_decode_kernel_refuses_a_layout_it_cannot_walk():
+    tile = GemmConfig(16, 32, 32)
+    with pytest.raises(ValueError, match="the decode kernel walks a PER_PAIR or SORTED layout"):
+        MoEConfig(tile, tile, LayoutKind.BY_EXPERT, DecodeConfig(16, 16, 16, 16, 16))
 
 
 @pytest.mark.parametrize("splits", [None, 1, 3, 8], ids=str)

@@ -47,8 +47,10 @@ def config_for(layout: LayoutKind) -> MoEConfig:
 # PER_PAIR makes one tile per pair: the interpreter runs it at decode-like sizes only (T = 3: up
 # to 24 one-pair tiles, already past the P^2 <= E that choose_config sends there; 17 took a minute
 # a case on a busy 2-core machine).
+# BY_EXPERT at 64 tokens: up to 64 pairs an expert, in 16-row tiles (its loop over them)
 @pytest.mark.parametrize("T,layout", [(T, LayoutKind.SORTED) for T in (0, 1, 3, 17, 64)]
-                         + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3)], ids=str)
+                         + [(T, LayoutKind.PER_PAIR) for T in (0, 1, 3)]
+                         + [(T, LayoutKind.BY_EXPERT) for T in (1, 17, 64)], ids=str)
 # K = E (every expert for every token, the slowest cases under the interpreter) once a dtype: 4-4
 # in fp16 (pairs filtered), 8-8 in float32
 @pytest.mark.parametrize("E,K,dtype", [(E, K, dtype) for E, K in [(1, 1), (4, 1), (4, 2), (4, 4),
@@ -65,6 +67,17 @@ def test_fused_experts(T, E, K, dtype, layout, poisoned_empty):
     out = fused_experts(x, w13, w2, ids, weights, config=config_for(layout))
     assert out.shape == (T, 40) and out.dtype == dtype
     assert_close(out, fused_experts_torch(x, w13, w2, ids, weights), dtype, scale=2)
+
+
+def test_by_expert_layout_with_down_split_along_c(poisoned_empty):
+    """Each GEMM program finds its expert's pairs (40 of 80 here: three 16-row tiles), the down
+    GEMM's float32 partials summed by finalize, a fifth of the pairs filtered."""
+    x, w13, w2, ids, weights = make_layer(40, 2, 2, H=40, I=96, dtype=torch.float16, seed=3,
+                                          filtered=0.2)
+    config = MoEConfig(GemmConfig(16, 32, 32), GemmConfig(16, 32, 16, split_c=2),
+                       LayoutKind.BY_EXPERT)
+    assert_close(fused_experts(x, w13, w2, ids, weights, config=config),
+                 fused_experts_torch(x, w13, w2, ids, weights), torch.float16, scale=2)
 
 
 @pytest.mark.parametrize("T,E,K,H,I", [(17, 4, 2, 72, 961), (3, 8, 8, 100, 96)])
@@ -197,13 +210,13 @@ def test_plans_do_not_keep_weights_alive():
 
 @pytest.mark.parametrize("fmt", [None, WeightFormat.fp8_block(16, 16)],
                          ids=["bf16-like", "fp8-block"])
-@pytest.mark.parametrize("T", [1, 9], ids=["per-pair", "sorted"])
+@pytest.mark.parametrize("T", [1, 9, 300], ids=["per-pair", "by-expert", "sorted"])
 def test_the_plan_is_built_from_the_signature_before_anything_launches(T, fmt, no_launch):
     """plan_experts plans every stage itself, launching nothing: a frozen plan, one field per
     stage."""
     import dataclasses
 
-    from moe_triton.expand import ExpandPlan, PerPairPlan
+    from moe_triton.expand import ExpandPlan, UnsortedPlan
     from moe_triton.pipeline import plan_experts
 
     x, w13, w2, ids, weights = make_layer(T, 4, 2, 32, 16, torch.float16, seed=T)
@@ -213,7 +226,10 @@ def test_the_plan_is_built_from_the_signature_before_anything_launches(T, fmt, n
     assert [f.name for f in dataclasses.fields(plan)][-6:] == ["expand", "quantize", "up", "down",
                                                                "decode", "finalize"]
     assert plan.decode is None  # choose_config takes the decode kernel on GPUs only
-    assert isinstance(plan.expand, PerPairPlan if T == 1 else ExpandPlan)
+    # the layout by the pairs: one token's alone; up to 512 found by each GEMM program; sorted
+    kind = {1: LayoutKind.PER_PAIR, 9: LayoutKind.BY_EXPERT}.get(T)
+    assert (plan.expand.kind if isinstance(plan.expand, UnsortedPlan) else None) == kind
+    assert isinstance(plan.expand, ExpandPlan) == (kind is None)
     assert (plan.quantize is not None) == (fmt is not None)
     assert all(stage.launch is not None for stage in (plan.up, plan.down, plan.finalize))
     assert plan.up.out_dtype == (torch.float8_e4m3fn if fmt else torch.float16)
