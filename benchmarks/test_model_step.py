@@ -12,8 +12,8 @@ drawn on the GPU, ~61 GB), never written to a checkpoint.
   kernel time).
 - The decode attention taking the step's own token (one launch: norm, rotary, cache write,
   attention) against the two-launch form (rotate_into_cache, then the attention), captured in
-  turn over two rounds at batch 1 and 8, context 1k (issue 30); expand's kernels chained by PDL
-  against plain launches, at batch 8 and 64.
+  turn over two rounds at batch 1 and 8, context 1k (issue 30); the expert GEMMs finding their
+  pairs in the routing (BY_EXPERT) against expand's sorted layout, at batch 8, 32 and 64.
 
 Targets (issue 16): batch-1 step <= 1.5x its floor, batch 32 >= 0.80 of its floor, <= 12 kernels
 per layer per decode step.
@@ -34,11 +34,12 @@ from measure import (
     record_where_time_goes,
 )
 
-from moe_triton import expand, pipeline
+from moe_triton import config as configs
+from moe_triton import pipeline
+from moe_triton.config import BY_EXPERT_MATCH
 from moe_triton.launch import PlanCache
 from moe_triton.models import decode_attention as attention
 from moe_triton.models import default_dtype
-from moe_triton.platform import dependent_launch
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (1024, 8192)
@@ -149,23 +150,23 @@ def test_decode_step_with_the_token_in_the_attention_or_not(benchmark, model, re
 
 
 @pytest.mark.gpu
-def test_decode_step_with_expand_chained_or_not(benchmark, model, record, monkeypatch):
-    """Expand's kernels (the sorted layout, batch 8 and up) launched by PDL behind the routing
-    and each other, or plainly: the layer plans built anew for each arm (they fix the launch
-    kind), captured in turn over two rounds."""
-    for batch in (8, 64):
-        times = {"chained": [], "plain": []}
+def test_decode_step_by_expert_or_sorted(benchmark, model, record, monkeypatch):
+    """The expert GEMMs finding their pairs in the routing (BY_EXPERT: no expand kernels), or
+    expand's sorted layout (its kernels chained by PDL): the layer plans built anew for each arm,
+    captured in turn over two rounds."""
+    for batch in (8, 32, 64):
+        times = {"by_expert": [], "sorted": []}
         for _ in range(2):
             for form in times:
-                monkeypatch.setattr(expand, "dependent_launch",
-                                    dependent_launch if form == "chained" else lambda device: False)
+                monkeypatch.setattr(configs, "BY_EXPERT_MATCH",
+                                    BY_EXPERT_MATCH if form == "by_expert" else 0)
                 monkeypatch.setattr(pipeline, "_PLANS", PlanCache())
                 inputs = decode_setup(model, batch, 1024)
                 times[form].append(event_median_seconds(lambda: model.graphs.run(inputs)))
-        chained, plain = (statistics.median(times[form]) for form in times)
-        record("Qwen3-30B-A3B-shaped decode step (bf16, graphs, context 1k): expand's kernels "
-               "chained by PDL or launched plainly", dict(
-                   batch=batch, chained_us=f"{chained * 1e6:.0f}", plain_us=f"{plain * 1e6:.0f}",
-                   ratio=f"{chained / plain:.3f}"))
+        by_expert, sorted_ = (statistics.median(times[form]) for form in times)
+        record("Qwen3-30B-A3B-shaped decode step (bf16, graphs, context 1k): the expert GEMMs "
+               "finding their pairs (by_expert) or expand's sorted layout", dict(
+                   batch=batch, by_expert_us=f"{by_expert * 1e6:.0f}",
+                   sorted_us=f"{sorted_ * 1e6:.0f}", ratio=f"{by_expert / sorted_:.3f}"))
     free(model)
     benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
