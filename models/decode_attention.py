@@ -11,7 +11,7 @@ import torch
 import triton
 
 from moe_triton.invariance import batch_invariant_enabled
-from moe_triton.launch import BoundLaunch, PlanCache, register_op
+from moe_triton.launch import BoundLaunch, PlanCache, arrival_counters, register_op
 from moe_triton.platform import dependent_launch, device_limits, triton_computes_exactly
 from moe_triton.weights import tensor_signature
 
@@ -168,7 +168,7 @@ def _plan(q, keys, scale: float, window: int, has_sinks: bool, new: NewToken | N
     BLOCK_N = 64 if q.is_cuda else 16
     splits = num_splits(B, Hkv, S, BLOCK_N, q.device)
     group = Hq // Hkv
-    counters = (torch.zeros(B, Hkv, dtype=torch.int32, device=q.device) if splits > 1 else None)
+    counters = arrival_counters(B * Hkv, q.device).view(B, Hkv) if splits > 1 else None
     launch = BoundLaunch(_decode_attention_kernel, (B, Hkv, splits), dict(
         stride_q_b=q.stride(0), stride_q_h=q.stride(1), stride_c_slot=keys.stride(0),
         stride_c_h=keys.stride(1), stride_c_s=keys.stride(2), NUM_SLOTS=keys.shape[0], S=S,

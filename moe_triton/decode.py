@@ -38,7 +38,7 @@ from .activation import Activation, _apply_activation, activation_torch
 from .config import DecodeConfig, decode_token_columns
 from .expand import ExpertLayout, LayoutKind
 from .expert_gemm import takes_descriptor, weight_descriptor
-from .launch import BoundLaunch, interpreter_serialized
+from .launch import BoundLaunch, arrival_counters, interpreter_serialized
 from .platform import interpreter_enabled
 from .weights import ExpertWeights, WeightFormat
 
@@ -351,8 +351,7 @@ def plan_decode_layer(x: torch.Tensor, weights: ExpertWeights, layout: ExpertLay
     per_pair = layout.kind is LayoutKind.PER_PAIR
     max_blocks = P if per_pair else layout.max_rows // layout.block_m
     out_counts = T * triton.cdiv(H, config.block_h)
-    counters = torch.zeros(4 + out_counts, dtype=torch.int32,
-                           device=device)  # the arrivals 16 bytes in: an aligned pointer
+    counters = arrival_counters(4 + out_counts, device)  # arrivals 16 bytes in: aligned
     rows = max_blocks * layout.block_m  # up's outputs by block row
     h = torch.empty(rows, I, dtype=x.dtype if fp8 else w13.dtype, device=device)
     # x's rows 16-byte multiples (its start is checked at each call, h's is a fresh tensor's)

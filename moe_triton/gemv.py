@@ -29,7 +29,7 @@ import triton.language as tl
 from . import checks
 from ._expert_gemm_kernels import _dot
 from .expert_gemm import ScaleAlongC
-from .launch import BoundLaunch, PlanCache, interpreter_serialized
+from .launch import BoundLaunch, PlanCache, arrival_counters, interpreter_serialized
 from .platform import dependent_launch, device_limits, prefetch_to_l2, wait_then_release
 from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, tensor_signature
 
@@ -286,7 +286,7 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
     partials = counters = None
     if config.slices > 1:
         partials = torch.empty(config.slices, T, N, dtype=torch.float32, device=x.device)
-        counters = torch.zeros(column_blocks, dtype=torch.int32, device=x.device)
+        counters = arrival_counters(column_blocks, x.device)
     chained = prefetch_weight and dependent_launch(x.device)
     dot = T > 1 or config.tensor_cores
     fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0),

@@ -189,6 +189,38 @@ class PlanCache:
         return plan
 
 
+# Counters handed out at most this many a chunk (4 MiB of int32): a model's plans take a few
+# thousand, so a capture never needs a new chunk
+COUNTER_CHUNK = 1 << 20
+_COUNTER_CHUNKS: dict[torch.device, list] = {}  # device -> [chunk, next free counter]
+
+
+def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
+    """`count` int32 counters for a plan to keep, zero now and between its calls (its kernels'
+    last arrivals reset them), never handed to another plan. Cut from a chunk allocated outside
+    any CUDA graph capture: memory allocated while capturing belongs to the graph's pool, where
+    a graph sharing the pool writes its temporaries over a counter between replays (seen on the
+    H200: a split GEMV planned in one capture never finished its sums in the next runner's)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    entry = _COUNTER_CHUNKS.get(device)
+    free = 0 if entry is None else entry[0].numel() - entry[1]
+    if free < count or (not capturing and free < max(count, COUNTER_CHUNK // 4)):
+        if capturing:
+            raise RuntimeError(
+                f"moe-triton plans its arrival counters outside CUDA graph capture, and {count} "
+                "more were asked for inside one: run the step once eagerly before capturing it "
+                "(the warm-up torch.cuda.graph asks for)")
+        chunk = torch.zeros(max(COUNTER_CHUNK, count), dtype=torch.int32, device=device)
+        if device.type == "cuda":  # zero before a kernel on another stream counts on it
+            torch.cuda.current_stream(device).synchronize()
+        entry = _COUNTER_CHUNKS[device] = [chunk, 0]
+    start = entry[1]
+    entry[1] += -(-count // 4) * 4  # the next starts 16 bytes aligned
+    return entry[0][start:start + count]
+
+
 def register_op(name: str, fake: Callable, *, mutates_args: tuple[str, ...] = (),
                 backward: Callable | None = None, setup_context: Callable | None = None):
     """`torch.ops.moe_triton.<name>`: a custom op, not a triton_op (inductor can't trace plans)."""

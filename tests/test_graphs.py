@@ -190,6 +190,37 @@ def test_replay_equals_eager_for_every_bucket_and_padded_batch():
 
 
 @pytest.mark.gpu
+def test_plans_made_while_capturing_one_runner_replay_right_in_the_next(monkeypatch):
+    """Counters a plan keeps must not live in a capture's pool: the graphs sharing it write their
+    temporaries there. With 64 x 64 tiles the router (16 x 256) splits in two, summed by the last
+    program to arrive; the plans made while capturing the first runner's buckets (largest first)
+    serve the second runner's capture, whose sums must still finish. On the H200 this sequence
+    failed every time with the counters allocated in the plan (max error 0.45 at max 3.3)."""
+    import moe_triton.gemv as gemv_module
+    from moe_triton.launch import PlanCache
+
+    monkeypatch.setattr(gemv_module, "_PLANS", PlanCache())  # plans made here, not reused
+    monkeypatch.setattr(gemv_module, "TENSOR_CORE_TILE", gemv_module.GemvConfig(
+        block_n=64, block_c=64, num_warps=4, num_stages=4, tensor_cores=True))
+    assert gemv_module.choose_gemv_config(8, 16, 256, 132).slices == 2
+    step = moe_stack_step()
+    first = DecodeGraphRunner(step, {"token_ids": StaticInput()},
+                              GraphConfig(batch_sizes=(1, 2, 4, 8, 16, 24), show_progress=False))
+    first.capture()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for batch in (1, 2, 3, 4, 5, 8, 13, 16, 24):  # every graph replays its temporaries
+        ids = torch.randint(0, 512, (batch,), device="cuda", generator=g)
+        assert_close(first({"token_ids": ids}), step({"token_ids": ids}), torch.bfloat16)
+    del first
+    second = DecodeGraphRunner(step, {"token_ids": StaticInput()},
+                               GraphConfig(batch_sizes=(8,), show_progress=False))
+    second.capture()
+    for batch in (8, 5, 8):
+        ids = torch.randint(0, 512, (batch,), device="cuda", generator=g)
+        assert_close(second({"token_ids": ids}), step({"token_ids": ids}), torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_a_lockstep_runner_replays_its_one_bucket_for_every_batch_and_refuses_a_larger_one():
     """Expert-parallel ranks replay the same graph at every step, also with no rows of their own."""
     calls = []

@@ -1,5 +1,6 @@
 """BoundLaunch: fixed arguments plus each call's tensors give what `kernel[grid](...)` gives; on the
 GPU the direct launch is taken, and calls the compiled kernel does not fit go through the JIT."""
+import itertools
 import threading
 
 import pytest
@@ -8,7 +9,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from moe_triton.launch import BoundLaunch, DirectLaunch, register_op
+from moe_triton import launch as launch_module
+from moe_triton.launch import BoundLaunch, DirectLaunch, arrival_counters, register_op
 
 
 @triton.jit
@@ -101,6 +103,42 @@ def jit_calls(monkeypatch):
 
     monkeypatch.setattr(_scale_kernel, "run", counted)
     return calls
+
+
+def test_arrival_counters_are_zero_aligned_and_never_shared(monkeypatch):
+    monkeypatch.setattr(launch_module, "_COUNTER_CHUNKS", {})
+    monkeypatch.setattr(launch_module, "COUNTER_CHUNK", 64)
+    cpu = torch.device("cpu")
+    taken = [arrival_counters(n, cpu) for n in (3, 16, 1, 5)]
+    starts = [t.data_ptr() for t in taken]
+    assert all(t.dtype == torch.int32 and not t.any() for t in taken)
+    assert all(start % 16 == 0 for start in starts)
+    for t in taken:
+        t.fill_(7)  # a plan's own: writing one touches no other
+    assert [t.tolist() for t in taken] == [[7] * t.numel() for t in taken]
+    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * t.numel()) for t in taken)
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
+    # the chunk ran low (under a quarter left): a fresh one, zeroed, the old counters kept
+    more = arrival_counters(40, cpu)
+    assert not more.any() and more.untyped_storage().data_ptr() != \
+        taken[0].untyped_storage().data_ptr()
+    assert taken[0].tolist() == [7, 7, 7]
+
+
+@pytest.mark.gpu
+def test_arrival_counters_asked_for_inside_a_capture_come_from_outside_it(monkeypatch):
+    monkeypatch.setattr(launch_module, "_COUNTER_CHUNKS", {})
+    device = torch.device("cuda", torch.cuda.current_device())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # no chunk yet: refused, not planted in the graph's pool
+        with pytest.raises(RuntimeError, match="run the step once eagerly before capturing"):
+            arrival_counters(8, device)
+    first = arrival_counters(8, device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        inside = arrival_counters(8, device)
+    assert inside.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert not inside.any()
 
 
 @pytest.mark.gpu
