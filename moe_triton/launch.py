@@ -193,6 +193,7 @@ class PlanCache:
 # thousand, so a capture never needs a new chunk
 COUNTER_CHUNK = 1 << 20
 _COUNTER_CHUNKS: dict[torch.device, list] = {}  # device -> [chunk, next free counter]
+_COUNTER_LOCK = threading.Lock()  # threads planning at once never get the same counters
 
 
 def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
@@ -204,6 +205,11 @@ def arrival_counters(count: int, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    with _COUNTER_LOCK:
+        return _cut_counters(count, device, capturing)
+
+
+def _cut_counters(count: int, device: torch.device, capturing: bool) -> torch.Tensor:
     entry = _COUNTER_CHUNKS.get(device)
     free = 0 if entry is None else entry[0].numel() - entry[1]
     if free < count or (not capturing and free < max(count, COUNTER_CHUNK // 4)):
