@@ -1,6 +1,8 @@
 """Bound launches: arguments fixed once; a call's tensors go straight to the compiled kernel while
 they fit the first call's specialization (device, dtypes, 16-byte alignment, no launch hooks), else
-via the JIT (its cost: see docs/PERFORMANCE.md, "Provenance moved out of the code (issue 26)")."""
+via the JIT (its cost: see docs/PERFORMANCE.md, "Provenance moved out of the code (issue 26)").
+Plans (PlanCache) keep what outlives a call: bound launches, scratch, and arrival counters, which
+come from `arrival_counters` so that none lives in a CUDA graph's pool."""
 from __future__ import annotations
 
 import functools
