@@ -21,6 +21,7 @@ from .layers import (
     DecoderLayer,
     DecoderModel,
     Linear,
+    ProjectedAttention,
     QKVProjection,
     StaticKVCache,
     attention,
@@ -31,7 +32,7 @@ from .registry import register_block, register_model
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-class GptOssAttention(nn.Module):
+class GptOssAttention(ProjectedAttention):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
@@ -43,11 +44,11 @@ class GptOssAttention(nn.Module):
         sliding = config.layer_types[layer] == "sliding_attention"
         self.sliding_window = config.sliding_window if sliding else None
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
-                cache: StaticKVCache) -> torch.Tensor:
-        B, L, _ = x.shape
-        # [B, H*, L, D]
-        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
+    def attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+               rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
+               cache: StaticKVCache) -> torch.Tensor:
+        B, L, _ = qkv[0].shape
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in qkv)  # [B, H*, L, D]
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5,
                         self.sliding_window, rotary, sinks=self.sinks)  # [B, L, Hq * D]
         return self.o_proj(out)
