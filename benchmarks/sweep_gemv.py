@@ -3,20 +3,19 @@
 Not a test: a script for the GPU machine that informs `moe_triton.gemv.choose_gemv_config`.
     python benchmarks/sweep_gemv.py > sweep-gemv.txt           # bf16, one row and 8
     python benchmarks/sweep_gemv.py --fp8 > sweep-gemv-fp8.txt  # FP8 weights, one row
-    python benchmarks/sweep_gemv.py --norm --rows 1           # the norm inside (add_norm_gemv)
 Each (shape, rows, config) is a captured chain of 48 [add_rms_norm -> projection] links, each
 link its own weight (HBM-resident, as a step's layers), weights prefetched under the norm (PDL);
-µs a link, beside F.linear's link and the norm-only link, and the weight's floor at B. With
---norm each link is one add_norm_gemv: the add and the norm in the projection's kernel.
+µs a link, beside F.linear's link and the norm-only link, and the weight's floor at B.
 """
 import argparse
 import itertools
 
 import torch
+import torch.nn.functional as F
 import triton
-from test_gemv import PROJECTIONS, behind_the_norm, chain_inputs, link_seconds
+from test_gemv import chain_inputs, link_seconds
 
-from moe_triton.gemv import GemvConfig, add_norm_gemv, choose_gemv_config, gemv
+from moe_triton.gemv import GemvConfig, choose_gemv_config, gemv
 from moe_triton.weights import WeightFormat, quantize_weight
 
 SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048),
@@ -50,8 +49,6 @@ def main():
     parser.add_argument("--fp8", action="store_true", help="FP8 weights (block and channel)")
     parser.add_argument("--rows", default="1,8", help="rows (T) to sweep, comma-separated")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="projections, comma-separated")
-    parser.add_argument("--norm", action="store_true",
-                        help="the add and norm inside the projection (one row, bf16)")
     args = parser.parse_args()
     fp8, rows = args.fp8, [int(r) for r in args.rows.split(",")]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -60,8 +57,8 @@ def main():
     for (name, (N, C)), T in itertools.product(shapes.items(), rows):
         weights, x, residual, norm_weight = chain_inputs(T, N, C)
         chain = (x, residual, norm_weight, weights)
-        norm = link_seconds(PROJECTIONS["norm only"], *chain)
-        cublas = link_seconds(PROJECTIONS["F.linear"], *chain)
+        norm = link_seconds(None, *chain)
+        cublas = link_seconds(lambda h, w: F.linear(h, w), *chain)
         for kind, fmt in formats.items():
             stored = [quantize_weight(w, fmt) for w in weights] if fmt else [(w, None)
                                                                           for w in weights]
@@ -75,22 +72,16 @@ def main():
                 def project(h, w, c=config, fmt=fmt):
                     return gemv(h, w[0], config=c, weight_scale=w[1], weight_format=fmt,
                                 prefetch_weight=True)
-
-                def normed(x, residual, norm_weight, w, c=config):
-                    return add_norm_gemv(x, residual, norm_weight, 1e-6, w[0], config=c,
-                                         prefetch_weight=True)[0]
                 try:
-                    t = link_seconds(normed if args.norm else behind_the_norm(project), x,
-                                     residual, norm_weight, stored)
+                    t = link_seconds(project, x, residual, norm_weight, stored)
                 except Exception as error:  # a config that does not compile: say so, go on
                     print(f"  {config}: {type(error).__name__}", flush=True)
                     continue
                 results.append((t, config))
             if T > 1:  # the chosen tile launched plainly: what the prefetch under the norm buys
                 chosen = choose_gemv_config(T, N, C, num_sms, scale_c)
-                plain = link_seconds(behind_the_norm(
-                    lambda h, w: gemv(h, w[0], config=chosen, weight_scale=w[1],
-                                      weight_format=fmt)), *chain[:3], stored)
+                plain = link_seconds(lambda h, w: gemv(h, w[0], config=chosen, weight_scale=w[1],
+                                                       weight_format=fmt), *chain[:3], stored)
                 print(f"  chosen, launched plainly: {plain * 1e6:6.1f} us", flush=True)
             for t, config in sorted(results, key=lambda r: r[0])[:8]:
                 print(f"  {t * 1e6:6.1f} us ({t / cublas:.3f} of F.linear)  {config}", flush=True)

@@ -1,15 +1,14 @@
 """Decode projections (issue 30): moe_triton.gemv, its weights streamed behind the kernel in front
 (PDL), against torch's F.linear (cuBLAS), bf16, where a decode step runs them: behind a norm.
 
-First each Qwen3-30B-A3B projection as a chain of 48 [add_rms_norm -> projection] links (at one
-row also the add and norm inside the projection's kernel, add_norm_gemv), each link its own
-weight (so the weights stream from HBM, as a step's 48 layers do), captured in one CUDA graph and
-replayed; per link, against the norm-only chain's link and the weight's byte floor (N x C x 2
-bytes over the copy bandwidth B measured in the same run). The variants in turn, three rounds,
-medians. The same at one row with the weights in FP8 (block and channel scales, as checkpoints
-store them) against F.linear over the dequantized bf16 weights. Then the full-size model's decode
-step (48 layers, random bf16 weights, context 1k, through graphs) with the projections on gemv
-and on F.linear, in turn, and at batch 1 with the input norm inside qkv's kernel and apart.
+First each Qwen3-30B-A3B projection as a chain of 48 [add_rms_norm -> projection] links, each
+link its own weight (so the weights stream from HBM, as a step's 48 layers do), captured in one
+CUDA graph and replayed; per link, against the norm-only chain's link and the weight's byte floor
+(N x C x 2 bytes over the copy bandwidth B measured in the same run). The three projection kinds
+in turn, three rounds, medians. The same at one row with the weights in FP8 (block and channel
+scales, as checkpoints store them) against F.linear over the dequantized bf16 weights. Then the
+full-size model's decode step (48 layers, random bf16 weights, context 1k, through graphs) with
+the projections on gemv and on F.linear, in turn.
 
     python -m pytest benchmarks/test_gemv.py -m gpu --benchmark-only --bench-table gemv.md
 """
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from measure import commit, event_median_seconds, qwen3_30b_a3b_config, random_weights_
 
 from moe_triton import linear
-from moe_triton.gemv import add_norm_gemv, gemv
+from moe_triton.gemv import gemv
 from moe_triton.graphs import capture_graph
 from moe_triton.models import default_dtype
 from moe_triton.models.rms_norm import add_rms_norm
@@ -30,30 +29,21 @@ from moe_triton.weights import WeightFormat, quantize_weight
 SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048),
           "shared up": (1536, 2048)}
 LINKS = 48
-
-
-def behind_the_norm(project):
-    """A link's projection behind the layer's add_rms_norm kernel."""
-    return lambda x, residual, norm_weight, w: project(
-        add_rms_norm(x, residual, norm_weight, 1e-6)[0], w)
-
-
 PROJECTIONS = {
-    "norm only": lambda x, residual, norm_weight, w: add_rms_norm(x, residual, norm_weight,
-                                                                 1e-6)[0],
-    "F.linear": behind_the_norm(lambda x, w: F.linear(x, w)),
-    "gemv": behind_the_norm(lambda x, w: gemv(x, w)),
-    "gemv, prefetched": behind_the_norm(lambda x, w: gemv(x, w, prefetch_weight=True)),
+    "norm only": None,
+    "F.linear": lambda x, w: F.linear(x, w),
+    "gemv": lambda x, w: gemv(x, w),
+    "gemv, prefetched": lambda x, w: gemv(x, w, prefetch_weight=True),
 }
-# one row: the add and the norm in the projection's own kernel (one launch a link)
-NORM_IN_GEMV = {"gemv, norm inside": lambda x, residual, norm_weight, w: add_norm_gemv(
-    x, residual, norm_weight, 1e-6, w, prefetch_weight=True)[0]}
 
 
-def link_seconds(link_of, x, residual, norm_weight, weights) -> float:
-    """Seconds a link of one captured chain of link_of(x, residual, norm_weight, weight) links,
-    each its own weight."""
-    graph = capture_graph(lambda i: link_of(x, residual, norm_weight, weights[i]), len(weights))
+def link_seconds(project, x, residual, norm_weight, weights) -> float:
+    """Seconds a link of one captured chain of [add_rms_norm -> project(h, weight)] links."""
+    def link(i):
+        h, _ = add_rms_norm(x, residual, norm_weight, 1e-6)
+        return h if project is None else project(h, weights[i])
+
+    graph = capture_graph(link, len(weights))
     return event_median_seconds(graph.replay) / len(weights)
 
 
@@ -66,27 +56,26 @@ def chain_inputs(T: int, N: int, C: int):
 
 
 def link_medians(variants: dict, x, residual, norm_weight, rounds: int = 3) -> dict[str, float]:
-    """Median seconds a link of each variant (name -> (link_of, the links' weights)), the
+    """Median seconds a link of each variant (name -> (project, the links' weights)), the
     variants timed in turn, `rounds` times."""
     times = {kind: [] for kind in variants}
     for _ in range(rounds):
-        for kind, (link_of, weights) in variants.items():
-            times[kind].append(link_seconds(link_of, x, residual, norm_weight, weights))
+        for kind, (project, weights) in variants.items():
+            times[kind].append(link_seconds(project, x, residual, norm_weight, weights))
     return {kind: statistics.median(t) for kind, t in times.items()}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_gemv_behind_a_norm_in_graphs(benchmark, T, ceilings, record):
-    links = PROJECTIONS | (NORM_IN_GEMV if T == 1 else {})
     for name, (N, C) in SHAPES.items():
         weights, *link_inputs = chain_inputs(T, N, C)
-        link = link_medians({kind: (link_of, weights) for kind, link_of in links.items()},
+        link = link_medians({kind: (project, weights) for kind, project in PROJECTIONS.items()},
                             *link_inputs)
         floor = N * C * 2 / ceilings.bandwidth
         row = dict(commit=commit(), shape=f"{name} {N}x{C}", T=T, floor_us=f"{floor * 1e6:.1f}",
                    norm_us=f"{link['norm only'] * 1e6:.1f}")
-        for kind in list(links)[1:]:
+        for kind in list(PROJECTIONS)[1:]:
             projection = link[kind] - link["norm only"]
             row[f"{kind} link_us"] = f"{link[kind] * 1e6:.1f}"
             row[f"{kind} of floor"] = f"{floor / projection:.2f}" if projection > 0 else "-"
@@ -105,13 +94,12 @@ def test_fp8_gemv_behind_a_norm_in_graphs(benchmark, ceilings, record):
     stored bytes (1 a weight, the scales aside)."""
     for name, (N, C) in SHAPES.items():
         weights, *link_inputs = chain_inputs(1, N, C)
-        variants = {"norm only": (PROJECTIONS["norm only"], weights),
-                    "F.linear bf16": (PROJECTIONS["F.linear"], weights)}
+        variants = {"norm only": (None, weights), "F.linear bf16": (F.linear, weights)}
         for kind, fmt in FP8_FORMATS.items():
             stored = [quantize_weight(w, fmt) for w in weights]
-            variants[f"gemv fp8 {kind}"] = (behind_the_norm(
+            variants[f"gemv fp8 {kind}"] = (
                 lambda h, w, fmt=fmt: gemv(h, w[0], weight_scale=w[1], weight_format=fmt,
-                                           prefetch_weight=True)), stored)
+                                           prefetch_weight=True), stored)
         link = link_medians(variants, *link_inputs)
         floor = N * C / ceilings.bandwidth
         row = dict(commit=commit(), shape=f"{name} {N}x{C}", fp8_floor_us=f"{floor * 1e6:.1f}",
@@ -147,33 +135,4 @@ def test_the_model_step_with_and_without_gemv(benchmark, record, monkeypatch):
                "projections on gemv vs F.linear", dict(
                    commit=commit(), batch=batch, f_linear_us=f"{cublas * 1e6:.0f}",
                    gemv_us=f"{ours * 1e6:.0f}", ratio=f"{ours / cublas:.3f}"))
-    benchmark.pedantic(lambda: None, rounds=1)  # the table is the result
-
-
-@pytest.mark.gpu
-def test_the_model_step_with_and_without_the_norm_in_qkv(benchmark, record, monkeypatch):
-    """Batch 1: each layer's input norm inside its qkv projection (add_norm_gemv) against the norm
-    kernel then the projection, in turn, two rounds."""
-    from moe_triton.models import layers
-    from moe_triton.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    with torch.device("cuda"), default_dtype(torch.bfloat16):
-        model = random_weights_(Qwen3MoeForCausalLM(qwen3_30b_a3b_config()))
-    applies = layers.add_norm_gemv_applies
-    inputs = {"token_ids": torch.randint(0, model.config.vocab_size, (1,), device="cuda"),
-              "positions": torch.full((1,), 1023, device="cuda"),
-              "slots": torch.arange(1, device="cuda")}
-    times = {"norm inside": [], "norm kernel": []}
-    for _ in range(2):
-        for name in times:
-            monkeypatch.setattr(layers, "add_norm_gemv_applies",
-                                applies if name == "norm inside" else lambda *args: False)
-            model.cache = model.graphs = None
-            model.setup(max_batch=1, max_seq=1032, batch_sizes=(1,))
-            times[name].append(event_median_seconds(lambda: model.graphs.run(inputs)))
-    inside, apart = (statistics.median(times[k]) for k in times)
-    record("Qwen3-30B-A3B-shaped decode step (48 layers, bf16, graphs, context 1k, batch 1): "
-           "the input norm inside qkv's gemv vs its own kernel", dict(
-               commit=commit(), norm_kernel_us=f"{apart * 1e6:.0f}",
-               norm_inside_us=f"{inside * 1e6:.0f}", ratio=f"{inside / apart:.3f}"))
     benchmark.pedantic(lambda: None, rounds=1)  # the table is the result

@@ -17,7 +17,6 @@ from .causal_lm import CausalLM
 from .layers import (
     Batch,
     Linear,
-    ProjectedAttention,
     QKVProjection,
     RMSNorm,
     RotaryEmbedding,
@@ -50,7 +49,7 @@ def norm(config) -> nn.Module:
     return Cohere2MoeLayerNorm(config.hidden_size, config.layer_norm_eps)
 
 
-class Cohere2MoeAttention(ProjectedAttention):
+class Cohere2MoeAttention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
@@ -66,9 +65,10 @@ class Cohere2MoeAttention(ProjectedAttention):
         self.o_proj = Linear(config.num_attention_heads * self.head_dim, config.hidden_size,
                              bias=bias)
 
-    def attend(self, qkv, rotary, batch: Batch, cache: StaticKVCache):
-        B, L, _ = qkv[0].shape
-        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in qkv)  # [B, H*, L, D]
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        B, L, _ = x.shape
+        # [B, H*, L, D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
         # Cohere rotates interleaved pairs in float32 and rounds once, as the kernels do
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window,
                         rotary if self.use_rope else None, interleaved=True)

@@ -21,7 +21,6 @@ from .layers import (
     DecoderLayer,
     DecoderModel,
     Linear,
-    ProjectedAttention,
     QKVProjection,
     StaticKVCache,
     attention,
@@ -32,7 +31,7 @@ from .registry import register_block, register_model
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-class GptOssAttention(ProjectedAttention):
+class GptOssAttention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
@@ -44,11 +43,11 @@ class GptOssAttention(ProjectedAttention):
         sliding = config.layer_types[layer] == "sliding_attention"
         self.sliding_window = config.sliding_window if sliding else None
 
-    def attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-               rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
-               cache: StaticKVCache) -> torch.Tensor:
-        B, L, _ = qkv[0].shape
-        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in qkv)  # [B, H*, L, D]
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
+                cache: StaticKVCache) -> torch.Tensor:
+        B, L, _ = x.shape
+        # [B, H*, L, D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5,
                         self.sliding_window, rotary, sinks=self.sinks)  # [B, L, Hq * D]
         return self.o_proj(out)

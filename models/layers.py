@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_triton.activation import SILU_AND_MUL, Activation, activate, activation_torch
-from moe_triton.gemv import add_norm_gemv, add_norm_gemv_applies
 from moe_triton.graphs import ForwardMode
 from moe_triton.invariance import batch_invariant_enabled
 from moe_triton.linear import dense
@@ -79,18 +78,6 @@ class QKVProjection(Linear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return super().forward(x).split(self.sizes, dim=-1)
-
-    def after_add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
-        """(self(norm(x + residual)), x + residual), as norm.add_and_norm then self. At one
-        decode row on the GPU the add and the norm ride in the projection's kernel (each program
-        norms the row itself: moe_triton.gemv.add_norm_gemv), one launch instead of two."""
-        if (residual is not None and not batch_invariant_enabled()
-                and add_norm_gemv_applies(x, residual, norm.weight, self.weight, self.bias)):
-            out, summed = add_norm_gemv(x.view(1, -1), residual.view(1, -1), norm.weight,
-                                        norm.eps, self.weight, self.bias, prefetch_weight=True)
-            return out.view(*x.shape[:-1], -1).split(self.sizes, dim=-1), summed.view(x.shape)
-        h, summed = norm.add_and_norm(x, residual)
-        return self(h), summed
 
 
 class RotaryEmbedding(nn.Module):
@@ -306,25 +293,10 @@ def _causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
     return allowed
 
 
-class ProjectedAttention(nn.Module):
-    """An attention block whose first step is its `qkv_proj` (a QKVProjection): `attend` takes
-    the projections, so DecoderLayer can fold its input norm into that projection's kernel."""
-
-    qkv_proj: QKVProjection
-
-    def forward(self, x: torch.Tensor, rotary, batch: Batch, cache: StaticKVCache) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), rotary, batch, cache)
-
-    def attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rotary, batch: Batch,
-               cache: StaticKVCache) -> torch.Tensor:
-        """q, k, v (B, L, heads x D each) -> the block's output (B, L, H)."""
-        raise NotImplementedError
-
-
 class DecoderLayer(nn.Module):
     """Attention then the MLP, each added to the residual stream in the norm after it."""
 
-    def __init__(self, config, self_attn: ProjectedAttention, mlp: nn.Module):
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -332,9 +304,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, rotary, batch: Batch, cache: StaticKVCache):
         """x: the previous MLP output, not yet in `residual` (the first layer: embeddings, None)."""
-        qkv, residual = self.self_attn.qkv_proj.after_add_and_norm(x, residual,
-                                                                   self.input_layernorm)
-        attn = self.self_attn.attend(qkv, rotary, batch, cache)
+        h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(h, rotary, batch, cache)
         h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 

@@ -3,6 +3,8 @@ Unlike Qwen3-MoE: q/k RMSNorm over all heads at once, partial rotary, and sigmoi
 `e_score_correction_bias` steers selection only (weights: the unbiased scores, renormalised)."""
 from __future__ import annotations
 
+from torch import nn
+
 from moe_triton.activation import Activation
 from moe_triton.layer import FusedMoE, MoESpec
 from moe_triton.placement import Placement
@@ -14,7 +16,6 @@ from .layers import (
     DecoderLayer,
     DecoderModel,
     Linear,
-    ProjectedAttention,
     QKVProjection,
     RMSNorm,
     StaticKVCache,
@@ -24,7 +25,7 @@ from .layers import (
 from .registry import register_block, register_model
 
 
-class MiniMaxM2Attention(ProjectedAttention):
+class MiniMaxM2Attention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
@@ -35,9 +36,9 @@ class MiniMaxM2Attention(ProjectedAttention):
         self.q_norm = RMSNorm(q_size, config.rms_norm_eps)  # over all heads, before the head split
         self.k_norm = RMSNorm(kv_size, config.rms_norm_eps)
 
-    def attend(self, qkv, rotary, batch: Batch, cache: StaticKVCache):
-        q, k, v = qkv
-        B, L, _ = q.shape
+    def forward(self, x, rotary, batch: Batch, cache: StaticKVCache):
+        B, L, _ = x.shape
+        q, k, v = self.qkv_proj(x)
         q = self.q_norm(q).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hq, L, D]
         k = self.k_norm(k).view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]
         v = v.view(B, L, -1, self.head_dim).transpose(1, 2)  # [B, Hkv, L, D]

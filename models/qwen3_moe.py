@@ -16,7 +16,6 @@ from .layers import (
     DecoderLayer,
     DecoderModel,
     Linear,
-    ProjectedAttention,
     QKVProjection,
     RMSNorm,
     StaticKVCache,
@@ -27,7 +26,7 @@ from .layers import (
 from .registry import register_block, register_model
 
 
-class Qwen3MoeAttention(ProjectedAttention):
+class Qwen3MoeAttention(nn.Module):
     def __init__(self, config, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, head_dim_of(config)
@@ -42,11 +41,11 @@ class Qwen3MoeAttention(ProjectedAttention):
         self.sliding_window = (config.sliding_window
                                if getattr(config, "use_sliding_window", False) else None)
 
-    def attend(self, qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-               rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
-               cache: StaticKVCache) -> torch.Tensor:
-        B, L, _ = qkv[0].shape
-        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in qkv)  # [B, H*, L, D]
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch,
+                cache: StaticKVCache) -> torch.Tensor:
+        B, L, _ = x.shape
+        # [B, H*, L, D]
+        q, k, v = (t.view(B, L, -1, self.head_dim).transpose(1, 2) for t in self.qkv_proj(x))
         out = attention(q, k, v, cache, self.layer, batch, self.head_dim**-0.5, self.sliding_window,
                         rotary, qk_norm=(self.q_norm, self.k_norm))  # [B, L, Hq * D]
         return self.o_proj(out)

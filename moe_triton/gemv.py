@@ -15,9 +15,7 @@ partial sums, and the last program of a column block to finish (a counter it bum
 acquire-release ordering) adds the slices in slice order and writes the output: no second
 launch, and the bits do not depend on which program finished last. The counters return to zero
 after each call, so a plan can be replayed in a CUDA graph; a plan's calls must not overlap in
-time (one stream). `add_norm_gemv`: one row's residual add and RMSNorm in the projection's
-prologue, each program norming the row itself (the layer's norm kernel gone). `gemv_torch`: the
-reference.
+time (one stream). `gemv_torch`: the reference.
 """
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ from .weights import FP8_DTYPE, Fp8Scaling, WeightFormat, dequantize_weight, ten
 
 MAX_ROWS = 64  # decode batches up to it: one tensor-core row tile (wgmma's M)
 L2_LINE_BYTES = 128
-NORM_BLOCK = 2048  # add_norm_gemv: columns a load of the row's statistics (8 a thread at 8 warps)
 
 
 @dataclass(frozen=True)
@@ -57,35 +54,26 @@ ROWS_WEIGHT_BYTES = 2 << 20
 
 
 def choose_gemv_config(T: int, N: int, C: int, num_sms: int,
-                       scale_block_c: int | None = None, normed: bool = False) -> GemvConfig:
+                       scale_block_c: int | None = None) -> GemvConfig:
     """One row by FMAs, 32 x 128 tiles, slices the largest power of two that keeps the grid within
     PROGRAMS_PER_SM programs an SM, each slice at least two steps (measured best at a Qwen3
     step's qkv, o and router projections behind a norm, bf16 and FP8: docs/PERFORMANCE.md, issue
     30; docs/sweep-gemv-2026-12-03.txt, -fp8-, -stages-). More rows through the tensor cores:
     TENSOR_CORE_TILE, as many slices as keep the grid within TENSOR_CORE_PROGRAMS_PER_SM an SM,
     each at least two steps, spread evenly (no empty slice). FP8 block scales `scale_block_c`
-    columns wide: steps that divide them (one scale a row a step). `normed` (add_norm_gemv):
-    NORMED_TILE, the grid within one wave (slices rounded down): every program norms the row
-    first, so a second wave would pay that again."""
+    columns wide: steps that divide them (one scale a row a step)."""
     one_row = T == 1
-    config = (NORMED_TILE if normed else GemvConfig()) if one_row else TENSOR_CORE_TILE
+    config = GemvConfig() if one_row else TENSOR_CORE_TILE
     if scale_block_c is not None:
         config = replace(config, block_c=math.gcd(config.block_c, scale_block_c))
-    per_sm = ((NORMED_PROGRAMS_PER_SM if normed else PROGRAMS_PER_SM) if one_row
-              else TENSOR_CORE_PROGRAMS_PER_SM)
+    per_sm = PROGRAMS_PER_SM if one_row else TENSOR_CORE_PROGRAMS_PER_SM
     steps = triton.cdiv(C, config.block_c)
-    resident = per_sm * num_sms / triton.cdiv(N, config.block_n)  # slices an SM's programs allow
-    wanted = min(max(1, steps // 2), max(1, int(resident)) if normed else math.ceil(resident))
+    wanted = min(max(1, steps // 2), triton.cdiv(per_sm * num_sms, triton.cdiv(N, config.block_n)))
     if one_row:
         return replace(config, slices=1 << (wanted.bit_length() - 1))
     return replace(config, slices=triton.cdiv(steps, triton.cdiv(steps, wanted)))
 
 
-# one row normed in the prologue: wider steps and half the warps measured best at qkv (8.3 µs a
-# link against 9.8 at GemvConfig's tile) and the router (3.3 against 3.4): docs/PERFORMANCE.md,
-# issue 30, twelfth session
-NORMED_TILE = GemvConfig(block_n=32, block_c=256, num_warps=4)
-NORMED_PROGRAMS_PER_SM = 3  # its 167 registers a thread (sm_90) fit three programs an SM
 # 2-64 rows: a pipelined 32 x 128 tile, weights in L2 before the wait (chained)
 TENSOR_CORE_TILE = GemvConfig(block_n=32, block_c=128, num_warps=4, num_stages=4,
                               tensor_cores=True)
@@ -96,12 +84,8 @@ TENSOR_CORE_PROGRAMS_PER_SM = 2
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr,
-    residual_ptr, norm_weight_ptr, sum_ptr, eps,
     T, N, C, stride_x_t, stride_w_n, stride_s_n, stride_out_t,
     SLICES: tl.constexpr, IEEE_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
-    # one row: the input is rms_norm(x + residual) * norm_weight, each program norming the row
-    # itself; column block 0's programs write x + residual (their slices of it) to sum_ptr
-    ADD_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
     # FP8 w's float32 scales, an expert_gemm.ScaleAlongC: PER_STEP (1) one a SCALE_N x SCALE_C
     # block (SCALE_C a multiple of BLOCK_C), on each step's tile; PER_SUM (2) one an output row
     # (stride 0: one for the tensor), on the sums
@@ -125,9 +109,7 @@ def _gemv_kernel(
                                  SCALE_C, CHAINED, LINE_ELEMENTS, BLOCK_T, BLOCK_N, BLOCK_C)
     else:
         acc = _one_row_slice(x_ptr, w_rows, scale_ptr, cols, first, end, c_end, N, C,
-                             stride_s_n, residual_ptr, norm_weight_ptr, sum_ptr, eps, pid_n == 0,
-                             SCALE, SCALE_N, SCALE_C, CHAINED, ADD_NORM, NORM_BLOCK, BLOCK_N,
-                             BLOCK_C)
+                             stride_s_n, SCALE, SCALE_N, SCALE_C, CHAINED, BLOCK_N, BLOCK_C)
     if SCALE == 2:
         acc *= tl.load(scale_ptr + cols * stride_s_n, mask=cols < N, other=0.0)[None, :]
     out_mask = (rows[:, None] < T) & (cols[None, :] < N)
@@ -155,14 +137,11 @@ def _gemv_kernel(
 
 @triton.jit
 def _one_row_slice(x_ptr, w_rows, scale_ptr, cols, first, end, c_end, N, C, stride_s_n,
-                   residual_ptr, norm_weight_ptr, sum_ptr, eps, writes_sum,
                    SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_C: tl.constexpr,
-                   CHAINED: tl.constexpr, ADD_NORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+                   CHAINED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     """[1, BLOCK_N] float32 sums of one row over steps [first, end), by FMAs into a [BLOCK_N,
     BLOCK_C] tile summed across C once, at the end. Double-buffered by hand: the first weight tile
-    is issued before the wait, each next one while this one is summed. ADD_NORM: the row is
-    normed first (`_row_rstd`) and each step's input tile taken through `_normed_tile`."""
+    is issued before the wait, each next one while this one is summed."""
     cs = first * BLOCK_C + tl.arange(0, BLOCK_C)
     w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
                 other=0.0)  # [BLOCK_N, BLOCK_C]: the first tile, issued before the wait
@@ -171,16 +150,9 @@ def _one_row_slice(x_ptr, w_rows, scale_ptr, cols, first, end, c_end, N, C, stri
                               + first * BLOCK_C // SCALE_C,
                               mask=cols < tl.where(first < end, N, 0), other=0.0)
     wait_then_release(CHAINED)  # x (the kernel in front's output) complete from here on
-    if ADD_NORM:  # the first step's input and norm weight issued beside the row's statistics
-        summed = _row_sum_tile(x_ptr, residual_ptr, cs, C)
-        norm_weight = tl.load(norm_weight_ptr + cs, mask=cs < C, other=0.0)
-        rstd = _row_rstd(x_ptr, residual_ptr, C, eps, NORM_BLOCK)
     lanes = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
     for step in range(first, end):
-        if ADD_NORM:
-            x = _normed_tile(summed, norm_weight, sum_ptr, cs, C, rstd, writes_sum)
-        else:
-            x = tl.load(x_ptr + cs, mask=cs < C, other=0.0)  # [BLOCK_C]
+        x = tl.load(x_ptr + cs, mask=cs < C, other=0.0)  # [BLOCK_C]
         w32 = w.to(tl.float32)
         if SCALE == 1:
             w32 = w32 * block_scale[:, None]
@@ -188,46 +160,11 @@ def _one_row_slice(x_ptr, w_rows, scale_ptr, cols, first, end, c_end, N, C, stri
         cs += BLOCK_C  # the next tile and its scales, in flight while this one is summed
         w = tl.load(w_rows + cs[None, :], mask=(cols[:, None] < N) & (cs[None, :] < c_end),
                     other=0.0)
-        if ADD_NORM:
-            summed = _row_sum_tile(x_ptr, residual_ptr, cs, C)
-            norm_weight = tl.load(norm_weight_ptr + cs, mask=cs < C, other=0.0)
         if SCALE == 1:
             block_scale = tl.load(scale_ptr + (cols // SCALE_N) * stride_s_n
                                   + (step + 1) * BLOCK_C // SCALE_C,
                                   mask=cols < tl.where(step + 1 < end, N, 0), other=0.0)
     return tl.sum(lanes, 1)[None, :]
-
-
-@triton.jit
-def _row_sum_tile(x_ptr, residual_ptr, cs, C):
-    """x + residual at columns cs, rounded to x's dtype as torch's add (and add_rms_norm) rounds
-    it."""
-    mask = cs < C
-    return (tl.load(x_ptr + cs, mask=mask, other=0.0).to(tl.float32)
-            + tl.load(residual_ptr + cs, mask=mask, other=0.0).to(tl.float32)).to(
-                x_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _row_rstd(x_ptr, residual_ptr, C, eps, NORM_BLOCK: tl.constexpr):
-    """1 / sqrt(mean((x + residual)^2) + eps) of the one row, float32, NORM_BLOCK columns a load
-    (the row is 4-14 KB: one or two loads from L2)."""
-    squares = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-    for start in range(0, C, NORM_BLOCK):
-        summed = _row_sum_tile(x_ptr, residual_ptr, start + tl.arange(0, NORM_BLOCK), C).to(
-            tl.float32)
-        squares += summed * summed
-    return 1.0 / tl.sqrt(tl.sum(squares, 0) / C + eps)
-
-
-@triton.jit
-def _normed_tile(summed, norm_weight, sum_ptr, cs, C, rstd, writes_sum):
-    """rms_norm(x + residual) * norm_weight at columns cs from their `summed` x + residual,
-    rounded as models.rms_norm rounds it (the normed row before the weight, then the product,
-    each to x's dtype); the sum stored where `writes_sum`."""
-    tl.store(sum_ptr + cs, summed, mask=cs < tl.where(writes_sum, C, 0))
-    normed = (summed.to(tl.float32) * rstd).to(summed.dtype)
-    return (normed.to(tl.float32) * norm_weight.to(tl.float32)).to(summed.dtype)
 
 
 @triton.jit
@@ -283,27 +220,12 @@ class GemvPlan:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)  # [T, N]
-        self._launch(out, x, w, bias, weight_scale)
-        return out
-
-    def after_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                       w: torch.Tensor, bias: torch.Tensor | None = None):
-        """A plan made with norm_eps: (the projection of the normed x + residual, x + residual)."""
-        out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)  # [1, N]
-        summed = torch.empty_like(x)  # [1, C]
-        self._launch(out, x, w, bias, None, residual, norm_weight, summed)
-        return out, summed
-
-    def _launch(self, out, x, w, bias, weight_scale, residual=None, norm_weight=None,
-                summed=None) -> None:
-        if self.launch is not None:  # absent operands: any pointer (the kernel never reads it)
+        if self.launch is not None:
             self.launch(x_ptr=x, w_ptr=w, bias_ptr=out if bias is None else bias, out_ptr=out,
                         scale_ptr=out if weight_scale is None else weight_scale,
                         partial_ptr=self.partials if self.partials is not None else out,
-                        counter_ptr=self.counters if self.counters is not None else out,
-                        residual_ptr=x if residual is None else residual,
-                        norm_weight_ptr=x if norm_weight is None else norm_weight,
-                        sum_ptr=x if summed is None else summed)
+                        counter_ptr=self.counters if self.counters is not None else out)
+        return out
 
 
 @dataclass(frozen=True)
@@ -348,8 +270,7 @@ class WeightScaling:
 
 def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None,
               prefetch_weight: bool = False, has_bias: bool = False,
-              scaling: WeightScaling = WeightScaling(), norm_eps: float | None = None) -> GemvPlan:
-    """`norm_eps`: x (one row) + a residual, normed in the kernel (add_norm_gemv)."""
+              scaling: WeightScaling = WeightScaling()) -> GemvPlan:
     T, C = x.shape
     N = w.shape[0]
     if T == 0 or N == 0:
@@ -357,7 +278,7 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
     if config is None:
         config = choose_gemv_config(T, N, C, device_limits(x.device)[0],
                                     scaling.block_c if scaling.along is ScaleAlongC.PER_STEP
-                                    else None, normed=norm_eps is not None)
+                                    else None)
     if scaling.along is ScaleAlongC.PER_STEP and scaling.block_c % config.block_c:
         raise ValueError(f"config.block_c={config.block_c} must divide the FP8 scale blocks' "
                          f"{scaling.block_c} columns")
@@ -368,13 +289,9 @@ def plan_gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig | None = None
         counters = arrival_counters(column_blocks, x.device)
     chained = prefetch_weight and dependent_launch(x.device)
     dot = T > 1 or config.tensor_cores
-    if norm_eps is not None and dot:
-        raise ValueError("the norm rides only in the one-row kernel: config.tensor_cores=False")
-    fixed = dict(eps=norm_eps or 0.0, ADD_NORM=norm_eps is not None,
-                 NORM_BLOCK=min(triton.next_power_of_2(C), NORM_BLOCK), T=T, N=N, C=C,
-                 stride_x_t=x.stride(0), stride_w_n=w.stride(0), stride_s_n=scaling.stride_n,
-                 stride_out_t=N, SLICES=config.slices, IEEE_FP32=x.dtype == torch.float32,
-                 HAS_BIAS=has_bias, SCALE=scaling.along.value,
+    fixed = dict(T=T, N=N, C=C, stride_x_t=x.stride(0), stride_w_n=w.stride(0),
+                 stride_s_n=scaling.stride_n, stride_out_t=N, SLICES=config.slices,
+                 IEEE_FP32=x.dtype == torch.float32, HAS_BIAS=has_bias, SCALE=scaling.along.value,
                  SCALE_N=scaling.block_n, SCALE_C=scaling.block_c, CHAINED=chained,
                  DOT=dot, LINE_ELEMENTS=min(config.block_c, L2_LINE_BYTES // w.element_size()),
                  BLOCK_T=max(16, triton.next_power_of_2(T)) if dot else 1,
@@ -394,53 +311,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     device. `prefetch_weight`: w, its scale and bias are not written by the work queued before
     this call (a model's parameters), so on SM90 the kernel reads w while that work still runs
     (PDL)."""
-    _check_operands(x, w, bias)
-    scaling = WeightScaling.of(w, weight_scale, weight_format)
-    signature = (tensor_signature(x), tensor_signature(w), tensor_signature(bias), scaling,
-                 config, prefetch_weight, _stream_id(x))
-    plan = _PLANS.get(signature)
-    if plan is None:
-        plan = _PLANS.add(signature, plan_gemv(x, w, config, prefetch_weight, bias is not None,
-                                               scaling))
-    return plan(x, w, bias, weight_scale)
-
-
-def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  w: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, *,
-                  prefetch_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gemv(rms_norm(x + residual) * norm_weight, w, bias), x + residual), both fresh, for one
-    row x (1, C): a decode layer's residual add and norm in its next projection's kernel, one
-    launch instead of two. Each program norms the row itself (2C elements from L2), rounding as
-    models' add_rms_norm does (the sum, the normed row before the weight, the product); the first
-    column block's programs write the sum. residual: x's shape, dtype and device, contiguous;
-    norm_weight (C,) in x's dtype; w and bias as gemv's, not FP8."""
-    _check_operands(x, w, bias)
-    C = x.shape[1]
-    if x.shape[0] != 1 or w.dtype != x.dtype or not x.is_contiguous():
-        raise ValueError(f"add_norm_gemv takes one contiguous row x (1, C) and w of its dtype, "
-                         f"got x {tuple(x.shape)} {x.stride()}, w {w.dtype}: for more rows call "
-                         "add_rms_norm, then gemv")
-    if (residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device
-            or not residual.is_contiguous()):
-        raise ValueError(f"residual must be a contiguous {x.dtype} {tuple(x.shape)} on "
-                         f"{x.device}, as x, got {residual.dtype} {tuple(residual.shape)} on "
-                         f"{residual.device}")
-    if (norm_weight.shape != (C,) or norm_weight.dtype != x.dtype
-            or norm_weight.device != x.device or norm_weight.stride(0) != 1):
-        raise ValueError(f"norm_weight must be a ({C},) {x.dtype} with unit stride on "
-                         f"{x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)} on "
-                         f"{norm_weight.device} (cast it: norm_weight.to(x.dtype))")
-    signature = ("add_norm", tensor_signature(x), tensor_signature(w), tensor_signature(bias),
-                 float(eps), config, prefetch_weight, _stream_id(x))
-    plan = _PLANS.get(signature)
-    if plan is None:
-        plan = _PLANS.add(signature, plan_gemv(x, w, config, prefetch_weight, bias is not None,
-                                               norm_eps=float(eps)))
-    return plan.after_add_norm(x, residual, norm_weight, w, bias)
-
-
-def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
     T, C = x.shape
     if (T > MAX_ROWS or w.dim() != 2 or w.shape[1] != C or x.stride(1) != 1 or w.stride(1) != 1
             or w.dtype not in (x.dtype, FP8_DTYPE) or x.device != w.device):
@@ -448,16 +318,20 @@ def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None)
                          f"{FP8_DTYPE} with unit last strides on one device, got x {x.dtype} "
                          f"{tuple(x.shape)} {x.stride()} on {x.device}, w {w.dtype} "
                          f"{tuple(w.shape)} {w.stride()} on {w.device}")
+    scaling = WeightScaling.of(w, weight_scale, weight_format)
     if bias is not None and (bias.shape != w.shape[:1] or bias.stride(0) != 1
                              or bias.device != x.device or not bias.dtype.is_floating_point):
         raise ValueError(f"bias must be a float ({w.shape[0]},) with unit stride on {x.device}, "
                          f"one per output column, got {bias.dtype} {tuple(bias.shape)} on "
                          f"{bias.device}")
-
-
-def _stream_id(x: torch.Tensor) -> int | None:
-    """A plan per stream: its counters and partials serve one stream's calls, in order."""
-    return torch.cuda.current_stream(x.device).stream_id if x.is_cuda else None
+    signature = (tensor_signature(x), tensor_signature(w), tensor_signature(bias), scaling,
+                 config, prefetch_weight,
+                 torch.cuda.current_stream(x.device).stream_id if x.is_cuda else None)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS.add(signature, plan_gemv(x, w, config, prefetch_weight, bias is not None,
+                                               scaling))
+    return plan(x, w, bias, weight_scale)
 
 
 def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -476,18 +350,6 @@ def gemv_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
                  <= ROWS_WEIGHT_BYTES)
             and w.shape[0] <= GemvConfig.block_n * PROGRAMS_PER_SM * device_limits(x.device)[0]
             and not checks.grad_needed(x, w, bias))
-
-
-def add_norm_gemv_applies(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                          w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Where gemv_applies at one row, and the residual and norm weight are what add_norm_gemv
-    takes (the shapes and dtype of x, on its device, no gradients needed)."""
-    return (gemv_applies(x, w, bias) and x.numel() == x.shape[-1]
-            and residual.shape == x.shape and residual.dtype == x.dtype
-            and residual.device == x.device and residual.is_contiguous()
-            and norm_weight.shape == x.shape[-1:] and norm_weight.dtype == x.dtype
-            and norm_weight.device == x.device and norm_weight.stride(0) == 1
-            and not checks.grad_needed(residual, norm_weight))
 
 
 _PLANS = PlanCache()

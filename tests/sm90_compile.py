@@ -17,11 +17,10 @@ A case's "format" is "block" (FP8, with "block": [n, c]), "channel", "tensor" or
 (bf16); "E_real" the expert count choose_config sees (default E: the stand-in weights may hold
 fewer); "decode": true takes decode_config's tiles (the decode kernel). A "gemv": [T, N, C] case
 is one projection with choose_gemv_config's tiles, its weights prefetched (PDL), bf16 or in a
-"format" as above ("norm": true: one row with the residual add and RMSNorm in its prologue). A
-"layer": [B, Hq, Hkv, D, S, E, K] case is a decode layer's other model kernels, chained by PDL as
-on the H200, bf16: add_rms_norm, the decode attention taking the step's own token (normed,
-rotated, written into the cache) and the softmax top-K routing over E experts (the attention's
-split count and key tile are the CPU's, which the stand-ins imply). Prints one
+"format" as above. A "layer": [B, Hq, Hkv, D, S, E, K] case is a decode layer's other model
+kernels, chained by PDL as on the H200, bf16: add_rms_norm, the decode attention taking the step's
+own token (normed, rotated, written into the cache) and the softmax top-K routing over E experts
+(the attention's split count and key tile are the CPU's, which the stand-ins imply). Prints one
 line per case; exits non-zero at the first kernel that does not compile.
 """
 import json
@@ -108,20 +107,15 @@ def weight_format(case: dict) -> WeightFormat:
     return getattr(WeightFormat, f"fp8_{name}")()
 
 
-def compile_gemv(T: int, N: int, C: int, fmt: WeightFormat, norm: bool = False) -> str:
+def compile_gemv(T: int, N: int, C: int, fmt: WeightFormat) -> str:
     x, w = torch.zeros(T, C, dtype=torch.bfloat16), torch.zeros(N, C, dtype=torch.bfloat16)
     scale = None
     if fmt.quantized:
         w, scale = quantize_weight(w, fmt)
     scaling = gemvs.WeightScaling.of(w, scale, fmt)
-    plan = gemvs.plan_gemv(x, w, None, prefetch_weight=True, scaling=scaling,
-                           norm_eps=1e-6 if norm else None)
-    if norm:
-        plan.after_add_norm(x, torch.zeros_like(x), torch.zeros(C, dtype=x.dtype), w)
-    else:
-        plan(x, w, None, scale)
-    return (f"gemv {fmt} T={T} N={N} C={C}{', normed' if norm else ''}: "
-            f"{plan.launch.fixed['BLOCK_C']}-wide steps")
+    plan = gemvs.plan_gemv(x, w, None, prefetch_weight=True, scaling=scaling)
+    plan(x, w, None, scale)
+    return f"gemv {fmt} T={T} N={N} C={C}: {plan.launch.fixed['BLOCK_C']}-wide steps"
 
 
 def compile_layer(B: int, Hq: int, Hkv: int, D: int, S: int, E: int, K: int) -> str:
@@ -146,8 +140,7 @@ def compile_case(case: dict) -> str:
     if "layer" in case:
         return compile_layer(*case["layer"])
     if "gemv" in case:
-        return compile_gemv(*case["gemv"], weight_format(case) if "format" in case else NATIVE,
-                            case.get("norm", False))
+        return compile_gemv(*case["gemv"], weight_format(case) if "format" in case else NATIVE)
     E, K, H, I, T = (case[k] for k in "EKHIT")
     fmt = weight_format(case)
     dtype = fmt.storage_dtype(torch.bfloat16)

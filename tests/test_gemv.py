@@ -9,19 +9,14 @@ import torch
 from helpers import assert_close, compile_for_sm90, relative_error, test_device
 
 from moe_triton.gemv import (
-    NORMED_PROGRAMS_PER_SM,
-    NORMED_TILE,
     PROGRAMS_PER_SM,
     ROWS_WEIGHT_BYTES,
     GemvConfig,
-    add_norm_gemv,
-    add_norm_gemv_applies,
     choose_gemv_config,
     gemv,
     gemv_applies,
     gemv_torch,
 )
-from moe_triton.models.rms_norm import add_rms_norm, rms_norm_torch
 from moe_triton.weights import WeightFormat, quantize_weight
 
 
@@ -85,58 +80,6 @@ def test_fp8_weights_need_a_float32_scale_in_their_format():
              weight_format=WeightFormat.fp8_block(32, 32))
 
 
-def norm_operands(C, dtype, seed=0):
-    """A residual and an RMSNorm weight for a row of C."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, C, generator=g).to(test_device(), dtype),
-            (torch.rand(C, generator=g) + 0.5).to(test_device(), dtype))
-
-
-def add_norm_gemv_torch(x, residual, norm_weight, eps, w, bias=None):
-    """The reference: torch's add in x's dtype, transformers' RMSNorm, then float32 F.linear."""
-    summed = (x.float() + residual.float()).to(x.dtype)
-    return gemv_torch(rms_norm_torch(summed, norm_weight, eps), w, bias), summed
-
-
-# C off the steps (200: a short last slice) and, with the row's statistics 64 columns a load,
-# over several loads with a short last one (190)
-@pytest.mark.parametrize("slices", [1, 3], ids=lambda s: f"slices{s}")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("C,norm_block", [(200, None), (190, 64)])
-@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
-def test_the_norm_in_the_projection_matches_the_norm_then_the_projection(C, norm_block, dtype,
-                                                                        slices, bias, monkeypatch):
-    import moe_triton.gemv as gemvs
-
-    if norm_block is not None:
-        monkeypatch.setattr(gemvs, "NORM_BLOCK", norm_block)
-    x, w = operands(1, 100, C, dtype, seed=C)
-    residual, norm_weight = norm_operands(C, dtype, seed=C)
-    b = torch.randn(100, generator=torch.Generator().manual_seed(5)).to(x.device, dtype) if bias \
-        else None
-    expected, expected_sum = add_norm_gemv_torch(x, residual, norm_weight, 1e-6, w, b)
-    config = GemvConfig(block_c=32, slices=slices)
-    for _ in range(2):  # the second call finds the counters back at zero
-        out, summed = add_norm_gemv(x, residual, norm_weight, 1e-6, w, b, config=config)
-        assert torch.equal(summed, expected_sum)  # one rounding, as torch's add
-        assert_close(out, expected, dtype)
-
-
-def test_the_norm_in_the_projection_refuses_what_it_cannot_take():
-    x, w = operands(1, 64, 64, torch.float32)
-    residual, norm_weight = norm_operands(64, torch.float32)
-    with pytest.raises(ValueError, match=r"one contiguous row x \(1, C\).*add_rms_norm, then"):
-        add_norm_gemv(torch.cat((x, x)), torch.cat((residual, residual)), norm_weight, 1e-6, w)
-    with pytest.raises(ValueError, match=r"residual must be a contiguous torch.float32 \(1, 64\)"):
-        add_norm_gemv(x, residual.half(), norm_weight, 1e-6, w)
-    with pytest.raises(ValueError, match=r"norm_weight must be a \(64,\) torch.float32.*cast it"):
-        add_norm_gemv(x, residual, norm_weight.half(), 1e-6, w)
-    with pytest.raises(ValueError, match="not FP8|of its dtype"):
-        add_norm_gemv(x, residual, norm_weight, 1e-6,
-                      quantize_weight(w, WeightFormat.fp8_tensor())[0])
-    assert not add_norm_gemv_applies(x, residual, norm_weight, w)  # models/ take it on CUDA only
-
-
 def test_empty_batch_and_bad_input():
     x, w = operands(0, 64, 64, torch.float32)
     assert gemv(x, w).shape == (0, 64)
@@ -161,33 +104,24 @@ def test_slices_fill_the_sms():
     rows = {name: choose_gemv_config(64, N, C, num_sms=132).slices
             for name, (N, C) in QWEN3_STEP.items()}
     assert rows == {"qkv": 2, "o": 5, "router": 8, "lm_head": 1, "shared up": 6}
-    # normed: one wave of NORMED_PROGRAMS_PER_SM an SM (rounded down), at least two steps a slice
-    normed = {name: choose_gemv_config(1, N, C, num_sms=132, normed=True).slices
-              for name, (N, C) in QWEN3_STEP.items()}
-    assert normed == {"qkv": 2, "o": 4, "router": 4, "lm_head": 1, "shared up": 4}
 
 
 def test_the_projections_compile_for_sm90_with_their_programs_resident():
     """Every Qwen3 decode projection, one row and 16, bf16 and qkv's in FP8 (block and channel
-    scales), and qkv with the input norm in its prologue (a row of 2048 and, over several loads,
-    7168), compiled for sm_90 without a GPU, weights prefetched (tests/sm90_compile.py); one
-    row's programs fit PROGRAMS_PER_SM (normed: NORMED_PROGRAMS_PER_SM) to an SM's 64K
-    registers, as choose_gemv_config's grid assumes (every program prefetching at launch)."""
+    scales), compiled for sm_90 without a GPU, weights prefetched (tests/sm90_compile.py); one
+    row's programs fit PROGRAMS_PER_SM to an SM's 64K registers, as choose_gemv_config's grid
+    assumes (every program prefetching at launch)."""
     cases = [{"gemv": [T, N, C]} for T in (1, 16) for N, C in QWEN3_STEP.values()]
     cases += [{"gemv": [T, 5120, 2048], **fmt} for T in (1, 16)
               for fmt in ({"format": "block", "block": [128, 128]}, {"format": "channel"})]
-    cases += [{"gemv": [1, N, C], "norm": True} for N, C in (QWEN3_STEP["qkv"], (5120, 7168))]
     run = compile_for_sm90(cases, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert len(lines) == len(cases), run.stdout
-    threads = 32 * GemvConfig().num_warps * PROGRAMS_PER_SM  # an SM's one-row programs, and normed
-    normed = 32 * NORMED_TILE.num_warps * NORMED_PROGRAMS_PER_SM
-    assert all(", normed" in line for line in lines[-2:]), lines[-2:]
-    for line, threads_an_sm in ([(line, threads) for line in lines[:len(QWEN3_STEP)] + lines[-6:-4]]
-                                + [(line, normed) for line in lines[-2:]]):
+    threads = 32 * GemvConfig().num_warps * PROGRAMS_PER_SM  # an SM's one-row programs
+    for line in lines[:len(QWEN3_STEP)] + lines[-4:-2]:  # one row
         for registers in re.findall(r"_gemv_kernel:(\d+)", line):
-            assert -(-int(registers) // 8) * 8 * threads_an_sm <= 65536, line  # ptxas allots by 8
+            assert -(-int(registers) // 8) * 8 * threads <= 65536, line  # ptxas allots by 8
 
 
 @pytest.mark.gpu
@@ -231,6 +165,8 @@ def test_fp8_weights_at_a_decode_steps_shape_on_the_gpu(T, fmt):
 def test_prefetched_weights_behind_a_norm_equal_the_plain_launch(T):
     """PDL: the weight loads start under the norm, x is read after it; a graph of norm ->
     projection links, replayed, gives the plain launch's bits."""
+    from moe_triton.models.rms_norm import add_rms_norm
+
     N, C = QWEN3_STEP["qkv"]
     x, _ = operands(T, N, C, torch.bfloat16, seed=T)
     weights = [operands(T, N, C, torch.bfloat16, seed=10 + i)[1] for i in range(4)]
@@ -255,31 +191,3 @@ def test_prefetched_weights_behind_a_norm_equal_the_plain_launch(T):
         graph.replay()
         for out, plain in zip(outs, links(False), strict=True):
             assert torch.equal(out, plain)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qkv", "o", "router"])
-def test_the_norm_in_the_projection_at_a_decode_steps_shapes_on_the_gpu(name):
-    """bf16, the step's shapes, weights prefetched behind the kernel in front: the sum's bits are
-    torch's add's, the output within bf16's rounding of the float32 reference and of the norm
-    kernel then gemv, and a graph's replays give the eager call's bits."""
-    N, C = QWEN3_STEP[name]
-    x, w = operands(1, N, C, torch.bfloat16, seed=N)
-    residual, norm_weight = norm_operands(C, torch.bfloat16, seed=N)
-    expected, expected_sum = add_norm_gemv_torch(x.float(), residual.float(), norm_weight.float(),
-                                                 1e-6, w.float())
-    out, summed = add_norm_gemv(x, residual, norm_weight, 1e-6, w, prefetch_weight=True)
-    assert torch.equal(summed, (x + residual))
-    assert relative_error(out, expected) < 1e-2
-    h, _ = add_rms_norm(x, residual, norm_weight, 1e-6)
-    assert relative_error(out, gemv(h, w)) < 1e-2
-    assert add_norm_gemv_applies(x, residual, norm_weight, w)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, captured_sum = add_norm_gemv(x, residual, norm_weight, 1e-6, w,
-                                               prefetch_weight=True)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        eager, eager_sum = add_norm_gemv(x, residual, norm_weight, 1e-6, w, prefetch_weight=True)
-        assert torch.equal(captured, eager) and torch.equal(captured_sum, eager_sum)
