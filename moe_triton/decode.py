@@ -282,6 +282,10 @@ class DecodePlan:
     block_t: int = 16  # x's tile rows: every token
     h_desc: TensorDescriptor | None = None  # with x's: the activations through TMA too
 
+    @property
+    def holds_scratch(self) -> bool:  # PlanCache keeps it: a graph may write the scratch
+        return self.scratch is not None
+
     def __call__(self, x: torch.Tensor, weights: ExpertWeights, layout: ExpertLayout,
                  topk_weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:

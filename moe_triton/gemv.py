@@ -217,6 +217,10 @@ class GemvPlan:
     counters: torch.Tensor | None  # [N / BLOCK_N] int32, zero between calls
     launch: BoundLaunch | None  # None: no rows or no columns
 
+    @property
+    def holds_scratch(self) -> bool:  # PlanCache keeps it: a graph may write the partials
+        return self.partials is not None
+
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)  # [T, N]

@@ -2,7 +2,9 @@
 they fit the first call's specialization (device, dtypes, 16-byte alignment, no launch hooks), else
 via the JIT (its cost: see docs/PERFORMANCE.md, "Provenance moved out of the code (issue 26)").
 Plans (PlanCache) keep what outlives a call: bound launches, scratch, and arrival counters, which
-come from `arrival_counters` so that none lives in a CUDA graph's pool."""
+come from `arrival_counters` so that none lives in a CUDA graph's pool. A captured graph writes a
+plan's scratch and counters by address, so neither is ever freed while a graph may hold it: the
+cache keeps every plan that holds scratch, and the counters' chunks live as long as the process."""
 from __future__ import annotations
 
 import functools
@@ -174,7 +176,13 @@ def _hooked(hook) -> bool:
 
 
 class PlanCache:
-    """Plans by call signature, newest `size` kept (prefill: a token count per prompt length)."""
+    """Plans by call signature, newest `size` kept (prefill: a token count per prompt length),
+    except plans holding device scratch (`holds_scratch`: a split gemv's partials, the decode
+    kernel's rows), which are kept however many: a CUDA graph captured through such a plan writes
+    its scratch by address at every replay, so freeing it would have the graph write into whatever
+    takes the memory next (seen on the H200 as a replay != eager failure deep into the GPU suite,
+    where earlier tests fill the caches). Those are decode-size plans: as many as the shapes a
+    process decodes."""
 
     def __init__(self, size: int = 1024):
         self.size = size
@@ -186,15 +194,22 @@ class PlanCache:
     def add(self, signature, plan):
         if signature is not None:
             if len(self._plans) >= self.size:
-                self._plans.pop(next(iter(self._plans)), None)
+                self._evict_oldest()
             self._plans[signature] = plan
         return plan
+
+    def _evict_oldest(self) -> None:
+        for signature, plan in self._plans.items():
+            if not getattr(plan, "holds_scratch", False):
+                del self._plans[signature]
+                return
 
 
 # Counters handed out at most this many a chunk (4 MiB of int32): a model's plans take a few
 # thousand, so a capture never needs a new chunk
 COUNTER_CHUNK = 1 << 20
 _COUNTER_CHUNKS: dict[torch.device, list] = {}  # device -> [chunk, next free counter]
+_FULL_CHUNKS: list[torch.Tensor] = []  # kept: an evicted plan's counters may be in a graph
 _COUNTER_LOCK = threading.Lock()  # threads planning at once never get the same counters
 
 
@@ -220,6 +235,8 @@ def _cut_counters(count: int, device: torch.device, capturing: bool) -> torch.Te
                 f"moe-triton plans its arrival counters outside CUDA graph capture, and {count} "
                 "more were asked for inside one: run the step once eagerly before capturing it "
                 "(the warm-up torch.cuda.graph asks for)")
+        if entry is not None:
+            _FULL_CHUNKS.append(entry[0])
         chunk = torch.zeros(max(COUNTER_CHUNK, count), dtype=torch.int32, device=device)
         if device.type == "cuda":  # zero before a kernel on another stream counts on it
             torch.cuda.current_stream(device).synchronize()

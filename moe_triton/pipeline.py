@@ -196,6 +196,10 @@ class LayerPlan:
     decode: DecodePlan | None  # instead of quantize, up, down and finalize: one launch
     finalize: FinalizePlan | None  # weighted un-permute -> a fresh [T, H] (or `out`)
 
+    @property
+    def holds_scratch(self) -> bool:  # PlanCache keeps it: a graph may write the decode scratch
+        return self.decode is not None and self.decode.holds_scratch
+
     def __call__(self, hidden_states, weights: ExpertWeights, topk_ids, topk_weights,
                  out=None) -> torch.Tensor:
         if self.num_tokens == 0:

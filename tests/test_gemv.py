@@ -191,3 +191,27 @@ def test_prefetched_weights_behind_a_norm_equal_the_plain_launch(T):
         graph.replay()
         for out, plain in zip(outs, links(False), strict=True):
             assert torch.equal(out, plain)
+
+
+
+def test_a_split_plans_partials_outlive_a_full_cache(monkeypatch):
+    """A graph captured through a split gemv writes its partials by address at every replay, so
+    the cache keeps that plan when it is full: the partials are never freed."""
+    import gc
+    import weakref
+
+    import moe_triton.gemv as gemv_module
+    from moe_triton.launch import PlanCache
+
+    monkeypatch.setattr(gemv_module, "_PLANS", PlanCache(size=1))
+    x, w = operands(1, 100, 200, torch.float32)
+    gemv(x, w, config=GemvConfig(block_c=32, slices=3))
+    (plan,) = gemv_module._PLANS._plans.values()
+    partials = weakref.ref(plan.partials)
+    del plan
+    for n in (64, 96, 128):  # other signatures, one slice (no partials), past the cache's size
+        gemv(x, torch.randn(n, 200), config=GemvConfig(block_c=32))
+    gc.collect()
+    assert partials() is not None
+    assert_close(gemv(x, w, config=GemvConfig(block_c=32, slices=3)), gemv_torch(x, w),
+                 torch.float32)

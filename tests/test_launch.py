@@ -1,7 +1,9 @@
 """BoundLaunch: fixed arguments plus each call's tensors give what `kernel[grid](...)` gives; on the
 GPU the direct launch is taken, and calls the compiled kernel does not fit go through the JIT."""
+import gc
 import itertools
 import threading
+import weakref
 
 import pytest
 import torch
@@ -10,7 +12,13 @@ import triton.language as tl
 from triton import knobs
 
 from moe_triton import launch as launch_module
-from moe_triton.launch import BoundLaunch, DirectLaunch, arrival_counters, register_op
+from moe_triton.launch import (
+    BoundLaunch,
+    DirectLaunch,
+    PlanCache,
+    arrival_counters,
+    register_op,
+)
 
 
 @triton.jit
@@ -123,6 +131,42 @@ def test_arrival_counters_are_zero_aligned_and_never_shared(monkeypatch):
     assert not more.any() and more.untyped_storage().data_ptr() != \
         taken[0].untyped_storage().data_ptr()
     assert taken[0].tolist() == [7, 7, 7]
+
+
+def test_a_full_chunk_outlives_the_plans_that_took_its_counters(monkeypatch):
+    """A captured graph keeps writing the counters of a plan the cache has let go: the chunk they
+    were cut from is never freed, even once no plan refers to it."""
+    monkeypatch.setattr(launch_module, "_COUNTER_CHUNKS", {})
+    monkeypatch.setattr(launch_module, "_FULL_CHUNKS", [])
+    monkeypatch.setattr(launch_module, "COUNTER_CHUNK", 64)
+    cpu = torch.device("cpu")
+    counters = arrival_counters(8, cpu)
+    chunk = weakref.ref(launch_module._COUNTER_CHUNKS[cpu][0])
+    arrival_counters(60, cpu)  # a fresh chunk
+    del counters
+    gc.collect()
+    assert chunk() is not None
+
+
+class Scratch:
+    def __init__(self, holds_scratch: bool):
+        self.holds_scratch = holds_scratch
+
+
+def test_the_cache_evicts_the_oldest_plan_that_holds_no_scratch():
+    """A graph captured through a plan with scratch writes it at each replay: such plans stay
+    however full the cache; the others go oldest first."""
+    cache = PlanCache(size=3)
+    plans = {name: cache.add(name, Scratch(name.startswith("scratch")))
+             for name in ("scratch 1", "plain 1", "scratch 2")}
+    cache.add("plain 2", Scratch(False))  # evicts plain 1, the oldest without scratch
+    assert cache.get("plain 1") is None
+    assert cache.get("scratch 1") is plans["scratch 1"] and cache.get("scratch 2") is plans[
+        "scratch 2"]
+    for i in range(4):  # past its size: plain 2 goes, every scratch plan stays
+        cache.add(f"scratch {3 + i}", Scratch(True))
+    assert all(cache.get(f"scratch {i}") is not None for i in range(1, 7))
+    assert cache.get("plain 2") is None
 
 
 @pytest.mark.gpu
